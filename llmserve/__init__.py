@@ -1,0 +1,1 @@
+"""llmserve: command-line entry points."""

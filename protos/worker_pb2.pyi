@@ -1,0 +1,213 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_NONE: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
+    FINISH_REASON_MAX_TOKENS: _ClassVar[FinishReason]
+FINISH_REASON_NONE: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP_TOKEN: FinishReason
+FINISH_REASON_MAX_TOKENS: FinishReason
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "eos_token_ids", "bos_token_id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ROPE_THETA_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    TIE_WORD_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rope_theta: _Optional[float] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model", "dtype", "device", "block_size", "num_blocks", "max_model_len", "epoch", "attention_backend", "kv_bytes_per_block", "last_step_id", "fencing_token")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    dtype: str
+    device: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    epoch: str
+    attention_backend: str
+    kv_bytes_per_block: int
+    last_step_id: int
+    fencing_token: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    ignore_eos: bool
+    min_tokens: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class ResumedRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class CachedRequest(_message.Message):
+    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    fencing_token: int
+    expected_epoch: str
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    resumed_requests: _containers.RepeatedCompositeFieldContainer[ResumedRequest]
+    cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
+    dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("request_id", "token_id", "logprob", "top_logprobs", "finish_reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: FinishReason
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "tokens", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    prepare_seconds: float
+    forward_seconds: float
+    sample_seconds: float
+    num_scheduled_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...

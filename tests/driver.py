@@ -1,0 +1,79 @@
+"""A deliberately small test scheduler that drives a worker through StepPlans.
+
+It exercises the worker protocol (new / cached requests, chunking, shuffled block tables,
+staggered arrivals) without the real scheduler, so worker tests stay independent of it.
+The real scheduler's end-to-end tests cover the same path through Redis.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos import worker_pb2 as pb
+
+
+@dataclass
+class DriverRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: pb.SamplingParams
+    arrival_step: int = 0
+    tokens: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    sent: bool = False
+    finish_reason: int = 0
+
+
+def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list[DriverRequest], *, chunk: int,
+                 num_blocks: int, block_size: int, seed: int = 0, first_step_id: int = 1) -> int:
+    """Run every request to completion; each step gives each request up to `chunk` tokens.
+
+    Blocks are handed out one at a time from a shuffled pool, so tables are non-contiguous.
+    Returns the next free step id.
+    """
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    for r in requests:
+        r.tokens = list(r.prompt_ids)
+    pending = sorted(requests, key=lambda r: r.arrival_step)
+    running: list[DriverRequest] = []
+    step = first_step_id
+    tick = 0
+    while pending or running:
+        while pending and pending[0].arrival_step <= tick:
+            running.append(pending.pop(0))
+        tick += 1
+        plan = pb.StepPlan(step_id=step)
+        step += 1
+        for r in running:
+            n = min(chunk, len(r.tokens) - r.computed)
+            need = -(-(r.computed + n) // block_size) - len(r.blocks)
+            new_blocks = [free.pop() for _ in range(need)]
+            r.blocks += new_blocks
+            if not r.sent:
+                plan.new_requests.add(request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
+                                      block_ids=r.blocks, num_scheduled_tokens=n)
+                r.sent = True
+            else:
+                plan.cached_requests.add(request_id=r.request_id, new_block_ids=new_blocks, num_scheduled_tokens=n)
+            r.computed += n
+        if not running:
+            continue
+        result = execute(plan)
+        by_id = {r.request_id: r for r in running}
+        for t in result.tokens:
+            r = by_id[t.request_id]
+            r.tokens.append(t.token_id)
+            r.output.append(t.token_id)
+            r.logprobs.append(t.logprob)
+            if t.finish_reason:
+                r.finish_reason = t.finish_reason
+                free.extend(r.blocks)
+                running.remove(r)
+    return step

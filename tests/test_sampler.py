@@ -1,0 +1,113 @@
+"""Sampler unit tests on explicit logits (the model-driven versions live in test_worker_runner.py)."""
+
+import torch
+
+from worker_svc.sampler import SampleRow, exponential_noise, sample
+from worker_svc.sampling import SamplingParams
+
+V = 64
+
+
+def row(params: SamplingParams, output=(), prompt=(1, 2, 3), position=10) -> SampleRow:
+    return SampleRow(params, list(prompt), list(output), position, frozenset({0}))
+
+
+def logits_for(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, V, generator=g) * 2
+
+
+def test_greedy_and_top_k_1_pick_argmax():
+    lg = logits_for(4)
+    greedy = sample(lg.clone(), [row(SamplingParams())] * 4).token_ids
+    topk1 = sample(lg.clone(), [row(SamplingParams(temperature=1.5, top_k=1, seed=s)) for s in range(4)]).token_ids
+    assert greedy == lg.argmax(-1).tolist() == topk1
+
+
+def test_same_seed_same_token_whatever_the_companions():
+    lg = logits_for(1, seed=3)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    alone = sample(lg.clone(), [row(p)]).token_ids[0]
+    others = logits_for(5, seed=9)
+    mixed = torch.cat([others[:2], lg, others[2:]])
+    rows = [row(SamplingParams(temperature=0.7, seed=i)) for i in range(2)] + [row(p)]
+    rows += [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=2.0, top_p=0.5, seed=5)),
+             row(SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=6), output=[4, 5])]
+    assert sample(mixed.clone(), rows).token_ids[2] == alone
+
+
+def test_noise_is_a_function_of_seed_and_position():
+    a = exponential_noise([7, 7, 8], [100, 101, 100], V)
+    b = exponential_noise([7], [100], V)
+    assert torch.equal(a[0], b[0])
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert (a > 0).all()
+
+
+def test_different_seeds_give_different_samples():
+    lg = torch.zeros(1, V)  # uniform distribution: seeds must spread out
+    draws = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, seed=s))]).token_ids[0] for s in range(40)}
+    assert len(draws) > 15
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    lg = torch.log(probs.clamp_min(1e-30))[None]
+    counts = torch.zeros(V)
+    for pos in range(3000):
+        t = sample(lg.clone(), [row(SamplingParams(temperature=1.0, seed=42), position=pos)]).token_ids[0]
+        counts[t] += 1
+    freq = counts / counts.sum()
+    assert torch.allclose(freq[:3], probs[:3], atol=0.04)
+    assert counts[3:].sum() == 0
+
+
+def test_top_p_and_min_p_restrict_the_support():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (V - 4))
+    lg = torch.log(probs.clamp_min(1e-30))[None]
+    top_p = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, top_p=0.6, seed=s))]).token_ids[0]
+             for s in range(200)}
+    assert top_p == {0, 1}  # 0.4 < 0.6, 0.4 + 0.3 >= 0.6: token 2 and beyond are cut
+    min_p = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, min_p=0.6, seed=s))]).token_ids[0]
+             for s in range(200)}
+    assert min_p == {0, 1}  # keeps p >= 0.6 * 0.4 = 0.24
+    top_k = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, top_k=3, seed=s))]).token_ids[0]
+             for s in range(200)}
+    assert top_k == {0, 1, 2}
+
+
+def test_penalties_follow_vllm_semantics():
+    lg = torch.tensor([[2.0, -1.0, 0.5, 3.0] + [-10.0] * (V - 4)])
+    # Repetition: seen tokens (prompt 0, output 1) are divided (positive) or multiplied (negative).
+    out = lg.clone()
+    from worker_svc.sampler import _apply_penalties
+
+    _apply_penalties(out, [row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])])
+    assert out[0, :4].tolist() == [1.0, -2.0, 0.5, 3.0]
+    # Presence (once per seen token) and frequency (per occurrence) over the output only.
+    out = lg.clone()
+    _apply_penalties(out, [row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[2],
+                               output=[3, 3, 1])])
+    assert out[0, :4].tolist() == [2.0, -1.0 - 0.75, 0.5, 3.0 - 1.0]
+    # And the greedy choice moves: token 3 is penalized below token 0.
+    p = SamplingParams(frequency_penalty=1.0)
+    assert sample(lg.clone(), [row(p, output=[3, 3])]).token_ids == [0]
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens():
+    lg = torch.full((1, V), -5.0)
+    lg[0, 0] = 10.0  # eos
+    lg[0, 5] = 9.0  # stop token
+    lg[0, 7] = 1.0
+    p = SamplingParams(min_tokens=3, stop_token_ids=frozenset({5}))
+    assert sample(lg.clone(), [row(p, output=[9])]).token_ids == [7]
+    assert sample(lg.clone(), [row(p, output=[9, 9, 9])]).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    lg = logits_for(2)
+    out = sample(lg.clone(), [row(SamplingParams(logprobs=3)), row(SamplingParams())])
+    ref = torch.log_softmax(lg, -1)
+    assert abs(out.logprobs[0] - ref[0].max().item()) < 1e-6
+    assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(3).indices.tolist()
+    assert out.logprobs[1] is None and out.top_logprobs[1] == []

@@ -1,0 +1,31 @@
+"""The paged KV pool: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import torch
+
+from worker_svc.config import ModelConfig
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_blocks_for_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
+    return max(0, budget // bytes_per_block(cfg, block_size, dtype))
+
+
+def cuda_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes left for KV under `utilization` of the GPU after weights and the warm-up peak."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return int(total * utilization) - used_by_others - peak
+
+
+def allocate(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    # Zero-filled: unwritten slots must not hold NaN garbage the attention could read by mistake.
+    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=dtype, device=device)

@@ -1,0 +1,198 @@
+"""ModelRunner: plan in, one fused prefill+decode forward, sampled tokens out."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from protos import worker_pb2 as pb
+from worker_svc import kv_cache
+from worker_svc.batch import BatchLimits, PersistentBatch, RequestState, ScheduledChunk
+from worker_svc.config import ModelConfig
+from worker_svc.loader import load_model_weights
+from worker_svc.model import LlamaModel
+from worker_svc.sampler import SampleRow, sample
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunnerOptions:
+    model: str
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int = 2 << 30  # bytes, CPU sizing
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048  # warm-up size on CUDA
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+_FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP_TOKEN, "length": pb.FINISH_REASON_MAX_TOKENS}
+
+
+class ModelRunner:
+    def __init__(self, opts: RunnerOptions):
+        self.opts = opts
+        self.device = resolve_device(opts.device)
+        self.dtype = resolve_dtype(opts.dtype, self.device)
+        self.config, weights = load_model_weights(opts.model)
+        self.model = LlamaModel(self.config, weights, self.dtype, self.device)
+        del weights
+        cfg = self.config
+        self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.block_size = opts.block_size
+        self.num_blocks = self._size_kv_pool()
+        if self.num_blocks * self.block_size < self.max_model_len:
+            log.warning("KV pool holds %d tokens, below max_model_len %d", self.num_blocks * self.block_size,
+                        self.max_model_len)
+        self.kv = kv_cache.allocate(cfg, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.epoch = secrets.token_hex(8)
+        self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
+                                                 cfg.vocab_size))
+
+    def _size_kv_pool(self) -> int:
+        o = self.opts
+        if o.num_gpu_blocks_override:
+            return o.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            self._warm_up(o.max_num_batched_tokens)
+            budget = kv_cache.cuda_kv_budget(self.device, o.gpu_memory_utilization)
+        else:
+            budget = o.kv_cache_memory
+        n = kv_cache.num_blocks_for_bytes(self.config, self.block_size, self.dtype, budget)
+        if n < 1:
+            raise RuntimeError(f"no room for a single KV block of {self.block_size} tokens in {budget} bytes")
+        return n
+
+    def _warm_up(self, num_tokens: int) -> None:
+        """One forward at the largest batch, so the KV budget sees the activation peak."""
+        cfg = self.config
+        blocks = -(-num_tokens // self.block_size)
+        scratch = kv_cache.allocate(cfg, blocks, self.block_size, self.dtype, self.device)
+        meta = kernels.build_attention_metadata([num_tokens], [num_tokens], [list(range(blocks))], self.block_size,
+                                                self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        self.model.forward(ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device))
+        del scratch
+        torch.cuda.synchronize(self.device)
+
+    def describe(self) -> pb.WorkerInfo:
+        cfg = self.config
+        model = pb.ModelInfo(
+            name=cfg.name, architecture=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+            max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+            eos_token_ids=cfg.eos_token_ids, path=self.opts.model,
+        )
+        if cfg.bos_token_id is not None:
+            model.bos_token_id = cfg.bos_token_id
+        return pb.WorkerInfo(
+            model=model, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+            epoch=self.epoch, attention_backend="torch",
+            kv_bytes_per_block=kv_cache.bytes_per_block(cfg, self.block_size, self.dtype),
+            last_step_id=self.batch.last_step_id, fencing_token=self.batch.fencing_token,
+        )
+
+    def execute(self, plan: pb.StepPlan) -> pb.StepResult:
+        """Check (raises PlanError, changes nothing), apply, run, sample."""
+        t0 = time.perf_counter()
+        self.batch.check_plan(plan, self.epoch)
+        chunks = self.batch.apply_plan(plan)
+        result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sum(c.length for c in chunks))
+        if not chunks:
+            return result
+        ids, pos, meta, logits_idx, samplers = self._prepare(chunks)
+        t1 = time.perf_counter()
+        logits = self.model.forward(ids, pos, self.kv, meta, logits_idx)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        for c in chunks:
+            c.state.num_computed_tokens += c.length
+        if samplers:
+            result.tokens.extend(self._sample(logits, samplers))
+        t3 = time.perf_counter()
+        result.prepare_seconds, result.forward_seconds, result.sample_seconds = t1 - t0, t2 - t1, t3 - t2
+        return result
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_idx: list[int] = []
+        samplers: list[RequestState] = []
+        for c in chunks:
+            ids.extend(c.state.token_ids[c.start : c.start + c.length])
+            pos.extend(range(c.start, c.start + c.length))
+            if c.samples:
+                logits_idx.append(len(ids) - 1)
+                samplers.append(c.state)
+        meta = kernels.build_attention_metadata(
+            [c.length for c in chunks], [c.start + c.length for c in chunks],
+            [c.state.block_ids for c in chunks], self.block_size, self.device,
+        )
+        dev = self.device
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                meta, torch.tensor(logits_idx, dtype=torch.int64, device=dev), samplers)
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> list[pb.SampledToken]:
+        rows = [SampleRow(s.sampling, s.token_ids[: s.num_prompt_tokens], s.output_ids, len(s.token_ids),
+                          self.eos_ids) for s in states]
+        out = sample(logits.cpu(), rows)
+        tokens = []
+        for i, s in enumerate(states):
+            tok = out.token_ids[i]
+            s.token_ids.append(tok)
+            reason = self._finish_reason(s, tok)
+            msg = pb.SampledToken(request_id=s.request_id, token_id=tok, finish_reason=_FINISH.get(reason, 0))
+            if out.logprobs[i] is not None:
+                msg.logprob = out.logprobs[i]
+                msg.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs[i])
+            tokens.append(msg)
+            if reason:
+                # The worker forgets a finished request at once; a later drop of its id is a no-op.
+                del self.batch.requests[s.request_id]
+        return tokens
+
+    def _finish_reason(self, s: RequestState, tok: int) -> str | None:
+        p = s.sampling
+        n_out = len(s.token_ids) - s.num_prompt_tokens
+        if n_out >= p.min_tokens:
+            if tok in self.eos_ids and not p.ignore_eos:
+                return "eos"
+            if tok in p.stop_token_ids:
+                return "stop"
+        if (p.max_tokens and n_out >= p.max_tokens) or len(s.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+
+def config_summary(cfg: ModelConfig) -> str:
+    return (f"{cfg.name or cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}")

@@ -1,0 +1,101 @@
+"""The worker's gRPC server: Describe, ExecuteStep, grpc.health.v1 and reflection."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from worker_svc.batch import PlanError
+from worker_svc.runner import ModelRunner, RunnerOptions, config_summary
+
+log = logging.getLogger("llmserve.worker")
+
+MAX_MESSAGE_BYTES = 256 << 20  # a resumed 8k-token batch of many requests stays far below this
+SERVICE_NAME = "llmserve.worker.v1.Worker"
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.lock = threading.Lock()  # one step at a time: the batch and KV cache are not shareable
+
+    def Describe(self, request, context):
+        with self.lock:
+            return self.runner.describe()
+
+    def ExecuteStep(self, plan: pb.StepPlan, context):
+        with self.lock:
+            try:
+                return self.runner.execute(plan)
+            except PlanError as e:
+                context.abort(e.code, str(e))
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: bundled SmolLM2-135M)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV pool bytes on CPU (default 2 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+
+
+def runner_options(args: argparse.Namespace) -> RunnerOptions:
+    from worker_svc.loader import default_model_path
+
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        raise SystemExit(f"--block-size must be a power of two >= 1, got {args.block_size}")
+    return RunnerOptions(
+        model=args.model or default_model_path(), dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
+    )
+
+
+def build_server(runner: ModelRunner, address: str) -> tuple[grpc.Server, int]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+    )
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (pb.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise SystemExit(f"cannot listen on {address}")
+    return server, port
+
+
+def serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    runner = ModelRunner(runner_options(args))
+    server, port = build_server(runner, f"{args.host}:{args.port}")
+    server.start()
+    info = runner.describe()
+    log.info("worker ready on %s:%d — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
+             config_summary(runner.config), info.dtype, info.device, info.num_blocks, info.block_size, info.epoch)
+    # Machine-readable readiness line for launchers and tests.
+    print(f"LLMSERVE_WORKER_READY port={port} epoch={info.epoch}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    # Let the step in flight finish, then go.
+    server.stop(grace=5).wait()
