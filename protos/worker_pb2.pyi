@@ -157,7 +157,7 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids")
+    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids", "reset_batch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class StepPlan(_message.Message):
     RESUMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESET_BATCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     fencing_token: int
     expected_epoch: str
@@ -172,7 +173,8 @@ class StepPlan(_message.Message):
     resumed_requests: _containers.RepeatedCompositeFieldContainer[ResumedRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    reset_batch: bool
+    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., reset_batch: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -82,7 +82,7 @@ class PersistentBatch:
             raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"expected_epoch {plan.expected_epoch!r} does not match this worker's epoch {epoch!r}: "
                             "its KV cache was lost, resume the requests")
-        live = set(self.requests) - set(plan.dropped_request_ids)
+        live = set() if plan.reset_batch else set(self.requests) - set(plan.dropped_request_ids)
         seen: set[str] = set()
 
         def claim(rid: str, where: str) -> None:
@@ -147,6 +147,8 @@ class PersistentBatch:
         """Apply a checked plan; return the chunks to compute this step, in plan order."""
         self.last_step_id = plan.step_id
         self.fencing_token = plan.fencing_token
+        if plan.reset_batch:
+            self.requests.clear()
         for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
         chunks: list[ScheduledChunk] = []

@@ -1,0 +1,248 @@
+"""Torch reference of the paged-attention kernel interface; also the CPU production path.
+
+The Triton kernels share these signatures, and the tests compare them with this file.
+
+Speed matters here (the model calls `paged_attention` once per layer per step), so everything that
+depends only on the batch shape -- which blocks to gather, which gathered rows to zero, the masks, how
+padded rows map back to tokens -- is precomputed once per step in a `ReferencePlan`. A call then costs
+two gathers and one `scaled_dot_product_attention` per group, and there are at most two groups:
+decodes (query_len == 1) and prefill chunks (query_len > 1). No Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                   slot_mapping: Tensor) -> None:
+    """Store new keys/values at their slots. key/value: [num_tokens, Hkv, D]; slot -1 = skip (padding).
+
+    key_cache/value_cache: [num_blocks, block_size, Hkv, D]; slot = block_id * block_size + offset.
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    slot_mapping = slot_mapping.long()
+    # view (not reshape): the write must land in the cache itself, never in a copy
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+@dataclass
+class _Group:
+    """Sequences served by one padded attention call; every tensor is on the cache's device."""
+
+    num_seqs: int
+    max_q: int                      # padded query length (1 for decodes)
+    kv_len: int                     # keys attended: the longest seq_len in the group
+    num_blocks: int                 # blocks gathered per sequence: ceil(kv_len / block_size)
+    blocks: Tensor                  # [num_seqs * num_blocks] int64; entries past a sequence's end -> 0
+    kv_pad: Tensor | None           # flat gathered rows at/after seq_len: zeroed, they may hold NaN
+    mask: Tensor | None             # [num_seqs, 1, max_q, kv_len] bool, True = attend; None = all True
+    q_index: Tensor                 # [num_seqs * max_q] query rows; padded rows repeat the first token
+    real_pos: Tensor | None         # positions of real rows among the padded ones; None = no padding
+    rows: Tensor                    # [num_real] token rows the real positions are written to
+    span: tuple[int, int] | None    # rows == range(*span): slice instead of gather/scatter
+
+
+@dataclass
+class ReferencePlan:
+    """Everything `paged_attention` needs besides the tensors; built once per step, shared by layers."""
+
+    num_tokens: int
+    groups: list[_Group]
+    empty_rows: Tensor | None       # rows that see no key (query_len > seq_len): output zeros
+
+
+def build_reference_plan(block_tables: Tensor, query_lens: list[int], seq_lens: list[int],
+                         block_size: int, device: torch.device | str | None = None) -> ReferencePlan:
+    """Precompute gather indices and masks; see `paged_attention` for the meaning of the arguments."""
+    device = block_tables.device if device is None else torch.device(device)
+    tables = block_tables.to("cpu", torch.int64)
+    starts = [0, *accumulate(query_lens)][:-1]
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+    groups, empty = [], []
+    for ids in (decodes, prefills):
+        if ids:
+            group, group_empty = _build_group(ids, tables, starts, query_lens, seq_lens, block_size, device)
+            groups.append(group)
+            empty.append(group_empty)
+    empty_rows = torch.cat(empty) if empty else torch.empty(0, dtype=torch.int64)
+    return ReferencePlan(
+        num_tokens=sum(query_lens),
+        groups=groups,
+        empty_rows=empty_rows.to(device) if len(empty_rows) else None,
+    )
+
+
+def _build_group(ids: list[int], tables: Tensor, starts: list[int], query_lens: list[int],
+                 seq_lens: list[int], block_size: int, device: torch.device) -> tuple[_Group, Tensor]:
+    q = torch.tensor([query_lens[i] for i in ids])
+    k = torch.tensor([seq_lens[i] for i in ids])
+    start = torch.tensor([starts[i] for i in ids])
+    num_seqs, max_q, kv_len = len(ids), int(q.max()), max(1, int(k.max()))
+    num_blocks = max(1, -(-kv_len // block_size))
+    if tables.shape[1] < num_blocks:
+        raise ValueError(f"block_tables has {tables.shape[1]} columns, a sequence of {kv_len} tokens "
+                         f"needs {num_blocks} blocks of {block_size}")
+
+    # Entries past a sequence's last block may be garbage or -1: never index with them.
+    used = (k + block_size - 1) // block_size
+    blocks = tables[torch.tensor(ids), :num_blocks]
+    blocks = torch.where(torch.arange(num_blocks) < used[:, None], blocks, 0)
+
+    # Gathered rows at/after seq_len are unwritten (maybe NaN): zero them, masking scores is not enough
+    # because softmax weight 0 * NaN = NaN.
+    t = torch.arange(kv_len)
+    seq, pos_k = (t[None] >= k[:, None]).nonzero(as_tuple=True)
+    kv_pad = seq * (num_blocks * block_size) + pos_k
+
+    # Bottom-right causal: query row j sits at absolute position seq_len - query_len + j. Padded rows
+    # copy the last real row so they are never fully masked; their output is dropped.
+    j = torch.arange(max_q)
+    real = j[None] < q[:, None]
+    q_pos = torch.where(real, (k - q)[:, None] + j, (k - 1)[:, None])
+    mask = t[None, None] <= q_pos[:, :, None]  # implies t < seq_len, so no separate length mask
+
+    token = start[:, None] + j
+    rows = token[real]
+    q_index = torch.where(real, token, start[:, None]).flatten()
+    empty_rows = token[real & (q_pos < 0)]
+    real_pos = None if bool(real.all()) else real.flatten().nonzero().squeeze(1)
+    first = int(rows[0])
+    span = (first, first + len(rows)) if torch.equal(rows, torch.arange(first, first + len(rows))) else None
+
+    group = _Group(
+        num_seqs=num_seqs,
+        max_q=max_q,
+        kv_len=kv_len,
+        num_blocks=num_blocks,
+        blocks=blocks.flatten().to(device),
+        kv_pad=kv_pad.to(device) if len(kv_pad) else None,
+        mask=None if bool(mask.all()) else mask[:, None].to(device),
+        q_index=q_index.to(device),
+        real_pos=None if real_pos is None else real_pos.to(device),
+        rows=rows.to(device),
+        span=span,
+    )
+    return group, empty_rows
+
+
+def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                    cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, *,
+                    plan: ReferencePlan | None = None, out: Tensor | None = None) -> Tensor:
+    """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
+
+    query: [num_tokens, Hq, D], the new tokens of all sequences concatenated; sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1]. key_cache/value_cache: [num_blocks, block_size, Hkv, D].
+    block_tables: [num_seqs, max_blocks] int32. seq_lens: [num_seqs], cached context + new tokens.
+    GQA: query head h uses kv head h // (Hq // Hkv). Causal mask aligned bottom-right. Returns
+    [num_tokens, Hq, D] in query's dtype (into `out` when given). Pass the step's `plan` to skip
+    rebuilding it; without one it is computed here (a host sync).
+    """
+    if plan is None:
+        cu = cu_seqlens_q.tolist()
+        query_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        plan = build_reference_plan(block_tables, query_lens, seq_lens.tolist(), key_cache.shape[1],
+                                    device=query.device)
+    if out is None:
+        out = torch.empty_like(query)
+    for group in plan.groups:  # at most two: decodes, prefill chunks
+        _attend(group, query, key_cache, value_cache, scale, out)
+    if plan.empty_rows is not None:
+        out.index_fill_(0, plan.empty_rows, 0.0)
+    return out
+
+
+def _attend(g: _Group, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
+            out: Tensor) -> None:
+    num_heads, head_dim = query.shape[1:]
+    if g.span is not None and g.real_pos is None:
+        q = query[g.span[0]:g.span[1]]  # already in padded order: no copy
+    else:
+        q = query.index_select(0, g.q_index)
+    q = q.view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)
+    k = _gather(key_cache, g, query.dtype)
+    v = _gather(value_cache, g, query.dtype)
+    # CPU SDPA handles the GQA broadcast and the strided K/V views without copies (measured faster
+    # than grouped matmuls or .contiguous() K/V).
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
+                                       enable_gqa=k.shape[1] != num_heads)
+    o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads, head_dim)
+    if g.real_pos is not None:
+        o = o.index_select(0, g.real_pos)
+    if g.span is not None:
+        out[g.span[0]:g.span[1]] = o
+    else:
+        out.index_copy_(0, g.rows, o)
+
+
+def _gather(cache: Tensor, g: _Group, dtype: torch.dtype) -> Tensor:
+    """Each sequence's blocks as [num_seqs, Hkv, kv_len, D] (a strided view), zero past seq_len."""
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    kv = cache.index_select(0, g.blocks)  # a fresh tensor: zeroing in place is safe
+    if g.kv_pad is not None:
+        kv.view(-1, num_kv_heads * head_dim).index_fill_(0, g.kv_pad, 0.0)
+    kv = kv.view(g.num_seqs, g.num_blocks * block_size, num_kv_heads, head_dim)[:, :g.kv_len]
+    return kv.to(dtype).transpose(1, 2)
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per model step and shared by all layers."""
+
+    slot_mapping: Tensor            # [num_tokens] int64 cache slot of each new token
+    block_tables: Tensor            # [num_seqs, max_blocks] int32, padded with 0
+    cu_seqlens_q: Tensor            # [num_seqs + 1] int32
+    seq_lens: Tensor                # [num_seqs] int32, cached context + new tokens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_size: int
+    plan: ReferencePlan | None = None  # for the reference backend; None for kernels that need none
+
+
+def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                             block_size: int, device: torch.device | str, *,
+                             build_plan: bool = True) -> AttentionMetadata:
+    """Metadata for one step. The new tokens of sequence i are its last query_lens[i] positions."""
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise ValueError(f"{len(query_lens)} query_lens, {len(seq_lens)} seq_lens and "
+                         f"{len(block_tables)} block tables: need one of each per sequence")
+    for i, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        if not 0 <= q <= s:
+            raise ValueError(f"sequence {i}: query_len {q} must be in [0, seq_len {s}]")
+        if len(table) * block_size < s:
+            raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold seq_len {s}")
+
+    num_seqs = len(query_lens)
+    max_blocks = max((len(t) for t in block_tables), default=0) or 1
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
+
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    s = torch.tensor(seq_lens, dtype=torch.int64)
+    cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=cu[1:])
+    seq = torch.repeat_interleave(torch.arange(num_seqs), q)
+    pos = (s - q)[seq] + torch.arange(int(cu[-1])) - cu[seq]
+    slot_mapping = tables[seq, pos // block_size] * block_size + pos % block_size
+
+    device = torch.device(device)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=tables.to(device, torch.int32),
+        cu_seqlens_q=cu.to(device, torch.int32),
+        seq_lens=s.to(device, torch.int32),
+        max_seqlen_q=max(query_lens, default=0),
+        max_seqlen_k=max(seq_lens, default=0),
+        block_size=block_size,
+        plan=build_reference_plan(tables, query_lens, seq_lens, block_size, device) if build_plan else None,
+    )

@@ -1,0 +1,65 @@
+"""A generation request as the scheduler sees it: tokens, progress, blocks, status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protos import worker_pb2 as wpb
+
+
+class Status(enum.StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# Client-facing finish reasons (vLLM's names).
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: wpb.SamplingParams  # sampling.max_tokens is always set (> 0) by admission
+    priority: int = 0
+    arrival_time: float = 0.0
+    arrival_seq: int = 0
+    # Text-level options, applied by the detokenizer on the way out.
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    scheduled_time: float | None = None
+    # Worker protocol bookkeeping (not persisted: a new scheduler resumes everything anyway).
+    on_worker: bool = False  # the worker holds this request's state
+    needs_resume: bool = False  # the worker must rebuild it from the full token list
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
