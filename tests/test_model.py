@@ -12,12 +12,11 @@ import random
 
 import pytest
 import torch
+import transformers
 
 import kernels
 from worker_svc.loader import default_model_path, load_gguf, load_hf_dir, load_model_weights
 from worker_svc.model import LlamaModel
-
-transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 16
 PROMPTS = [
@@ -68,10 +67,7 @@ class PagedRunner:
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return default_model_path()
 
 
 @pytest.fixture(scope="module")

