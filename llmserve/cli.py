@@ -6,23 +6,60 @@ import argparse
 import sys
 
 
-def _worker(argv_ns: argparse.Namespace) -> None:
+def _worker(args: argparse.Namespace) -> None:
     from worker_svc.server import serve
 
-    serve(argv_ns)
+    serve(args)
+
+
+def _scheduler(args: argparse.Namespace) -> None:
+    from scheduler_svc.server import serve
+
+    serve(args)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from llmserve.launcher import serve
+
+    serve(args)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from llmserve.client import generate
+
+    sys.exit(generate(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llmserve.client import add_generate_args
+    from scheduler_svc.server import add_scheduler_args
     from worker_svc.server import add_worker_args
 
     parser = argparse.ArgumentParser(prog="llmserve", description="Paged-attention LLM serving over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="redis-server + worker + scheduler in one command (bundled model by default)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051)
+    add_scheduler_args(s)
+    add_worker_args(s)
+    s.set_defaults(func=_serve)
+
+    sc = sub.add_parser("scheduler", help="run the scheduler alone (public gRPC llmserve.v1)")
+    sc.add_argument("--host", default="0.0.0.0")
+    sc.add_argument("--port", type=int, default=50051)
+    add_scheduler_args(sc)
+    sc.set_defaults(func=_scheduler)
 
     w = sub.add_parser("worker", help="run one model worker (gRPC llmserve.worker.v1)")
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=50061, help="0 picks a free port")
     add_worker_args(w)
     w.set_defaults(func=_worker)
+
+    g = sub.add_parser("generate", help="stream a generation from a running server")
+    add_generate_args(g)
+    g.set_defaults(func=_generate)
     return parser
 
 

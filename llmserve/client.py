@@ -1,0 +1,113 @@
+"""`llmserve generate`: stream one request; re-attach by request id if the server goes away."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+
+import grpc
+
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
+
+RETRY_SECONDS = 120
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text (a user message with --chat)")
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--json", action="store_true", help="one JSON object per streamed message, then a summary")
+    p.add_argument("--request-id", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
+    p.add_argument("--include-stop-str-in-output", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    s = pb.SamplingParams(min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, stop=args.stop,
+                          stop_token_ids=args.stop_token_ids,
+                          include_stop_str_in_output=args.include_stop_str_in_output)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "logprobs"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(s, name, value)
+    req = pb.GenerateRequest(request_id=args.request_id or uuid.uuid4().hex, sampling=s, priority=args.priority)
+    if args.chat:
+        if args.system:
+            req.chat.messages.add(role="system", content=args.system)
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    return req
+
+
+def generate(args: argparse.Namespace) -> int:
+    req = build_request(args)
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    token_ids: list[int] = []
+    text: list[str] = []
+    finish = None
+    deadline = None
+    while finish is None:
+        req.resume_from_token = len(token_ids)
+        try:
+            with grpc.insecure_channel(args.server) as channel:
+                for msg in pb_grpc.LLMServeStub(channel).Generate(req, metadata=metadata):
+                    deadline = None
+                    token_ids.extend(msg.token_ids)
+                    text.append(msg.text)
+                    if args.json:
+                        print(json.dumps(_as_dict(msg)), flush=True)
+                    else:
+                        sys.stdout.write(msg.text)
+                        sys.stdout.flush()
+                    if msg.finish_reason:
+                        finish = msg.finish_reason
+                        usage = msg.usage
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                # The scheduler restarted or is failing over: re-attach by request id, from where we are.
+                deadline = deadline or time.monotonic() + RETRY_SECONDS
+                if time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"request_id": req.request_id, "token_ids": token_ids, "text": "".join(text),
+                          "finish_reason": finish, "usage": {"prompt_tokens": usage.prompt_tokens,
+                                                             "completion_tokens": usage.completion_tokens}}))
+    else:
+        print()
+    return 0
+
+
+def _as_dict(msg: pb.GenerateResponse) -> dict:
+    d = {"request_id": msg.request_id, "text": msg.text, "token_ids": list(msg.token_ids)}
+    if msg.logprobs:
+        d["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                          "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in msg.logprobs]
+    if msg.finish_reason:
+        d["finish_reason"] = msg.finish_reason
+        d["usage"] = {"prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens}
+    return d

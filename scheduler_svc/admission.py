@@ -1,0 +1,129 @@
+"""Admission control: turn a public GenerateRequest into a scheduler Request, or refuse it with a clear error.
+
+Every refusal names the field and the limit. Nothing here touches shared state.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from protos import llmserve_pb2 as pb
+from protos import worker_pb2 as wpb
+from scheduler_svc.request import Request
+from scheduler_svc.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class AdmissionError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _invalid(msg: str) -> AdmissionError:
+    return AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    kv_pool_tokens: int  # num_blocks * block_size
+    block_size: int
+
+
+def check_sampling(s: pb.SamplingParams) -> None:
+    if s.HasField("temperature") and not s.temperature >= 0:
+        raise _invalid(f"sampling.temperature must be >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not 0 < s.top_p <= 1:
+        raise _invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < -1:
+        raise _invalid(f"sampling.top_k must be -1 (off), 0 (off) or >= 1, got {s.top_k}")
+    if s.HasField("min_p") and not 0 <= s.min_p <= 1:
+        raise _invalid(f"sampling.min_p must be in [0, 1], got {s.min_p}")
+    if s.HasField("repetition_penalty") and not s.repetition_penalty > 0:
+        raise _invalid(f"sampling.repetition_penalty must be > 0, got {s.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
+            raise _invalid(f"sampling.{name} must be in [-2, 2], got {getattr(s, name)}")
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        raise _invalid(f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
+    if s.n > 1:
+        raise _invalid(f"sampling.n > 1 is not supported yet (got {s.n}); send n separate requests")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"sampling.stop has {len(s.stop)} strings, the limit is {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(s.stop):
+        n = len(stop.encode())
+        if n > MAX_STOP_BYTES:
+            raise _invalid(f"sampling.stop[{i}] is {n} bytes long, the limit is {MAX_STOP_BYTES}")
+    if s.HasField("logprobs") and s.logprobs > 20:
+        raise _invalid(f"sampling.logprobs must be <= 20, got {s.logprobs}")
+
+
+def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        ids = tokenizer.encode(req.text)
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise _invalid(f"prompt token_ids contains {bad}, outside the vocabulary [0, {limits.vocab_size})")
+    elif kind == "chat":
+        messages = []
+        for i, m in enumerate(req.chat.messages):
+            if m.role not in CHAT_ROLES:
+                raise _invalid(f"chat.messages[{i}].role {m.role!r} is unknown; allowed: {', '.join(CHAT_ROLES)}")
+            messages.append({"role": m.role, "content": m.content})
+        if not messages:
+            raise _invalid("chat.messages is empty")
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                               add_special_tokens=False)
+    else:
+        raise _invalid("prompt is missing: set text, token_ids or chat")
+    if not ids:
+        raise _invalid("prompt is empty (0 tokens)")
+    return ids
+
+
+def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str,
+                  eos_token_ids: list[int]) -> Request:
+    """Check lengths against the model and the KV pool, fill in defaults, return the Request."""
+    s = req.sampling
+    n = len(ids)
+    if n >= limits.max_model_len:
+        raise _invalid(f"prompt is {n} tokens; it must be shorter than max_model_len {limits.max_model_len}")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else limits.max_model_len - n
+    if n + max_tokens > limits.max_model_len:
+        raise _invalid(f"prompt ({n} tokens) + sampling.max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                       f"max_model_len {limits.max_model_len}")
+    if n + max_tokens > limits.kv_pool_tokens:
+        raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens can never "
+                             f"fit the KV pool of {limits.kv_pool_tokens} tokens, even alone")
+    sampling = wpb.SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_k=max(0, s.top_k) if s.HasField("top_k") else 0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        # A seed is fixed at admission, so preemption, worker loss or a scheduler restart replays the same text.
+        seed=s.seed if s.HasField("seed") else secrets.randbits(63),
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, max_tokens=max_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+    )
+    if s.HasField("logprobs"):
+        sampling.logprobs = s.logprobs
+    return Request(
+        request_id=request_id, prompt_ids=ids, sampling=sampling, priority=req.priority, arrival_time=time.time(),
+        stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+    )

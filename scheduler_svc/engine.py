@@ -1,0 +1,436 @@
+"""The scheduler loop: one iteration = drain inbox, schedule, ExecuteStep on the worker, commit to Redis, publish.
+
+Threads: gRPC handlers call `submit` / `abort` / `attach` (they only touch the inbox and the published
+outputs, under `self.lock`); everything else runs on the single engine thread. A step's effects reach clients
+only after its Redis commit, so a scheduler killed at any moment loses nothing a client has seen: the next
+leader reloads the mirror from Redis and resumes the running requests on the worker by recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.policy import PolicyConfig, StepSchedule, schedule
+from scheduler_svc.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Status
+from scheduler_svc.store import LeaseLost, RedisLedger, StepCommit
+
+log = logging.getLogger("llmserve.scheduler")
+
+FINISH_TIMEOUT = "timeout"  # queue timeout: the stream ends with DEADLINE_EXCEEDED
+_WORKER_FINISH = {wpb.FINISH_REASON_EOS: FINISH_STOP, wpb.FINISH_REASON_STOP_TOKEN: FINISH_STOP,
+                  wpb.FINISH_REASON_MAX_TOKENS: FINISH_LENGTH}
+_MAX_FINISHED_KEPT = 10_000
+
+
+@dataclass
+class EngineConfig:
+    policy: PolicyConfig
+    worker_address: str
+    max_num_queued_requests: int = 10_000
+    queue_timeout: float = 0.0  # seconds; 0 = wait forever
+    lease_ttl_ms: int = 5000
+    debug_invariants: bool = False
+    step_timeout: float = 600.0
+    finished_ttl_s: int = 600
+
+
+@dataclass
+class Published:
+    """What clients may see of one request: committed tokens only."""
+
+    request: Request
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[wpb.SampledToken | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class SubmitError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StepStats:
+    wall: float
+    worker: float
+    commit: float
+    running: int
+    tokens: int
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, ledger: RedisLedger, metrics: Metrics, holder: str | None = None):
+        self.cfg = cfg
+        self.ledger = ledger
+        self.metrics = metrics
+        self.holder = holder or uuid.uuid4().hex[:12]
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified after each commit
+        self.published: OrderedDict[str, Published] = OrderedDict()
+        self.inbox: list[tuple[str, object]] = []
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.ready = threading.Event()  # leader with a live worker
+        self.on_ready_change = lambda ready: None
+        # Engine-thread state.
+        self.token: int | None = None
+        self.worker: wpb_grpc.WorkerStub | None = None
+        self.worker_info: wpb.WorkerInfo | None = None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pool: BlockPool | None = None
+        self.step_id = 0
+        self.arrival_seq = 0
+        self.reset_worker = True
+        self.to_drop: list[str] = []
+        self.pending_new: list[Request] = []
+        self.pending_finished: list[Request] = []
+        self.step_stats: deque[StepStats] = deque(maxlen=100_000)
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---- called from gRPC threads ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    def lookup(self, rid: str) -> Published | None:
+        with self.lock:
+            pub = self.published.get(rid)
+        if pub is not None or not self.ready.is_set():
+            return pub
+        # Not in memory: a request finished before this scheduler started (kept in Redis for a while).
+        req = self.ledger.get_request(rid)
+        if req is None:
+            return None
+        pub = Published(req, list(req.output_ids), [None] * len(req.output_ids),
+                        req.finish_reason if req.finished else None)
+        with self.lock:
+            return self.published.setdefault(rid, pub)
+
+    def submit(self, req: Request) -> Published:
+        """Queue a new request (or return the existing one with that id)."""
+        with self.lock:
+            if not self.ready.is_set():
+                raise SubmitError(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
+                                  "(or it is a standby); retry shortly")
+            if req.request_id in self.published:
+                return self.published[req.request_id]
+            queued = len(self.waiting) + sum(1 for kind, _ in self.inbox if kind == "add")
+            if queued >= self.cfg.max_num_queued_requests:
+                raise SubmitError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"the waiting queue is full: {queued} requests queued, "
+                                  f"--max-num-queued-requests is {self.cfg.max_num_queued_requests}")
+            pub = Published(req)
+            self.published[req.request_id] = pub
+            self.inbox.append(("add", req))
+        self.wake.set()
+        return pub
+
+    def abort(self, rid: str, reason: str = FINISH_ABORT) -> bool:
+        with self.lock:
+            pub = self.published.get(rid)
+            if pub is None or pub.finish_reason is not None:
+                return pub is not None
+            self.inbox.append(("abort", (rid, reason)))
+        self.wake.set()
+        return True
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                if self.token is None:
+                    self._become_leader()
+                else:
+                    self._iteration()
+            except LeaseLost:
+                log.warning("lost the lease on the pool; standing by")
+                self._step_down()
+            except Exception:
+                log.exception("engine iteration failed; standing by and retrying")
+                self._step_down()
+                time.sleep(0.5)
+        if self.token is not None:
+            try:
+                self.ledger.release_lease(self.holder, self.token)
+            except Exception:
+                pass
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready != self.ready.is_set():
+            (self.ready.set if ready else self.ready.clear)()
+            self.on_ready_change(ready)
+
+    def _step_down(self) -> None:
+        self._set_ready(False)
+        self.token = None
+        with self.lock:
+            # Streams of this process end; clients re-attach to the new leader by request id.
+            for pub in self.published.values():
+                if pub.finish_reason is None:
+                    pub.finish_reason = "unavailable"
+            self.published.clear()
+            self.inbox.clear()
+            self.changed.notify_all()
+
+    def _become_leader(self) -> None:
+        token = self.ledger.try_acquire_lease(self.holder, self.cfg.lease_ttl_ms)
+        if token is None:
+            self.stopping.wait(self.cfg.lease_ttl_ms / 3000)
+            return
+        self.token = token
+        info = self._connect_worker()
+        if info is None:
+            return
+        self.ledger.init_pool(info.num_blocks, info.block_size)
+        self._size_policy(info)
+        state = self.ledger.load()
+        self.pool = state.pool
+        self.step_id = max(state.step_id, info.last_step_id)
+        self.arrival_seq = state.arrival_seq
+        self.waiting.clear()
+        self.running.clear()
+        self.to_drop.clear()
+        self.pending_new.clear()
+        self.pending_finished.clear()
+        with self.lock:
+            for req in state.requests:
+                # The worker's copy (if any) is stale or gone: recompute from the full token list.
+                req.num_computed_tokens = 0
+                (self.running if req.status == Status.RUNNING else self.waiting).append(req)
+                self.published[req.request_id] = Published(req, list(req.output_ids), [None] * len(req.output_ids))
+        self.reset_worker = True
+        log.info("leading pool %s with token %d: %d running, %d waiting requests resumed", self.ledger.prefix,
+                 token, len(self.running), len(self.waiting))
+        self._set_ready(True)
+
+    def _size_policy(self, info: wpb.WorkerInfo) -> None:
+        """Fill the policy's unset limits from the worker: a smaller token budget on CPU than on a GPU."""
+        pol, gpu = self.cfg.policy, info.device.startswith("cuda")
+        self.cfg.policy = replace(pol, block_size=info.block_size,
+                                  max_num_batched_tokens=pol.max_num_batched_tokens or (8192 if gpu else 512),
+                                  max_num_seqs=pol.max_num_seqs or (256 if gpu else 64))
+
+    def _connect_worker(self) -> wpb.WorkerInfo | None:
+        """Describe the worker until it answers (renewing our lease meanwhile); record it in the registry."""
+        channel = grpc.insecure_channel(self.cfg.worker_address, options=[
+            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+        stub = wpb_grpc.WorkerStub(channel)
+        last_log = 0.0
+        while not self.stopping.is_set():
+            try:
+                info = stub.Describe(wpb.DescribeRequest(), timeout=5)
+                break
+            except grpc.RpcError as e:
+                if time.monotonic() - last_log > 10:
+                    log.info("waiting for worker %s: %s", self.cfg.worker_address, e.code().name)
+                    last_log = time.monotonic()
+                if not self.ledger.renew_lease(self.holder, self.token, self.cfg.lease_ttl_ms):
+                    raise LeaseLost() from None
+                self.stopping.wait(0.5)
+        else:
+            return None
+        prev = self.ledger.set_worker(self.token, self.cfg.worker_address, info.epoch,
+                                      {"model": info.model.name, "num_blocks": info.num_blocks})
+        if prev is not None and prev != info.epoch:
+            log.info("worker epoch changed %s -> %s: its KV is gone, resuming by recompute", prev, info.epoch)
+        self.worker, self.worker_info = stub, info
+        self.metrics.set_model_name(info.model.name or "model")
+        return info
+
+    def _drain_inbox(self, now: float) -> None:
+        with self.lock:
+            commands, self.inbox = self.inbox, []
+        for kind, arg in commands:
+            if kind == "add":
+                req = arg
+                self.arrival_seq += 1
+                req.arrival_seq = self.arrival_seq
+                self.waiting.append(req)
+                self.pending_new.append(req)
+            else:
+                rid, reason = arg
+                req = self._find(rid)
+                if req is not None:
+                    self._finish(req, reason, now)
+        if self.cfg.queue_timeout > 0:
+            for req in [r for r in self.waiting if r.scheduled_time is None
+                        and now - r.arrival_time > self.cfg.queue_timeout]:
+                self._finish(req, FINISH_TIMEOUT, now)
+
+    def _find(self, rid: str) -> Request | None:
+        with self.lock:
+            pub = self.published.get(rid)
+        return pub.request if pub is not None and not pub.request.finished else None
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        """The one path that frees a request: finish, abort, timeout. Idempotent."""
+        if req.finished:
+            return
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        if req.on_worker:
+            self.to_drop.append(req.request_id)
+            req.on_worker = False
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.pending_finished.append(req)
+        self.metrics.request_finished(req, now)
+
+    def _iteration(self) -> None:
+        now = time.time()
+        self._drain_inbox(now)
+        if not self.running and not self.waiting:
+            if self.pending_new or self.pending_finished:
+                self._commit(StepSchedule(), {}, time.perf_counter(), 0.0)
+                return
+            self.wake.wait(self.cfg.lease_ttl_ms / 3000)
+            self.wake.clear()
+            if not self.ledger.renew_lease(self.holder, self.token, self.cfg.lease_ttl_ms):
+                raise LeaseLost()
+            return
+        t0 = time.perf_counter()
+        sched = schedule(self.waiting, self.running, self.pool, self.cfg.policy)
+        for req in sched.preempted:
+            if req.on_worker:
+                self.to_drop.append(req.request_id)
+                req.on_worker = False
+        self.metrics.preempted(len(sched.preempted))
+        if not sched.scheduled:
+            # Nothing fits this step (e.g. every block is held): commit what changed and wait for work.
+            self._commit(sched, {}, t0, 0.0)
+            self.wake.wait(0.05)
+            self.wake.clear()
+            return
+        plan = self._build_plan(sched)
+        try:
+            result = self.worker.ExecuteStep(plan, timeout=self.cfg.step_timeout)
+        except grpc.RpcError as e:
+            self._worker_failed(e, sched)
+            return
+        worker_time = result.prepare_seconds + result.forward_seconds + result.sample_seconds
+        appended: dict[str, list[wpb.SampledToken]] = {}
+        now = time.time()
+        for req in sched.scheduled:
+            req.num_computed_tokens += sched.num_tokens[req.request_id]
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                self.metrics.request_scheduled(req, now)
+        for tok in result.tokens:
+            req = self._find(tok.request_id)
+            if req is None:
+                continue
+            req.output_ids.append(tok.token_id)
+            appended.setdefault(req.request_id, []).append(tok)
+            self.metrics.token_generated(req, now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if tok.finish_reason:
+                req.on_worker = False  # the worker forgot it already
+                self._finish(req, _WORKER_FINISH[tok.finish_reason], now)
+        self._commit(sched, appended, t0, worker_time)
+        self.metrics.step_done(sched, len(self.running), len(self.waiting), self.pool.usage)
+
+    def _build_plan(self, sched: StepSchedule) -> wpb.StepPlan:
+        self.step_id += 1
+        plan = wpb.StepPlan(step_id=self.step_id, fencing_token=self.token, expected_epoch=self.worker_info.epoch,
+                            reset_batch=self.reset_worker, dropped_request_ids=self.to_drop)
+        if self.reset_worker:
+            for req in self.running + list(self.waiting):
+                req.on_worker = False
+        self.reset_worker = False
+        self.to_drop = []
+        for req in sched.scheduled:
+            n = sched.num_tokens[req.request_id]
+            if req.on_worker:
+                plan.cached_requests.add(request_id=req.request_id, new_block_ids=sched.new_blocks[req.request_id],
+                                         num_scheduled_tokens=n)
+            elif req.output_ids:
+                plan.resumed_requests.add(
+                    request_id=req.request_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                    sampling=req.sampling, block_ids=req.block_ids, num_computed_tokens=req.num_computed_tokens,
+                    num_scheduled_tokens=n)
+            else:
+                plan.new_requests.add(
+                    request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling,
+                    block_ids=req.block_ids, num_computed_tokens=req.num_computed_tokens, num_scheduled_tokens=n)
+            req.on_worker = True
+        return plan
+
+    def _worker_failed(self, err: grpc.RpcError, sched: StepSchedule) -> None:
+        code = err.code()
+        if code == grpc.StatusCode.FAILED_PRECONDITION and "fencing_token" in (err.details() or ""):
+            raise LeaseLost()
+        log.warning("worker step failed (%s: %s); resuming its requests by recompute", code.name, err.details())
+        # Whatever the worker did with this step is unknown: recompute every running request from scratch.
+        for req in self.running:
+            req.num_computed_tokens = 0
+            req.on_worker = False
+        self.reset_worker = True
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise RuntimeError(f"worker rejected a plan: {err.details()}")
+        self._set_ready(False)
+        info = self._connect_worker()
+        if info is not None:
+            if info.num_blocks != self.pool.num_blocks or info.block_size != self.cfg.policy.block_size:
+                raise RuntimeError("the worker came back with a different KV pool shape; restart the scheduler")
+            self.step_id = max(self.step_id, info.last_step_id)
+            self._set_ready(True)
+
+    def _commit(self, sched: StepSchedule, appended: dict[str, list[wpb.SampledToken]], t0: float,
+                worker_time: float) -> None:
+        finished_ids = {r.request_id for r in self.pending_finished}
+        updated = [r for r in sched.scheduled + sched.preempted if r.request_id not in finished_ids]
+        commit = StepCommit(
+            step_id=self.step_id, arrival_seq=self.arrival_seq, new_requests=self.pending_new, updated=updated,
+            appended={rid: [t.token_id for t in toks] for rid, toks in appended.items()},
+            finished=self.pending_finished, block_changes=self.pool.take_changes(),
+            check_invariant=self.cfg.debug_invariants, finished_ttl_s=self.cfg.finished_ttl_s)
+        if self.cfg.debug_invariants:
+            self.pool.check([r.block_ids for r in self.running] + [r.block_ids for r in self.waiting])
+        tc = time.perf_counter()
+        self.ledger.commit_step(self.holder, self.token, self.cfg.lease_ttl_ms, commit)
+        t1 = time.perf_counter()
+        finished, self.pending_new, self.pending_finished = self.pending_finished, [], []
+        with self.lock:
+            for rid, toks in appended.items():
+                pub = self.published.get(rid)
+                if pub is not None:
+                    pub.token_ids.extend(t.token_id for t in toks)
+                    pub.logprobs.extend(t if t.HasField("logprob") else None for t in toks)
+            for req in finished:
+                pub = self.published.get(req.request_id)
+                if pub is not None:
+                    pub.finish_reason = req.finish_reason
+                    self.published.move_to_end(req.request_id)
+            while len(self.published) > _MAX_FINISHED_KEPT and self._oldest_is_finished():
+                self.published.popitem(last=False)
+            self.changed.notify_all()
+        if sched.scheduled:
+            self.step_stats.append(StepStats(t1 - t0, worker_time, t1 - tc, len(self.running), sched.total_tokens))
+
+    def _oldest_is_finished(self) -> bool:
+        oldest = next(iter(self.published.values()))
+        return oldest.finish_reason is not None

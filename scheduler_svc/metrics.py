@@ -1,0 +1,83 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards work."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_svc.request import Request
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, model_name: str = "model"):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, L = self.registry, ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", L, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", L, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", L, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions by recompute", L, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens computed", L, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", L, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests", [*L, "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", L,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a request", L,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", L,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled", L,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens scheduled per iteration", L,
+                                          buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      L, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", L,
+                                   registry=r)
+        self._last_token_time: dict[str, float] = {}
+
+    def set_model_name(self, name: str) -> None:
+        self.model_name = name
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def _l(self):
+        return {"model_name": self.model_name}
+
+    def preempted(self, n: int) -> None:
+        if n:
+            self.preemptions.labels(**self._l()).inc(n)
+
+    def request_scheduled(self, req: Request, now: float) -> None:
+        self.queue.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
+
+    def token_generated(self, req: Request, now: float) -> None:
+        self.generation_tokens.labels(**self._l()).inc()
+        last = self._last_token_time.get(req.request_id)
+        if last is None:
+            if req.first_token_time is None:  # the first token of this request, not of a resumed one
+                self.ttft.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
+        else:
+            self.itl.labels(**self._l()).observe(now - last)
+        self._last_token_time[req.request_id] = now
+
+    def request_finished(self, req: Request, now: float) -> None:
+        self._last_token_time.pop(req.request_id, None)
+        self.success.labels(**self._l(), finished_reason=req.finish_reason or "unknown").inc()
+        self.e2e.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
+
+    def step_done(self, sched, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        labels = self._l()
+        self.running.labels(**labels).set(num_running)
+        self.waiting.labels(**labels).set(num_waiting)
+        self.kv_usage.labels(**labels).set(kv_usage)
+        self.iteration_tokens.labels(**labels).observe(sched.total_tokens)
+        prefill = 0
+        for r in sched.scheduled:  # called after num_computed_tokens advanced by this step
+            before = r.num_computed_tokens - sched.num_tokens[r.request_id]
+            prefill += max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - before)
+        self.prompt_tokens.labels(**labels).inc(prefill)

@@ -1,0 +1,267 @@
+"""The public gRPC API (llmserve.v1): Generate (streaming), Abort, GetModelInfo, health, reflection."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
+from scheduler_svc.admission import AdmissionError, Limits, build_request, check_sampling, prompt_ids
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.engine import FINISH_TIMEOUT, Engine, EngineConfig, Published, SubmitError
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.policy import PolicyConfig
+from scheduler_svc.request import FINISH_STOP
+from scheduler_svc.store import RedisLedger
+from scheduler_svc.tokenizer import Tokenizer
+
+log = logging.getLogger("llmserve.scheduler")
+
+SERVICE_NAME = "llmserve.v1.LLMServe"
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Every call except health checks needs `authorization: Bearer <key>`."""
+
+    def __init__(self, api_key: str):
+        self.expected = f"Bearer {api_key}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
+
+        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+        self.deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        if dict(details.invocation_metadata).get("authorization") == self.expected:
+            return continuation(details)
+        return self.deny_stream if details.method.endswith("/Generate") else self.deny
+
+
+def _tokenizer_for(model_path: str) -> Tokenizer:
+    if model_path.endswith(".gguf"):
+        return Tokenizer.from_gguf(model_path)
+    return Tokenizer.from_hf_dir(model_path)
+
+
+class LLMServeServicer(pb_grpc.LLMServeServicer):
+    def __init__(self, engine: Engine, tokenizer_path: str | None = None):
+        self.engine = engine
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_path = tokenizer_path
+        self._tok_lock = threading.Lock()
+
+    def tokenizer(self) -> Tokenizer:
+        with self._tok_lock:
+            if self._tokenizer is None:
+                self._tokenizer = _tokenizer_for(self._tokenizer_path or self.engine.worker_info.model.path)
+            return self._tokenizer
+
+    def limits(self) -> Limits:
+        info = self.engine.worker_info
+        return Limits(max_model_len=info.max_model_len, vocab_size=info.model.vocab_size,
+                      kv_pool_tokens=info.num_blocks * info.block_size, block_size=info.block_size)
+
+    def GetModelInfo(self, request, context):
+        info = self.engine.worker_info
+        if info is None or not self.engine.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
+        pol = self.engine.cfg.policy
+        return pb.ModelInfoResponse(
+            model_name=info.model.name, model_path=info.model.path, max_model_len=info.max_model_len,
+            vocab_size=info.model.vocab_size, block_size=info.block_size, num_blocks=info.num_blocks,
+            dtype=info.dtype, device=info.device, worker_epoch=info.epoch, max_num_seqs=pol.max_num_seqs,
+            max_num_batched_tokens=pol.max_num_batched_tokens)
+
+    def Abort(self, request, context):
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    def Generate(self, request: pb.GenerateRequest, context):
+        engine = self.engine
+        if not engine.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
+                          "(or it is a standby, or draining); retry shortly")
+        try:
+            check_sampling(request.sampling)
+            pub = engine.lookup(request.request_id) if request.request_id else None
+            if pub is None:
+                limits = self.limits()
+                ids = prompt_ids(request, self.tokenizer(), limits)
+                rid = request.request_id or uuid.uuid4().hex
+                req = build_request(request, ids, limits, rid, list(engine.worker_info.model.eos_token_ids))
+                pub = engine.submit(req)
+        except (AdmissionError, SubmitError) as e:
+            context.abort(e.code, str(e))
+        yield from self._stream(pub, request.resume_from_token, context)
+
+    def _stream(self, pub: Published, resume_from: int, context):
+        engine, req = self.engine, pub.request
+        rid = req.request_id
+        done = threading.Event()
+        # A client that goes away mid-stream aborts its request (freed at the next iteration boundary).
+        context.add_callback(lambda: None if done.is_set() else engine.abort(rid))
+        detok = IncrementalDetokenizer(self.tokenizer(), req.prompt_ids, req.skip_special_tokens, req.stop,
+                                       req.include_stop_str_in_output)
+        sent = 0  # tokens consumed from pub.token_ids
+        while True:
+            with engine.changed:
+                engine.changed.wait_for(lambda s=sent: len(pub.token_ids) > s or pub.finish_reason is not None
+                                        or not context.is_active(), timeout=1.0)
+                new = pub.token_ids[sent:]
+                lps = pub.logprobs[sent:]
+                finish = pub.finish_reason
+            if not context.is_active():
+                return
+            msg = pb.GenerateResponse(request_id=rid, first_token_index=max(sent, resume_from))
+            stopped = False
+            for i, tok in enumerate(new):
+                delta = detok.push([tok])
+                index = sent + i
+                if index >= resume_from:
+                    msg.token_ids.append(tok)
+                    msg.text += delta
+                    lp = lps[i] if i < len(lps) else None
+                    if lp is not None:
+                        msg.logprobs.add(token_id=tok, logprob=lp.logprob,
+                                         top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob)
+                                              for t in lp.top_logprobs])
+                if detok.stopped_by is not None:
+                    sent = index + 1
+                    stopped = True
+                    break
+            else:
+                sent += len(new)
+            if stopped:
+                engine.abort(rid, FINISH_STOP)
+                finish = FINISH_STOP
+            if finish is not None:
+                done.set()
+                if finish == FINISH_TIMEOUT:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"request {rid} waited longer than --queue-timeout "
+                                  f"{engine.cfg.queue_timeout:g}s before being scheduled")
+                if finish == "unavailable":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; "
+                                  f"re-attach with request_id={rid!r} and resume_from_token={sent}")
+                if not stopped:
+                    msg.text += detok.flush()
+                msg.finish_reason = finish
+                msg.usage.prompt_tokens = req.num_prompt_tokens
+                msg.usage.completion_tokens = sent
+                yield msg
+                return
+            if msg.token_ids or msg.text:
+                yield msg
+
+
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--redis-url", default=None, help="Redis holding the scheduling state")
+    g.add_argument("--namespace", default="llmserve", help="prefix of every Redis key")
+    g.add_argument("--worker-address", default="127.0.0.1:50061")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per iteration (default 512 on CPU, 8192 on GPU)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="running requests cap (default 64 CPU, 256 GPU)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--max-num-queued-requests", type=int, default=10_000)
+    g.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request may wait; 0 = forever")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--metrics-port", type=int, default=None)
+    g.add_argument("--lease-ttl-ms", type=int, default=5000)
+    g.add_argument("--debug-invariants", action="store_true", help="check the block ledger after every step")
+    g.add_argument("--tokenizer", default=None, help="GGUF or HF directory for the tokenizer (default: the model)")
+
+
+def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
+    if not args.redis_url:
+        raise SystemExit("--redis-url is required (or use `llmserve serve`, which starts a private redis-server)")
+    for flag in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    # 0 = size for the worker's device once it has described itself (see Engine._become_leader).
+    policy = PolicyConfig(max_num_batched_tokens=args.max_num_batched_tokens or 0,
+                          max_num_seqs=args.max_num_seqs or 0, block_size=0,
+                          enable_chunked_prefill=args.enable_chunked_prefill,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
+                          scheduling_policy=args.scheduling_policy)
+    client = redis.Redis.from_url(args.redis_url)
+    ledger = RedisLedger(client, namespace=args.namespace)
+    cfg = EngineConfig(policy=policy, worker_address=args.worker_address,
+                       max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
+                       lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants)
+    return Engine(cfg, ledger, Metrics()), ledger
+
+
+def build_server(engine: Engine, address: str, api_key: str | None = None,
+                 tokenizer_path: str | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=512), interceptors=interceptors,
+                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    pb_grpc.add_LLMServeServicer_to_server(LLMServeServicer(engine, tokenizer_path), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise SystemExit(f"cannot listen on {address}")
+
+    def on_ready(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)
+
+    engine.on_ready_change = on_ready
+    return server, port, health_servicer
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Incompatible combinations fail at start-up, naming both flags."""
+    if (not args.enable_chunked_prefill and args.max_num_batched_tokens and getattr(args, "max_model_len", None)
+            and args.max_num_batched_tokens < args.max_model_len):
+        raise SystemExit(f"--no-enable-chunked-prefill needs --max-num-batched-tokens "
+                         f"({args.max_num_batched_tokens}) >= --max-model-len ({args.max_model_len}): "
+                         "a whole prompt must fit one step")
+    if args.long_prefill_token_threshold and not args.enable_chunked_prefill:
+        raise SystemExit("--long-prefill-token-threshold only applies with --enable-chunked-prefill; "
+                         "drop one of them")
+
+
+def serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_flags(args)
+    engine, _ = scheduler_from_args(args)
+    server, port, _ = build_server(engine, f"{args.host}:{args.port}", args.api_key, args.tokenizer)
+    if args.metrics_port is not None:
+        engine.metrics.serve(args.metrics_port)
+    server.start()
+    engine.start()
+    log.info("scheduler listening on %s:%d (worker %s, redis %s)", args.host, port, args.worker_address,
+             args.redis_url)
+    print(f"LLMSERVE_SCHEDULER_LISTENING port={port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    engine.stop()
+    server.stop(grace=2).wait()
