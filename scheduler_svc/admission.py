@@ -108,6 +108,9 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
         raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens can never "
                              f"fit the KV pool of {limits.kv_pool_tokens} tokens, even alone")
+    bad = next((t for t in s.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"sampling.stop_token_ids contains {bad}, outside the vocabulary [0, {limits.vocab_size})")
     sampling = wpb.SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_k=max(0, s.top_k) if s.HasField("top_k") else 0,

@@ -98,12 +98,14 @@ class PersistentBatch:
             if r.request_id in live:
                 raise _invalid(f"{where}: request_id {r.request_id!r} already exists on this worker")
             self._check_tokens(where, r.prompt_token_ids, len(r.prompt_token_ids))
+            self._check_sampling(where, r.sampling)
             self._check_chunk(where, list(r.block_ids), len(r.prompt_token_ids), r.num_computed_tokens,
                               r.num_scheduled_tokens)
         for r in plan.resumed_requests:
             where = f"resumed_requests[{r.request_id!r}]"
             claim(r.request_id, where)
             self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
+            self._check_sampling(where, r.sampling)
             self._check_chunk(where, list(r.block_ids), len(r.token_ids), r.num_computed_tokens,
                               r.num_scheduled_tokens)
         for r in plan.cached_requests:
@@ -126,6 +128,15 @@ class PersistentBatch:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise _invalid(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _check_sampling(self, where: str, p: pb.SamplingParams) -> None:
+        # The sampler indexes the logits with these; out of range they would fail mid-step, after mutation.
+        vocab = self.limits.vocab_size
+        bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise _invalid(f"{where}: stop token id {bad} is outside the vocabulary [0, {vocab})")
+        if p.HasField("logprobs") and p.logprobs > vocab:
+            raise _invalid(f"{where}: logprobs {p.logprobs} exceeds the vocabulary size {vocab}")
 
     def _check_chunk(self, where: str, block_ids: list[int], num_tokens: int, computed: int, scheduled: int) -> None:
         n = self.limits.num_blocks

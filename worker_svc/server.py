@@ -50,6 +50,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="paged-attention kernels: auto = triton on CUDA, torch on CPU")
 
 
 def runner_options(args: argparse.Namespace) -> RunnerOptions:
@@ -61,13 +63,14 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         model=args.model or default_model_path(), dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
     )
 
 
 def build_server(runner: ModelRunner, address: str) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
-        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
