@@ -200,6 +200,12 @@ class Engine:
         info = self._connect_worker()
         if info is None:
             return
+        if info.fencing_token >= token:
+            # The worker already took plans with this token or a newer one that this pool's counter never handed
+            # us (Redis lost its data, the pool was flushed, or the worker drove another namespace): without a
+            # newer token every plan would be rejected as fenced, and we would step down and retry forever.
+            token = self.token = self.ledger.advance_fence(self.holder, token, info.fencing_token,
+                                                           self.cfg.lease_ttl_ms)
         self.ledger.init_pool(info.num_blocks, info.block_size)
         self._size_policy(info)
         state = self.ledger.load()
@@ -338,9 +344,12 @@ class Engine:
             if req.scheduled_time is None:
                 req.scheduled_time = now
                 self.metrics.request_scheduled(req, now)
+        # Tokens only come for this step's requests: look them up here, not through `published` under the lock
+        # the stream threads contend for (one acquisition per token, 256 a step at 256 running).
+        by_id = {r.request_id: r for r in sched.scheduled}
         for tok in result.tokens:
-            req = self._find(tok.request_id)
-            if req is None:
+            req = by_id.get(tok.request_id)
+            if req is None or req.finished:
                 continue
             req.output_ids.append(tok.token_id)
             appended.setdefault(req.request_id, []).append(tok)

@@ -214,7 +214,7 @@ def build_server(engine: Engine, address: str, api_key: str | None = None,
                  tokenizer_path: str | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=512), interceptors=interceptors,
-                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                         options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_LLMServeServicer_to_server(LLMServeServicer(engine, tokenizer_path), server)
     health_servicer = health.HealthServicer()

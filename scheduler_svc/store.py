@@ -15,7 +15,8 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
                           first_token_time ("" = none), finish_reason ("" = none)
     out:{rid}     STRING  output token ids as "12,54," -- APPENDed each step, O(new tokens)
     lease         STRING  "holder:token", PX ttl: the one scheduler allowed to write
-    fence         STRING  counter; each new lease takes the next value as its fencing token
+    fence         STRING  counter; each new lease takes the next value as its fencing token (a leader whose
+                          worker already saw a newer one jumps past it: `advance_fence`)
 
 Each step's effects (new requests, state changes, appended tokens, finishes, block ref counts, step id)
 go in with ONE EVALSHA (`commit_step`), which first checks the caller still holds the lease.
@@ -107,6 +108,17 @@ return token
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
+"""
+
+# KEYS: lease fence. ARGV: lease value ("holder:token"), holder, floor, ttl_ms. Re-token our lease above `floor`.
+_ADVANCE = _LEASE_CHECK + """
+local token = redis.call('INCR', KEYS[2])
+if token <= tonumber(ARGV[3]) then
+  token = tonumber(ARGV[3]) + 1
+  redis.call('SET', KEYS[2], token)
+end
+redis.call('SET', KEYS[1], ARGV[2] .. ':' .. token, 'PX', ARGV[4])
+return token
 """
 
 _RELEASE = """
@@ -307,6 +319,7 @@ class RedisLedger:
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._advance = client.register_script(_ADVANCE)
         self._init_pool = client.register_script(_INIT_POOL)
         self._set_worker = client.register_script(_SET_WORKER)
         self._commit = client.register_script(_COMMIT)
@@ -324,6 +337,19 @@ class RedisLedger:
 
     def renew_lease(self, holder: str, token: int, ttl_ms: int) -> bool:
         return bool(self._renew(keys=[self.k_lease], args=[f"{holder}:{token}", ttl_ms]))
+
+    def advance_fence(self, holder: str, token: int, floor: int, ttl_ms: int) -> int:
+        """Re-token the lease we hold with a fencing token above `floor` (and above every token this pool issued).
+
+        For a worker that already accepted a token this pool's counter has not reached (Redis lost its data, the
+        pool was flushed, or the worker served another namespace): it would reject every plan of ours otherwise.
+        Raises LeaseLost if we no longer hold the lease.
+        """
+        try:
+            token = self._advance(keys=[self.k_lease, self.k_fence], args=[f"{holder}:{token}", holder, floor, ttl_ms])
+            return int(token)
+        except redis.ResponseError as e:
+            raise _script_error(e) from None
 
     def release_lease(self, holder: str, token: int) -> None:
         self._release(keys=[self.k_lease], args=[f"{holder}:{token}"])
