@@ -262,6 +262,9 @@ def serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    # A timed wait: a signal that lands on another thread sets only a flag, which the main thread acts on when it
+    # runs Python code again; an untimed wait could sleep through SIGTERM (seen: a scheduler ignoring it for 12 min).
+    while not stop.wait(0.5):
+        pass
     engine.stop()
     server.stop(grace=2).wait()
