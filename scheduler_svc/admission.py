@@ -100,7 +100,12 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
     n = len(ids)
     if n >= limits.max_model_len:
         raise _invalid(f"prompt is {n} tokens; it must be shorter than max_model_len {limits.max_model_len}")
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else limits.max_model_len - n
+    # Unset max_tokens: as long as the model and the KV pool allow (a pool smaller than max_model_len caps it).
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else min(limits.max_model_len, limits.kv_pool_tokens) - n
+    if max_tokens < 1:
+        raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"prompt ({n} tokens) leaves no room to generate in the KV pool of "
+                             f"{limits.kv_pool_tokens} tokens")
     if n + max_tokens > limits.max_model_len:
         raise _invalid(f"prompt ({n} tokens) + sampling.max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
                        f"max_model_len {limits.max_model_len}")

@@ -312,10 +312,12 @@ class Engine:
             if self.pending_new or self.pending_finished:
                 self._commit(StepSchedule(), {}, time.perf_counter(), 0.0)
                 return
-            self.wake.wait(self.cfg.lease_ttl_ms / 3000)
-            self.wake.clear()
+            if self.wake.wait(self.cfg.lease_ttl_ms / 3000):
+                self.wake.clear()
+                return
             if not self.ledger.renew_lease(self.holder, self.token, self.cfg.lease_ttl_ms):
                 raise LeaseLost()
+            self._ping_worker()
             return
         t0 = time.perf_counter()
         sched = schedule(self.waiting, self.running, self.pool, self.cfg.policy)
@@ -361,6 +363,19 @@ class Engine:
                 self._finish(req, _WORKER_FINISH[tok.finish_reason], now)
         self._commit(sched, appended, t0, worker_time)
         self.metrics.step_done(sched, len(self.running), len(self.waiting), self.pool.usage)
+
+    def _ping_worker(self) -> None:
+        """While idle, notice a dead or restarted worker, so health says NOT_SERVING instead of queueing work."""
+        try:
+            info = self.worker.Describe(wpb.DescribeRequest(), timeout=2)
+        except grpc.RpcError as e:
+            self._worker_failed(e, StepSchedule())
+            return
+        if info.epoch != self.worker_info.epoch:
+            self.worker_info = info
+            self.ledger.set_worker(self.token, self.cfg.worker_address, info.epoch,
+                                   {"model": info.model.name, "num_blocks": info.num_blocks})
+            self.reset_worker = True
 
     def _build_plan(self, sched: StepSchedule) -> wpb.StepPlan:
         self.step_id += 1

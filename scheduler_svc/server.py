@@ -216,7 +216,8 @@ def build_server(engine: Engine, address: str, api_key: str | None = None,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=512), interceptors=interceptors,
                          options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    pb_grpc.add_LLMServeServicer_to_server(LLMServeServicer(engine, tokenizer_path), server)
+    servicer = LLMServeServicer(engine, tokenizer_path)
+    pb_grpc.add_LLMServeServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -227,6 +228,9 @@ def build_server(engine: Engine, address: str, api_key: str | None = None,
         raise SystemExit(f"cannot listen on {address}")
 
     def on_ready(ready: bool) -> None:
+        if ready:
+            # Load the tokenizer now rather than on the first request (seconds for a GGUF's vocabulary).
+            threading.Thread(target=servicer.tokenizer, daemon=True).start()
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, status)
