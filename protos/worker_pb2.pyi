@@ -113,20 +113,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "previous_step_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    previous_step_id: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ...) -> None: ...
 
 class ResumedRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
@@ -147,17 +149,27 @@ class ResumedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")
+    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "block_table")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids", "reset_batch")
+    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids", "reset_batch", "copy_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +178,7 @@ class StepPlan(_message.Message):
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_BATCH_FIELD_NUMBER: _ClassVar[int]
+    COPY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     fencing_token: int
     expected_epoch: str
@@ -174,7 +187,8 @@ class StepPlan(_message.Message):
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
     reset_batch: bool
-    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., reset_batch: _Optional[bool] = ...) -> None: ...
+    copy_blocks: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., reset_batch: _Optional[bool] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -199,17 +213,19 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens")
+    __slots__ = ("step_id", "tokens", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     prepare_seconds: float
     forward_seconds: float
     sample_seconds: float
     num_scheduled_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    previous_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ...) -> None: ...

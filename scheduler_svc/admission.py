@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -17,6 +17,7 @@ from scheduler_svc.request import Request
 from scheduler_svc.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16
 MAX_STOP_BYTES = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -55,8 +56,8 @@ def check_sampling(s: pb.SamplingParams) -> None:
             raise _invalid(f"sampling.{name} must be in [-2, 2], got {getattr(s, name)}")
     if s.HasField("max_tokens") and s.max_tokens < 1:
         raise _invalid(f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
-    if s.n > 1:
-        raise _invalid(f"sampling.n > 1 is not supported yet (got {s.n}); send n separate requests")
+    if s.n > MAX_N:
+        raise _invalid(f"sampling.n must be <= {MAX_N}, got {s.n}")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise _invalid(f"sampling.stop has {len(s.stop)} strings, the limit is {MAX_STOP_STRINGS}")
     for i, stop in enumerate(s.stop):
@@ -93,8 +94,28 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) ->
     return ids
 
 
-def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str,
-                  eos_token_ids: list[int]) -> Request:
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """Ids of a request's sequences: the request id itself for n = 1, `id#i` for n > 1."""
+    return [request_id] if n <= 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def build_requests(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str) -> list[Request]:
+    """One Request per sequence (n > 1: sequence i samples with seed + i and forks from sequence 0)."""
+    first = build_request(req, ids, limits, request_id)
+    n = max(1, req.sampling.n)
+    if n == 1:
+        return [first]
+    seqs = []
+    for i, rid in enumerate(sequence_ids(request_id, n)):
+        seq = replace(first, request_id=rid, sampling=wpb.SamplingParams(), stop=list(first.stop),
+                      output_ids=[], block_ids=[], fork_of=request_id + "#0" if i else "")
+        seq.sampling.CopyFrom(first.sampling)
+        seq.sampling.seed = (first.sampling.seed + i) % (1 << 63)
+        seqs.append(seq)
+    return seqs
+
+
+def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str) -> Request:
     """Check lengths against the model and the KV pool, fill in defaults, return the Request."""
     s = req.sampling
     n = len(ids)
@@ -134,4 +155,5 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
         request_id=request_id, prompt_ids=ids, sampling=sampling, priority=req.priority, arrival_time=time.time(),
         stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,
         skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+        cache_salt=req.cache_salt,
     )

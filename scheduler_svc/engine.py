@@ -97,6 +97,9 @@ class Engine:
         self.to_drop: list[str] = []
         self.pending_new: list[Request] = []
         self.pending_finished: list[Request] = []
+        self.pending_updated: list[Request] = []  # state changes made outside a step (requeues, forks)
+        self.forks: dict[str, list[Request]] = {}  # first sequence id -> siblings waiting for its prompt KV
+        self.previous_epoch: str | None = None
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -124,24 +127,26 @@ class Engine:
         with self.lock:
             return self.published.setdefault(rid, pub)
 
-    def submit(self, req: Request) -> Published:
-        """Queue a new request (or return the existing one with that id)."""
+    def submit(self, reqs: list[Request]) -> list[Published]:
+        """Queue the sequences of one request (n > 1: siblings fork from the first), or return the existing ones."""
         with self.lock:
             if not self.ready.is_set():
                 raise SubmitError(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
                                   "(or it is a standby); retry shortly")
-            if req.request_id in self.published:
-                return self.published[req.request_id]
+            if reqs[0].request_id in self.published:
+                return [self.published[r.request_id] for r in reqs if r.request_id in self.published]
             queued = len(self.waiting) + sum(1 for kind, _ in self.inbox if kind == "add")
             if queued >= self.cfg.max_num_queued_requests:
                 raise SubmitError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"the waiting queue is full: {queued} requests queued, "
                                   f"--max-num-queued-requests is {self.cfg.max_num_queued_requests}")
-            pub = Published(req)
-            self.published[req.request_id] = pub
-            self.inbox.append(("add", req))
+            pubs = []
+            for req in reqs:
+                pubs.append(Published(req))
+                self.published[req.request_id] = pubs[-1]
+            self.inbox.append(("add", reqs))
         self.wake.set()
-        return pub
+        return pubs
 
     def abort(self, rid: str, reason: str = FINISH_ABORT) -> bool:
         with self.lock:
@@ -210,20 +215,29 @@ class Engine:
         self._size_policy(info)
         state = self.ledger.load()
         self.pool = state.pool
-        self.step_id = max(state.step_id, info.last_step_id)
         self.arrival_seq = state.arrival_seq
         self.waiting.clear()
         self.running.clear()
         self.to_drop.clear()
         self.pending_new.clear()
         self.pending_finished.clear()
+        self.pending_updated.clear()
+        self.forks.clear()
+        # Fence the worker first: from now on a step the previous leader still has in flight is rejected, and the
+        # reply says whether the worker ran a step that never reached Redis (its KV writes are then unknown).
+        fence = wpb.StepPlan(step_id=max(state.step_id, info.last_step_id) + 1, fencing_token=self.token,
+                             expected_epoch=info.epoch, reset_batch=True)
+        previous = self.worker.ExecuteStep(fence, timeout=30).previous_step_id
+        self.step_id = fence.step_id
+        self.reset_worker = False
+        if previous > state.step_id or self.previous_epoch != info.epoch:
+            self.pool.drop_all_hashes()
         with self.lock:
             for req in state.requests:
-                # The worker's copy (if any) is stale or gone: recompute from the full token list.
-                req.num_computed_tokens = 0
                 (self.running if req.status == Status.RUNNING else self.waiting).append(req)
                 self.published[req.request_id] = Published(req, list(req.output_ids), [None] * len(req.output_ids))
-        self.reset_worker = True
+        # The worker holds none of them now: requeue the running ones; their cached blocks make recompute cheap.
+        self._requeue_running()
         log.info("leading pool %s with token %d: %d running, %d waiting requests resumed", self.ledger.prefix,
                  token, len(self.running), len(self.waiting))
         self._set_ready(True)
@@ -256,6 +270,7 @@ class Engine:
             return None
         prev = self.ledger.set_worker(self.token, self.cfg.worker_address, info.epoch,
                                       {"model": info.model.name, "num_blocks": info.num_blocks})
+        self.previous_epoch = prev
         if prev is not None and prev != info.epoch:
             log.info("worker epoch changed %s -> %s: its KV is gone, resuming by recompute", prev, info.epoch)
         self.worker, self.worker_info = stub, info
@@ -267,11 +282,14 @@ class Engine:
             commands, self.inbox = self.inbox, []
         for kind, arg in commands:
             if kind == "add":
-                req = arg
-                self.arrival_seq += 1
-                req.arrival_seq = self.arrival_seq
-                self.waiting.append(req)
-                self.pending_new.append(req)
+                first, *siblings = arg
+                for req in arg:
+                    self.arrival_seq += 1
+                    req.arrival_seq = self.arrival_seq
+                    self.pending_new.append(req)
+                self.waiting.append(first)
+                if siblings:
+                    self.forks[first.request_id] = siblings
             else:
                 rid, reason = arg
                 req = self._find(rid)
@@ -293,8 +311,11 @@ class Engine:
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        elif req.fork_of in self.forks:
+            self.forks[req.fork_of].remove(req)
+        self._release_forks(req)
         self.pool.release(req.block_ids)
         req.block_ids = []
         if req.on_worker:
@@ -309,7 +330,7 @@ class Engine:
         now = time.time()
         self._drain_inbox(now)
         if not self.running and not self.waiting:
-            if self.pending_new or self.pending_finished:
+            if self.pending_new or self.pending_finished or self.pending_updated:
                 self._commit(StepSchedule(), {}, time.perf_counter(), 0.0)
                 return
             if self.wake.wait(self.cfg.lease_ttl_ms / 3000):
@@ -326,6 +347,9 @@ class Engine:
                 self.to_drop.append(req.request_id)
                 req.on_worker = False
         self.metrics.preempted(len(sched.preempted))
+        if self.cfg.policy.enable_prefix_caching:
+            self.metrics.prefix_cache(sum(r.num_tokens for r in sched.admitted),
+                                      sum(r.num_cached_tokens for r in sched.admitted))
         if not sched.scheduled:
             # Nothing fits this step (e.g. every block is held): commit what changed and wait for work.
             self._commit(sched, {}, t0, 0.0)
@@ -341,8 +365,13 @@ class Engine:
         worker_time = result.prepare_seconds + result.forward_seconds + result.sample_seconds
         appended: dict[str, list[wpb.SampledToken]] = {}
         now = time.time()
+        caching = self.cfg.policy.enable_prefix_caching
         for req in sched.scheduled:
             req.num_computed_tokens += sched.num_tokens[req.request_id]
+            if caching:
+                self._register_computed_blocks(req)
+            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork(req)
             if req.scheduled_time is None:
                 req.scheduled_time = now
                 self.metrics.request_scheduled(req, now)
@@ -363,6 +392,53 @@ class Engine:
                 self._finish(req, _WORKER_FINISH[tok.finish_reason], now)
         self._commit(sched, appended, t0, worker_time)
         self.metrics.step_done(sched, len(self.running), len(self.waiting), self.pool.usage)
+
+    def _release_forks(self, first: Request) -> None:
+        """Siblings that can no longer fork from `first` queue on their own (the prefix cache still helps)."""
+        siblings = self.forks.pop(first.request_id, None)
+        if siblings:
+            self.waiting.extend(siblings)
+
+    def _fork(self, first: Request) -> None:
+        """n > 1: the first sequence's prompt KV is computed; its siblings share those blocks and each computes
+        only the last prompt token (into a copy-on-write block) to sample its own first token."""
+        siblings = self.forks.pop(first.request_id)
+        if len(self.running) + len(siblings) > self.cfg.policy.max_num_seqs:
+            self.waiting.extend(siblings)
+            return
+        table = first.block_ids[: -(-first.num_prompt_tokens // self.cfg.policy.block_size)]
+        for sib in siblings:
+            self.pool.take(table)
+            sib.block_ids = list(table)
+            sib.num_computed_tokens = sib.num_prompt_tokens - 1
+            sib.status = Status.RUNNING
+            self.running.append(sib)
+            self.pending_updated.append(sib)
+
+    def _requeue_running(self) -> None:
+        """Preempt every running request to the front of the queue, in order (the worker lost or forgot them)."""
+        for req in reversed(self.running):
+            self.pool.release(req.block_ids)
+            req.block_ids = []
+            req.num_computed_tokens = 0
+            req.num_registered_blocks = 0
+            req.status = Status.WAITING
+            req.on_worker = False
+            self.waiting.appendleft(req)
+            self.pending_updated.append(req)
+        self.running.clear()
+
+    def _register_computed_blocks(self, req: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix-cache index."""
+        bs = self.cfg.policy.block_size
+        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if full <= req.num_registered_blocks:
+            return
+        hashes = req.full_block_hashes(bs)
+        tokens = req.all_token_ids
+        for i in range(req.num_registered_blocks, full):
+            self.pool.register(req.block_ids[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+        req.num_registered_blocks = full
 
     def _ping_worker(self) -> None:
         """While idle, notice a dead or restarted worker, so health says NOT_SERVING instead of queueing work."""
@@ -386,9 +462,12 @@ class Engine:
                 req.on_worker = False
         self.reset_worker = False
         self.to_drop = []
+        plan.copy_blocks.extend(wpb.BlockCopy(src=src, dst=dst) for src, dst in sched.copies)
         for req in sched.scheduled:
             n = sched.num_tokens[req.request_id]
-            if req.on_worker:
+            if req.on_worker and req.request_id in sched.replaced_tables:
+                plan.cached_requests.add(request_id=req.request_id, block_table=req.block_ids, num_scheduled_tokens=n)
+            elif req.on_worker:
                 plan.cached_requests.add(request_id=req.request_id, new_block_ids=sched.new_blocks[req.request_id],
                                          num_scheduled_tokens=n)
             elif req.output_ids:
@@ -408,16 +487,18 @@ class Engine:
         if code == grpc.StatusCode.FAILED_PRECONDITION and "fencing_token" in (err.details() or ""):
             raise LeaseLost()
         log.warning("worker step failed (%s: %s); resuming its requests by recompute", code.name, err.details())
-        # Whatever the worker did with this step is unknown: recompute every running request from scratch.
-        for req in self.running:
-            req.num_computed_tokens = 0
-            req.on_worker = False
+        # Whatever the worker did with this step is unknown: requeue every running request for recompute. Blocks
+        # registered in the cache index were computed by committed steps and are only lost with a new epoch.
+        self._requeue_running()
         self.reset_worker = True
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise RuntimeError(f"worker rejected a plan: {err.details()}")
         self._set_ready(False)
+        epoch = self.worker_info.epoch
         info = self._connect_worker()
         if info is not None:
+            if info.epoch != epoch:
+                self.pool.drop_all_hashes()
             if info.num_blocks != self.pool.num_blocks or info.block_size != self.cfg.policy.block_size:
                 raise RuntimeError("the worker came back with a different KV pool shape; restart the scheduler")
             self.step_id = max(self.step_id, info.last_step_id)
@@ -426,7 +507,9 @@ class Engine:
     def _commit(self, sched: StepSchedule, appended: dict[str, list[wpb.SampledToken]], t0: float,
                 worker_time: float) -> None:
         finished_ids = {r.request_id for r in self.pending_finished}
-        updated = [r for r in sched.scheduled + sched.preempted if r.request_id not in finished_ids]
+        changed = self.pending_updated + sched.scheduled + sched.preempted
+        self.pending_updated = []
+        updated = list({r.request_id: r for r in changed if r.request_id not in finished_ids}.values())
         commit = StepCommit(
             step_id=self.step_id, arrival_seq=self.arrival_seq, new_requests=self.pending_new, updated=updated,
             appended={rid: [t.token_id for t in toks] for rid, toks in appended.items()},

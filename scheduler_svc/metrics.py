@@ -52,6 +52,11 @@ class Metrics:
         if n:
             self.preemptions.labels(**self._l()).inc(n)
 
+    def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        if queried_tokens:
+            self.prefix_queries.labels(**self._l()).inc(queried_tokens)
+            self.prefix_hits.labels(**self._l()).inc(hit_tokens)
+
     def request_scheduled(self, req: Request, now: float) -> None:
         self.queue.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
 

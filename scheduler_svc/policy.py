@@ -23,6 +23,7 @@ class PolicyConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: off
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    enable_prefix_caching: bool = False
 
 
 @dataclass
@@ -34,6 +35,8 @@ class StepSchedule:
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the forward
+    replaced_tables: set[str] = field(default_factory=set)  # requests whose block table changed in place
 
     @property
     def total_tokens(self) -> int:
@@ -45,6 +48,10 @@ class StepSchedule:
             return 0
         self.scheduled.remove(req)
         self.new_blocks.pop(req.request_id, None)
+        if req.request_id in self.replaced_tables:
+            self.replaced_tables.discard(req.request_id)
+            mine = set(req.block_ids)
+            self.copies = [(src, dst) for src, dst in self.copies if dst not in mine]
         return self.num_tokens.pop(req.request_id)
 
 
@@ -67,6 +74,7 @@ def _preempt(victim: Request, running: list[Request], waiting: deque[Request], p
     pool.release(victim.block_ids)
     victim.block_ids = []
     victim.num_computed_tokens = 0
+    victim.num_registered_blocks = 0
     victim.status = Status.WAITING
     victim.num_preemptions += 1
     waiting.appendleft(victim)
@@ -77,6 +85,23 @@ def _chunk(req: Request, budget: int, cfg: PolicyConfig) -> int:
     if cfg.long_prefill_token_threshold > 0:
         n = min(n, cfg.long_prefill_token_threshold)
     return min(n, budget)
+
+
+def _shared_blocks_written(req: Request, n: int, pool: BlockPool, block_size: int) -> list[int]:
+    """Indexes of blocks in req's table that tokens [computed, computed + n) write into and that are shared."""
+    first = req.num_computed_tokens // block_size
+    last = min(len(req.block_ids), blocks_for(req.num_computed_tokens + n, block_size))
+    return [i for i in range(first, last) if pool.ref_counts[req.block_ids[i]] > 1]
+
+
+def _cached_prefix(req: Request, pool: BlockPool, cfg: PolicyConfig) -> list[int]:
+    """Leading blocks of the request already computed in the pool; at least one token is always left to compute
+    (its logits are needed), so a fully cached prompt recomputes its last block."""
+    bs = cfg.block_size
+    max_blocks = (req.num_tokens - 1) // bs
+    hashes = req.full_block_hashes(bs)[:max_blocks]
+    tokens = req.all_token_ids
+    return pool.cached_prefix(hashes, (tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))))
 
 
 def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, cfg: PolicyConfig) -> StepSchedule:
@@ -92,7 +117,9 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         if n <= 0:
             i += 1
             continue
-        need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids)
+        # Blocks this chunk writes into that other sequences share (n > 1 forks) get a private copy first.
+        shared = _shared_blocks_written(req, n, pool, cfg.block_size)
+        need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) + len(shared)
         while need > pool.num_free:
             victim = _pick_victim(running, cfg)
             budget += out.unschedule(victim)
@@ -104,6 +131,14 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
                 break
         if req.status != Status.RUNNING:
             continue  # req itself was the victim; `running[i]` is now the next request
+        if shared:
+            for idx in shared:
+                old, (copy,) = req.block_ids[idx], pool.allocate(1)
+                out.copies.append((old, copy))
+                req.block_ids[idx] = copy
+                pool.release([old])
+            out.replaced_tables.add(req.request_id)
+            need -= len(shared)
         new = pool.allocate(need) if need > 0 else []
         req.block_ids.extend(new)
         out.scheduled.append(req)
@@ -123,13 +158,20 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         remaining = req.num_tokens - req.num_computed_tokens
         if not cfg.enable_chunked_prefill and remaining > budget:
             break  # without chunking a prompt that does not fit the budget waits whole
+        hits = _cached_prefix(req, pool, cfg) if cfg.enable_prefix_caching and not req.block_ids else []
+        req.num_computed_tokens += len(hits) * cfg.block_size
         n = _chunk(req, budget, cfg)
-        need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids)
-        if need > pool.num_free:
+        need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) - len(hits)
+        # Evictable hits leave the free capacity once taken.
+        if need > pool.num_free - pool.num_evictable_in(hits):
+            req.num_computed_tokens -= len(hits) * cfg.block_size
             break
         waiting.popleft()
+        pool.take(hits)
+        req.num_cached_tokens = len(hits) * cfg.block_size
+        req.num_registered_blocks = len(hits)
         new = pool.allocate(need) if need > 0 else []
-        req.block_ids.extend(new)
+        req.block_ids.extend(hits + new)
         req.status = Status.RUNNING
         running.append(req)
         out.admitted.append(req)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos import worker_pb2 as wpb
+from scheduler_svc.block_pool import hash_block
 
 
 class Status(enum.StrEnum):
@@ -40,6 +41,12 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     scheduled_time: float | None = None
+    cache_salt: str = ""  # tenant isolation: requests with different salts never share cached blocks
+    fork_of: str = ""  # n > 1: the sibling whose prompt blocks this sequence shares once they are computed
+    # Prefix-cache bookkeeping (derived from the tokens, not persisted).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of full blocks, chained
+    num_registered_blocks: int = 0  # leading blocks already offered to the cache index
+    num_cached_tokens: int = 0  # prompt tokens taken from the cache at the last admission
     # Worker protocol bookkeeping (not persisted: a new scheduler resumes everything anyway).
     on_worker: bool = False  # the worker holds this request's state
     needs_resume: bool = False  # the worker must rebuild it from the full token list
@@ -63,3 +70,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def full_block_hashes(self, block_size: int) -> list[bytes]:
+        """Chained content hashes of every full block of the known tokens (memoized, extended as tokens come)."""
+        tokens = self.all_token_ids
+        for i in range(len(self.block_hashes), len(tokens) // block_size):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            block = tuple(tokens[i * block_size : (i + 1) * block_size])
+            self.block_hashes.append(hash_block(parent, block, self.cache_salt))
+        return self.block_hashes

@@ -16,7 +16,14 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from scheduler_svc.admission import AdmissionError, Limits, build_request, check_sampling, prompt_ids
+from scheduler_svc.admission import (
+    AdmissionError,
+    Limits,
+    build_requests,
+    check_sampling,
+    prompt_ids,
+    sequence_ids,
+)
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine import FINISH_TIMEOUT, Engine, EngineConfig, Published, SubmitError
 from scheduler_svc.metrics import Metrics
@@ -99,75 +106,102 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
                           "(or it is a standby, or draining); retry shortly")
         try:
             check_sampling(request.sampling)
-            pub = engine.lookup(request.request_id) if request.request_id else None
-            if pub is None:
+            seq_ids = sequence_ids(request.request_id, request.sampling.n) if request.request_id else []
+            pubs = [p for rid in seq_ids if (p := engine.lookup(rid)) is not None]
+            if not pubs:
                 limits = self.limits()
                 ids = prompt_ids(request, self.tokenizer(), limits)
                 rid = request.request_id or uuid.uuid4().hex
-                req = build_request(request, ids, limits, rid, list(engine.worker_info.model.eos_token_ids))
-                pub = engine.submit(req)
+                pubs = engine.submit(build_requests(request, ids, limits, rid))
         except (AdmissionError, SubmitError) as e:
             context.abort(e.code, str(e))
-        yield from self._stream(pub, request.resume_from_token, context)
+        yield from self._stream(request.request_id or pubs[0].request.request_id, pubs, request.resume_from_token,
+                                context)
 
-    def _stream(self, pub: Published, resume_from: int, context):
-        engine, req = self.engine, pub.request
-        rid = req.request_id
+    def _stream(self, rid: str, pubs: list[Published], resume_from: int, context):
+        """Stream every sequence of a request (index i for sequence i) until all have finished."""
+        engine = self.engine
         done = threading.Event()
         # A client that goes away mid-stream aborts its request (freed at the next iteration boundary).
-        context.add_callback(lambda: None if done.is_set() else engine.abort(rid))
-        detok = IncrementalDetokenizer(self.tokenizer(), req.prompt_ids, req.skip_special_tokens, req.stop,
-                                       req.include_stop_str_in_output)
-        sent = 0  # tokens consumed from pub.token_ids
-        while True:
+        context.add_callback(lambda: None if done.is_set() else [engine.abort(p.request.request_id) for p in pubs])
+        streams = [_SequenceStream(self.tokenizer(), p, i, resume_from) for i, p in enumerate(pubs)]
+        live = list(streams)
+        while live:
             with engine.changed:
-                engine.changed.wait_for(lambda s=sent: len(pub.token_ids) > s or pub.finish_reason is not None
-                                        or not context.is_active(), timeout=1.0)
-                new = pub.token_ids[sent:]
-                lps = pub.logprobs[sent:]
-                finish = pub.finish_reason
+                engine.changed.wait_for(lambda: any(s.has_news() for s in live) or not context.is_active(),
+                                        timeout=1.0)
+                news = [(s, *s.take()) for s in live]
             if not context.is_active():
                 return
-            msg = pb.GenerateResponse(request_id=rid, first_token_index=max(sent, resume_from))
-            stopped = False
-            for i, tok in enumerate(new):
-                delta = detok.push([tok])
-                index = sent + i
-                if index >= resume_from:
-                    msg.token_ids.append(tok)
-                    msg.text += delta
-                    lp = lps[i] if i < len(lps) else None
-                    if lp is not None:
-                        msg.logprobs.add(token_id=tok, logprob=lp.logprob,
-                                         top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob)
-                                              for t in lp.top_logprobs])
-                if detok.stopped_by is not None:
-                    sent = index + 1
-                    stopped = True
-                    break
-            else:
-                sent += len(new)
-            if stopped:
-                engine.abort(rid, FINISH_STOP)
-                finish = FINISH_STOP
-            if finish is not None:
-                done.set()
+            for stream, new, lps, finish in news:
+                msg, finish = stream.advance(rid, new, lps, finish)
+                if stream.stopped_by_string:
+                    engine.abort(stream.pub.request.request_id, FINISH_STOP)
+                if finish is None:
+                    if msg.token_ids or msg.text:
+                        yield msg
+                    continue
+                live.remove(stream)
                 if finish == FINISH_TIMEOUT:
+                    done.set()
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"request {rid} waited longer than --queue-timeout "
                                   f"{engine.cfg.queue_timeout:g}s before being scheduled")
                 if finish == "unavailable":
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; "
-                                  f"re-attach with request_id={rid!r} and resume_from_token={sent}")
-                if not stopped:
-                    msg.text += detok.flush()
-                msg.finish_reason = finish
-                msg.usage.prompt_tokens = req.num_prompt_tokens
-                msg.usage.completion_tokens = sent
+                    done.set()
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; re-attach with "
+                                  f"request_id={rid!r} and resume_from_token={stream.sent}")
                 yield msg
-                return
-            if msg.token_ids or msg.text:
-                yield msg
+        done.set()
+
+
+class _SequenceStream:
+    """One sequence's way out: committed tokens -> text deltas, stop strings, the final message."""
+
+    def __init__(self, tokenizer: Tokenizer, pub: Published, index: int, resume_from: int):
+        req = pub.request
+        self.pub = pub
+        self.index = index
+        self.resume_from = resume_from
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens, req.stop,
+                                            req.include_stop_str_in_output)
+        self.sent = 0  # tokens consumed from pub.token_ids
+        self.stopped_by_string = False
+
+    def has_news(self) -> bool:  # called under the engine lock
+        return len(self.pub.token_ids) > self.sent or self.pub.finish_reason is not None
+
+    def take(self):  # called under the engine lock
+        return self.pub.token_ids[self.sent :], self.pub.logprobs[self.sent :], self.pub.finish_reason
+
+    def advance(self, rid: str, new: list[int], lps: list, finish: str | None):
+        """Turn new tokens into one message; returns it and the finish reason (None while running)."""
+        msg = pb.GenerateResponse(request_id=rid, index=self.index, first_token_index=max(self.sent, self.resume_from))
+        for i, tok in enumerate(new):
+            delta = self.detok.push([tok])
+            index = self.sent + i
+            if index >= self.resume_from:
+                msg.token_ids.append(tok)
+                msg.text += delta
+                lp = lps[i] if i < len(lps) else None
+                if lp is not None:
+                    msg.logprobs.add(token_id=tok, logprob=lp.logprob,
+                                     top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob)
+                                          for t in lp.top_logprobs])
+            if self.detok.stopped_by is not None:
+                self.sent = index + 1
+                self.stopped_by_string = True
+                finish = FINISH_STOP
+                break
+        else:
+            self.sent += len(new)
+        if finish is not None:
+            if not self.stopped_by_string:
+                msg.text += self.detok.flush()
+            msg.finish_reason = finish
+            msg.usage.prompt_tokens = self.pub.request.num_prompt_tokens
+            msg.usage.completion_tokens = self.sent
+        return msg, finish
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -180,6 +214,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="running requests cap (default 64 CPU, 256 GPU)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (hash-chained full blocks)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--max-num-queued-requests", type=int, default=10_000)
     g.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request may wait; 0 = forever")
@@ -201,7 +237,8 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
                           max_num_seqs=args.max_num_seqs or 0, block_size=0,
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
-                          scheduling_policy=args.scheduling_policy)
+                          scheduling_policy=args.scheduling_policy,
+                          enable_prefix_caching=args.enable_prefix_caching)
     client = redis.Redis.from_url(args.redis_url)
     ledger = RedisLedger(client, namespace=args.namespace)
     cfg = EngineConfig(policy=policy, worker_address=args.worker_address,

@@ -5,9 +5,11 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
 
     meta          HASH    num_blocks, block_size, step_id (last committed), arrival_seq (counter),
                           worker_address, worker_epoch, worker_<key> for the rest of the worker's info
-    free          SET     free block ids
+    free          SET     free block ids holding no cached content
+    evict         ZSET    free block ids that still hold a cached (hashed) full block, scored by LRU tick
     refs          HASH    block id -> reference count (only counts > 0)
-                          invariant: SCARD(free) + HLEN(refs) == num_blocks
+                          invariant: SCARD(free) + ZCARD(evict) + HLEN(refs) == num_blocks
+    bhash         HASH    block id -> "hashhex|t1,t2,..." for every block in the prefix-cache index
     active        SET     ids of unfinished requests (waiting or running)
     req:{rid}     HASH    spec, written once: prompt ("1,2,3"), sampling (base64 of the SamplingParams bytes),
                           priority, arrival_time, arrival_seq, stop (JSON list), include_stop, skip_special;
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 import redis
 
 from protos import worker_pb2 as wpb
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.block_pool import BlockPool, BlockState
 from scheduler_svc.request import Request, Status
 
 
@@ -57,7 +59,7 @@ class StepCommit:
     updated: list[Request] = field(default_factory=list)  # status, num_computed_tokens, block_ids, ...
     appended: dict[str, list[int]] = field(default_factory=dict)  # rid -> tokens produced this step
     finished: list[Request] = field(default_factory=list)  # final state, then expire
-    block_changes: dict[int, int] = field(default_factory=dict)  # block id -> ref count now
+    block_changes: dict[int, BlockState] = field(default_factory=dict)  # from BlockPool.take_changes()
     check_invariant: bool = False
     finished_ttl_s: int = 600
 
@@ -73,7 +75,7 @@ class LoadedState:
 
 # Field order shared by the Python encoder and the Lua script (flat arrays, one stride per request).
 SPEC_FIELDS = ("prompt", "sampling", "priority", "arrival_time", "arrival_seq", "stop", "include_stop",
-               "skip_special")
+               "skip_special", "cache_salt")
 STATE_FIELDS = ("status", "num_computed_tokens", "block_ids", "num_preemptions", "first_token_time")
 FINAL_FIELDS = (*STATE_FIELDS, "finish_reason")
 NEW_FIELDS = (*SPEC_FIELDS, *FINAL_FIELDS)
@@ -167,24 +169,22 @@ local pre = ARGV[3]
 local blocks = c.b
 
 -- Validate before any write, so a rejected commit changes nothing.
+local k_evict, k_bhash = pre .. 'evict', pre .. 'bhash'
 if c.check == 1 then
   local total = tonumber(redis.call('HGET', KEYS[2], 'num_blocks'))
   local nfree, nref = redis.call('SCARD', KEYS[3]), redis.call('HLEN', KEYS[4])
-  for i = 1, #blocks, 2 do
-    local b, n = blocks[i], blocks[i + 1]
+  local nev = redis.call('ZCARD', k_evict)
+  for i = 1, #blocks, 4 do
+    local b, n, h = blocks[i], blocks[i + 1], blocks[i + 2]
     if b < 0 or b >= total then return redis.error_reply('INVARIANT block ' .. b .. ' outside 0..' .. total - 1) end
-    local was_free = redis.call('SISMEMBER', KEYS[3], b) == 1
-    local was_ref = redis.call('HEXISTS', KEYS[4], b) == 1
-    if n > 0 then
-      if was_free then nfree = nfree - 1 end
-      if not was_ref then nref = nref + 1 end
-    else
-      if not was_free then nfree = nfree + 1 end
-      if was_ref then nref = nref - 1 end
-    end
+    if redis.call('SISMEMBER', KEYS[3], b) == 1 then nfree = nfree - 1 end
+    if redis.call('HEXISTS', KEYS[4], b) == 1 then nref = nref - 1 end
+    if redis.call('ZSCORE', k_evict, b) then nev = nev - 1 end
+    if n > 0 then nref = nref + 1 elseif h ~= '' then nev = nev + 1 else nfree = nfree + 1 end
   end
-  if nfree + nref ~= total then
-    return redis.error_reply('INVARIANT free ' .. nfree .. ' + allocated ' .. nref .. ' ~= total ' .. total)
+  if nfree + nev + nref ~= total then
+    return redis.error_reply('INVARIANT free ' .. nfree .. ' + evictable ' .. nev .. ' + allocated ' .. nref ..
+                             ' ~= total ' .. total)
   end
 end
 
@@ -217,13 +217,16 @@ for i = 1, #o, 2 do redis.call('APPEND', pre .. 'out:' .. o[i], o[i + 1]) end
 -- Finish last: a token appended above then keeps the TTL set here.
 hset_stride(c.f, {_lua_list(FINAL_FIELDS)}, true)
 
-for i = 1, #blocks, 2 do
-  local b, n = blocks[i], blocks[i + 1]
+for i = 1, #blocks, 4 do
+  local b, n, h, t = blocks[i], blocks[i + 1], blocks[i + 2], blocks[i + 3]
   if n > 0 then
-    redis.call('HSET', KEYS[4], b, n); redis.call('SREM', KEYS[3], b)
+    redis.call('HSET', KEYS[4], b, n); redis.call('SREM', KEYS[3], b); redis.call('ZREM', k_evict, b)
+  elseif h ~= '' then
+    redis.call('HDEL', KEYS[4], b); redis.call('SREM', KEYS[3], b); redis.call('ZADD', k_evict, t, b)
   else
-    redis.call('HDEL', KEYS[4], b); redis.call('SADD', KEYS[3], b)
+    redis.call('HDEL', KEYS[4], b); redis.call('SADD', KEYS[3], b); redis.call('ZREM', k_evict, b)
   end
+  if h ~= '' then redis.call('HSET', k_bhash, b, h) else redis.call('HDEL', k_bhash, b) end
 end
 redis.call('HSET', KEYS[2], 'step_id', c.s, 'arrival_seq', c.a)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -238,7 +241,8 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   reqs[#reqs + 1] = redis.call('HGETALL', ARGV[1] .. 'req:' .. rid)
   reqs[#reqs + 1] = redis.call('GET', ARGV[1] .. 'out:' .. rid) or ''
 end
-return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]), reqs}
+return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]), reqs,
+        redis.call('ZRANGE', ARGV[1] .. 'evict', 0, -1), redis.call('HGETALL', ARGV[1] .. 'bhash')}
 """
 
 
@@ -270,7 +274,7 @@ def _state(r: Request, blocks: str | bool) -> list[str | bool]:
 def _spec(r: Request) -> list[str]:
     return [_ints(r.prompt_ids), base64.b64encode(r.sampling.SerializeToString()).decode(), str(r.priority),
             repr(r.arrival_time), str(r.arrival_seq), json.dumps(r.stop), "1" if r.include_stop_str_in_output else "0",
-            "1" if r.skip_special_tokens else "0"]
+            "1" if r.skip_special_tokens else "0", r.cache_salt]
 
 
 def _decode_request(rid: str, f: dict[str, str], out: str) -> Request:
@@ -285,6 +289,7 @@ def _decode_request(rid: str, f: dict[str, str], out: str) -> Request:
         stop=json.loads(f["stop"]),
         include_stop_str_in_output=f["include_stop"] == "1",
         skip_special_tokens=f["skip_special"] == "1",
+        cache_salt=f.get("cache_salt", ""),
         output_ids=_parse_ints(out),
         num_computed_tokens=int(f["num_computed_tokens"]),
         block_ids=_parse_ints(f["block_ids"]),
@@ -414,9 +419,10 @@ class RedisLedger:
         for rid, toks in commit.appended.items():
             if toks:
                 out += [rid, ",".join(map(str, toks)) + ","]
-        changes: list[int] = []
-        for b, n in commit.block_changes.items():
-            changes += (b, n)
+        changes: list[int | str] = []
+        for b, st in commit.block_changes.items():
+            h = f"{st.hash.hex()}|{_ints(st.tokens)}" if st.hash is not None else ""
+            changes += (b, st.ref_count, h, st.lru_tick)
         payload = json.dumps(
             {"s": str(commit.step_id), "a": str(commit.arrival_seq), "n": new, "u": upd, "o": out, "f": fin,
              "b": changes, "ttl": commit.finished_ttl_s, "check": int(commit.check_invariant)},
@@ -434,7 +440,7 @@ class RedisLedger:
 
     def load(self) -> LoadedState:
         """Everything a new scheduler needs to rebuild its mirror, read atomically."""
-        meta_flat, free, refs_flat, reqs = self._load(
+        meta_flat, free, refs_flat, reqs, evict, bhash = self._load(
             keys=[self.k_meta, self.k_free, self.k_refs, self.k_active], args=[self.prefix])
         meta = _pairs(meta_flat)
         if "num_blocks" not in meta:
@@ -446,7 +452,12 @@ class RedisLedger:
                 requests.append(_decode_request(_text(reqs[i]), fields, _text(reqs[i + 2])))
         requests.sort(key=lambda r: r.arrival_seq)
         refs = {int(b): int(n) for b, n in _pairs(refs_flat).items()}
-        pool = BlockPool(int(meta["num_blocks"]), free_ids=sorted(int(b) for b in free), refs=refs)
+        cached = {}
+        for b, v in _pairs(bhash).items():
+            h, toks = v.split("|")
+            cached[int(b)] = (bytes.fromhex(h), tuple(_parse_ints(toks)))
+        pool = BlockPool(int(meta["num_blocks"]), free_ids=sorted(int(b) for b in free), refs=refs, cached=cached,
+                         evictable=[int(b) for b in evict])
         return LoadedState(requests=requests, pool=pool, step_id=int(meta.get("step_id", 0)),
                            arrival_seq=int(meta.get("arrival_seq", 0)), meta=meta)
 
@@ -466,11 +477,16 @@ class RedisLedger:
         pipe.hget(self.k_meta, "num_blocks")
         pipe.smembers(self.k_free)
         pipe.hgetall(self.k_refs)
-        total, free, refs = pipe.execute()
+        pipe.zrange(self.prefix + "evict", 0, -1)
+        pipe.hlen(self.prefix + "bhash")
+        pipe.scard(self.k_active)
+        total, free, refs, evict, nhash, active = pipe.execute()
         free_ids = {int(b) for b in free}
+        evict_ids = {int(b) for b in evict}
         ref_counts = {int(b): int(n) for b, n in refs.items()}
-        return {"free": len(free_ids), "allocated": len(ref_counts), "total": int(total or 0),
-                "refs_sum": sum(ref_counts.values()), "overlap": len(free_ids & ref_counts.keys())}
+        return {"free": len(free_ids), "evictable": len(evict_ids), "allocated": len(ref_counts),
+                "total": int(total or 0), "refs_sum": sum(ref_counts.values()), "cached": nhash, "active": active,
+                "overlap": len(free_ids & ref_counts.keys()) + len(evict_ids & (free_ids | ref_counts.keys()))}
 
     def flush_pool(self) -> None:
         """Delete every key of this namespace + pool (tests, `--reset`)."""

@@ -229,7 +229,8 @@ def assert_ledger_clean(ledger, expected: dict[str, list[int]]) -> None:
     """Once idle: every block free, no active request, and Redis holds each reference output as finished."""
     def idle():
         state = ledger.check_ledger()
-        return state if state["free"] == state["total"] and not ledger.client.scard(ledger.k_active) else None
+        idle = state["free"] + state["evictable"] == state["total"] and not state["active"]
+        return state if idle else None
 
     state = wait_for("an idle ledger", idle, timeout=30)
     assert state["allocated"] == 0 and state["overlap"] == 0 and state["total"] == 256, state

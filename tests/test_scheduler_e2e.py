@@ -264,9 +264,9 @@ def wait_idle_ledger(redis_url: str, namespace: str, num_blocks: int, timeout: f
     while True:
         state = ledger.check_ledger()
         active = ledger.client.smembers(ledger.k_active)
-        state["active"] = len(active)
-        idle = {"free": num_blocks, "allocated": 0, "total": num_blocks, "refs_sum": 0, "overlap": 0, "active": 0}
-        if state == idle:
+        # Free capacity = never-used blocks + evictable prefix-cache blocks.
+        if (state["free"] + state["evictable"] == state["total"] == num_blocks and state["allocated"] == 0
+                and state["refs_sum"] == 0 and state["overlap"] == 0 and state["active"] == 0):
             return state
         if time.monotonic() > deadline:
             raise AssertionError(f"pool {namespace} not idle after {timeout}s: {state}, active ids {active}")

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from protos import worker_pb2 as wpb
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.block_pool import BlockPool, BlockState
 from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import FINISH_LENGTH, Request, Status
 from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, StepCommit
@@ -19,6 +19,11 @@ from tests.redis_fixture import redis_server  # noqa: F401
 
 HOLDER = "sched-a"
 TTL_MS = 5000
+
+
+def refs(counts: dict[int, int]) -> dict[int, BlockState]:
+    """Block changes without prefix-cache content."""
+    return {b: BlockState(n) for b, n in counts.items()}
 
 
 @pytest.fixture
@@ -94,7 +99,8 @@ def test_stale_token_commit_raises_and_changes_nothing(ledger, client):
     new_tok = ledger.try_acquire_lease("sched-b", TTL_MS)
     before = snapshot(client)
     req = make_request("r1", status=Status.RUNNING, block_ids=[0, 1])
-    commit = StepCommit(step_id=1, arrival_seq=1, new_requests=[req], appended={"r1": [5]}, block_changes={0: 1, 1: 1})
+    commit = StepCommit(step_id=1, arrival_seq=1, new_requests=[req], appended={"r1": [5]},
+                        block_changes=refs({0: 1, 1: 1}))
     with pytest.raises(LeaseLost):
         ledger.commit_step(HOLDER, tok, TTL_MS, commit)
     with pytest.raises(LeaseLost):  # right token, wrong holder
@@ -122,7 +128,8 @@ def test_init_pool_once_and_shape_mismatch(client):
     led = RedisLedger(client, namespace="t")
     assert led.init_pool(8, 16)
     assert not led.init_pool(8, 16)
-    assert led.check_ledger() == {"free": 8, "allocated": 0, "total": 8, "refs_sum": 0, "overlap": 0}
+    assert led.check_ledger() == {"free": 8, "evictable": 0, "allocated": 0, "total": 8, "refs_sum": 0, "cached": 0,
+                                  "active": 0, "overlap": 0}
     with pytest.raises(ValueError, match=r"num_blocks=8.*block_size=16.*num_blocks=9.*block_size=16"):
         led.init_pool(9, 16)
     with pytest.raises(ValueError, match=r"block_size=32"):
@@ -131,20 +138,20 @@ def test_init_pool_once_and_shape_mismatch(client):
 
 def test_invariant_check_detects_corruption_and_writes_nothing(ledger, client):
     tok = ledger.try_acquire_lease(HOLDER, TTL_MS)
-    ok = StepCommit(step_id=1, arrival_seq=0, block_changes={3: 1}, check_invariant=True)
+    ok = StepCommit(step_id=1, arrival_seq=0, block_changes=refs({3: 1}), check_invariant=True)
     ledger.commit_step(HOLDER, tok, TTL_MS, ok)
 
     before = snapshot(client)
     with pytest.raises(InvariantViolation, match="outside"):
-        ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 0, block_changes={16: 1}, check_invariant=True))
+        ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 0, block_changes=refs({16: 1}), check_invariant=True))
     assert snapshot(client) == before
 
     client.srem(ledger.k_free, 5)  # a block lost by someone else
     before = snapshot(client)
-    with pytest.raises(InvariantViolation, match="free 15 \\+ allocated 0 ~= total 16"):
-        ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 0, block_changes={3: 0}, check_invariant=True))
+    with pytest.raises(InvariantViolation, match="free 15 \\+ evictable 0 \\+ allocated 0 ~= total 16"):
+        ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 0, block_changes=refs({3: 0}), check_invariant=True))
     assert snapshot(client) == before
-    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 0, block_changes={3: 0}))  # unchecked: goes through
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 0, block_changes=refs({3: 0})))  # unchecked: goes through
     assert ledger.check_ledger()["free"] == 15
 
 
@@ -242,20 +249,21 @@ def test_finished_request_leaves_active_but_stays_readable(ledger, client):
     tok = ledger.try_acquire_lease(HOLDER, TTL_MS)
     r = make_request("r1", status=Status.RUNNING, block_ids=[0, 1], num_computed_tokens=5)
     ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(1, 1, new_requests=[r], appended={"r1": [11]},
-                                                       block_changes={0: 1, 1: 1}))
+                                                       block_changes=refs({0: 1, 1: 1})))
     r.output_ids = [11]
     assert client.sismember(ledger.k_active, "r1")
     # Finish in the same step as a token is appended; the token still lands and expires with the request.
     r.output_ids.append(12)
     r.status, r.finish_reason, r.block_ids = Status.FINISHED, "stop", []
     ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 1, appended={"r1": [12]}, finished=[r],
-                                                       block_changes={0: 0, 1: 0}, finished_ttl_s=30))
+                                                       block_changes=refs({0: 0, 1: 0}), finished_ttl_s=30))
     assert not client.sismember(ledger.k_active, "r1")
     assert ledger.load().requests == []
     got = ledger.get_request("r1")
     assert got == r and got.output_ids == [11, 12] and got.status == Status.FINISHED
     assert 0 < client.ttl(ledger.prefix + "out:r1") <= 30
-    assert ledger.check_ledger() == {"free": 16, "allocated": 0, "total": 16, "refs_sum": 0, "overlap": 0}
+    assert ledger.check_ledger() == {"free": 16, "evictable": 0, "allocated": 0, "total": 16, "refs_sum": 0,
+                                     "cached": 0, "active": 0, "overlap": 0}
 
     # A reused id starts clean: no old outputs, no TTL.
     again = make_request("r1", seq=9)
@@ -268,17 +276,17 @@ def test_block_tables_rewritten_after_lease_changes_hands(ledger, client):
     # commit_step skips unchanged block tables; that memory must not outlive the lease it was written under.
     t1 = ledger.try_acquire_lease(HOLDER, TTL_MS)
     r = make_request("r", status=Status.RUNNING, block_ids=[0])
-    ledger.commit_step(HOLDER, t1, TTL_MS, StepCommit(1, 1, new_requests=[r], block_changes={0: 1}))
+    ledger.commit_step(HOLDER, t1, TTL_MS, StepCommit(1, 1, new_requests=[r], block_changes=refs({0: 1})))
     ledger.release_lease(HOLDER, t1)
 
     other = RedisLedger(client, namespace="t")
     t2 = other.try_acquire_lease("sched-b", TTL_MS)
     moved = dataclasses.replace(r, block_ids=[1])
-    other.commit_step("sched-b", t2, TTL_MS, StepCommit(2, 1, updated=[moved], block_changes={0: 0, 1: 1}))
+    other.commit_step("sched-b", t2, TTL_MS, StepCommit(2, 1, updated=[moved], block_changes=refs({0: 0, 1: 1})))
     other.release_lease("sched-b", t2)
 
     t3 = ledger.try_acquire_lease(HOLDER, TTL_MS)
-    ledger.commit_step(HOLDER, t3, TTL_MS, StepCommit(3, 1, updated=[r], block_changes={1: 0, 0: 1},
+    ledger.commit_step(HOLDER, t3, TTL_MS, StepCommit(3, 1, updated=[r], block_changes=refs({1: 0, 0: 1}),
                                                       check_invariant=True))
     assert ledger.get_request("r").block_ids == [0]
     assert ledger.load().pool.ref_counts[:2] == [1, 0]
@@ -294,7 +302,7 @@ def test_namespaces_and_pools_isolate(client):
     assert ta == tb == 1 and c.try_acquire_lease(HOLDER, TTL_MS) == 1  # independent leases and fences
     r = make_request("same-id", status=Status.RUNNING, block_ids=[0])
     a.commit_step(HOLDER, ta, TTL_MS, StepCommit(1, 1, new_requests=[r], appended={"same-id": [3]},
-                                                 block_changes={0: 1}))
+                                                 block_changes=refs({0: 1})))
     assert b.get_request("same-id") is None and c.get_request("same-id") is None
     assert b.check_ledger()["free"] == c.check_ledger()["free"] == 8
     assert a.check_ledger()["free"] == 7
@@ -315,7 +323,7 @@ def test_decoded_responses_client_works(redis_server):  # noqa: F811
         tok = led.try_acquire_lease(HOLDER, TTL_MS)
         r = make_request("x", status=Status.RUNNING, block_ids=[2])
         led.commit_step(HOLDER, tok, TTL_MS, StepCommit(1, 1, new_requests=[r], appended={"x": [1, 2]},
-                                                       block_changes={2: 1}))
+                                                       block_changes=refs({2: 1})))
         r.output_ids = [1, 2]
         state = led.load()
         assert state.requests == [r] and state.pool.ref_counts == [0, 0, 1, 0]
@@ -333,7 +341,7 @@ def _big_step(ledger: RedisLedger, tok: int, n: int = 256, blocks_each: int = 32
                          block_ids=list(range(i * blocks_each, (i + 1) * blocks_each)))
         r.num_computed_tokens = r.num_tokens
         reqs.append(r)
-    changes = {b: 1 for r in reqs for b in r.block_ids}
+    changes = refs({b: 1 for r in reqs for b in r.block_ids})
     ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(1, n, new_requests=reqs, block_changes=changes))
     return reqs
 

@@ -114,8 +114,16 @@ class PersistentBatch:
             if r.request_id not in live:
                 raise _invalid(f"{where}: unknown request_id {r.request_id!r} (not on this worker, or dropped)")
             s = self.requests[r.request_id]
-            self._check_chunk(where, s.block_ids + list(r.new_block_ids), len(s.token_ids), s.num_computed_tokens,
+            table = list(r.block_table) if r.block_table else s.block_ids
+            if r.block_table and len(r.block_table) < len(s.block_ids):
+                raise _invalid(f"{where}: block_table has {len(r.block_table)} blocks, fewer than the "
+                               f"{len(s.block_ids)} the request holds")
+            self._check_chunk(where, table + list(r.new_block_ids), len(s.token_ids), s.num_computed_tokens,
                               r.num_scheduled_tokens)
+        n = self.limits.num_blocks
+        for i, c in enumerate(plan.copy_blocks):
+            if not (0 <= c.src < n and 0 <= c.dst < n) or c.src == c.dst:
+                raise _invalid(f"copy_blocks[{i}]: src {c.src} and dst {c.dst} must be distinct blocks in [0, {n})")
 
     def _check_tokens(self, where: str, token_ids, num_prompt_tokens: int) -> None:
         if num_prompt_tokens < 1 or num_prompt_tokens > len(token_ids):
@@ -180,6 +188,8 @@ class PersistentBatch:
             schedule(s, r.num_scheduled_tokens)
         for r in plan.cached_requests:
             s = self.requests[r.request_id]
+            if r.block_table:
+                s.block_ids = list(r.block_table)
             s.block_ids.extend(r.new_block_ids)
             schedule(s, r.num_scheduled_tokens)
         return chunks

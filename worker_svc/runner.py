@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import secrets
 import time
@@ -34,12 +35,33 @@ class RunnerOptions:
     num_gpu_blocks_override: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048  # warm-up size on CUDA
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto: triton on CUDA (torch if triton is not installed), torch elsewhere.
+
+    triton on a CPU device only runs in the Triton interpreter (TRITON_INTERPRET=1; slow, for tests).
+    """
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if importlib.util.find_spec("triton") is None:
+            log.warning("triton is not installed: using the torch attention reference on %s", device)
+            return "torch"
+        return "triton"
+    if name not in kernels.BACKENDS:
+        raise ValueError(f"--attention-backend must be one of auto, {', '.join(kernels.BACKENDS)}; got {name!r}")
+    if name == "triton" and device.type != "cuda" and not kernels.get_backend("triton").INTERPRET:
+        raise ValueError(f"--attention-backend triton on --device {device} needs a CUDA device, or "
+                         "TRITON_INTERPRET=1 (set before start-up) to run the kernels in the slow Triton interpreter")
+    return name
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -58,8 +80,10 @@ class ModelRunner:
         self.opts = opts
         self.device = resolve_device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
         self.config, weights = load_model_weights(opts.model)
-        self.model = LlamaModel(self.config, weights, self.dtype, self.device)
+        self.model = LlamaModel(self.config, weights, self.dtype, self.device,
+                                attention=kernels.get_backend(self.attention_backend))
         del weights
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -94,7 +118,7 @@ class ModelRunner:
         blocks = -(-num_tokens // self.block_size)
         scratch = kv_cache.allocate(cfg, blocks, self.block_size, self.dtype, self.device)
         meta = kernels.build_attention_metadata([num_tokens], [num_tokens], [list(range(blocks))], self.block_size,
-                                                self.device)
+                                                self.device, build_plan=self.attention_backend == "torch")
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         self.model.forward(ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device))
@@ -115,7 +139,7 @@ class ModelRunner:
         return pb.WorkerInfo(
             model=model, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
             block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-            epoch=self.epoch, attention_backend="torch",
+            epoch=self.epoch, attention_backend=self.attention_backend,
             kv_bytes_per_block=kv_cache.bytes_per_block(cfg, self.block_size, self.dtype),
             last_step_id=self.batch.last_step_id, fencing_token=self.batch.fencing_token,
         )
@@ -124,8 +148,15 @@ class ModelRunner:
         """Check (raises PlanError, changes nothing), apply, run, sample."""
         t0 = time.perf_counter()
         self.batch.check_plan(plan, self.epoch)
+        previous = self.batch.last_step_id
         chunks = self.batch.apply_plan(plan)
-        result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sum(c.length for c in chunks))
+        if plan.copy_blocks:
+            # Copy-on-write before anything writes: every layer, K and V.
+            src = torch.tensor([c.src for c in plan.copy_blocks], device=self.device)
+            dst = torch.tensor([c.dst for c in plan.copy_blocks], device=self.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+        result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sum(c.length for c in chunks),
+                               previous_step_id=previous)
         if not chunks:
             return result
         ids, pos, meta, logits_idx, samplers = self._prepare(chunks)
@@ -156,6 +187,7 @@ class ModelRunner:
         meta = kernels.build_attention_metadata(
             [c.length for c in chunks], [c.start + c.length for c in chunks],
             [c.state.block_ids for c in chunks], self.block_size, self.device,
+            build_plan=self.attention_backend == "torch",  # the Triton kernels need no plan
         )
         dev = self.device
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),

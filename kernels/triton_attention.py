@@ -1,0 +1,469 @@
+"""Triton paged-attention kernels: same interface as `kernels.reference`, one launch per mixed batch.
+
+`write_kv_cache` stores each new token's K/V at its slot. `paged_attention` runs the whole step --
+decodes and prefill chunks of any length -- in one launch over a grid of (query tile, KV head, split):
+
+- **Query tiles, varlen without a host sync.** Sequence i owns grid slots starting at
+  `cu_seqlens_q[i] // BLOCK_Q + i`; that is strictly increasing in i and leaves at least
+  ceil(q_len / BLOCK_Q) slots per sequence, so the grid `num_tokens // BLOCK_Q + num_seqs` covers every
+  tile. A program finds its sequence by binary search over `cu_seqlens_q`; spare slots exit at once.
+- **GQA packing.** The G = Hq / Hkv query heads sharing a KV head are packed into the rows of one tile:
+  row r is (token r // G_PAD, head r % G_PAD), G padded to a power of two. A decode token of a 32/8-head
+  model fills 4 of 16 rows, so the dots still have M >= 16 and K/V is read once for the whole group.
+- **KV tiles independent of the block size.** Each key position looks up its own block-table entry
+  (`n // block_size`), so a tile may span several blocks or part of one.
+- **Bottom-right causal mask.** Query j of a sequence with q_len new tokens sits at absolute position
+  `seq_len - q_len + j` and sees keys at positions <= its own (and > pos - sliding_window with a window).
+  Tiles that every row sees whole are run without masks; only the diagonal (and window edge) tiles
+  build the mask, and they also mask the block-table and K/V loads past `seq_len` (slots there may
+  hold NaN, and 0 * NaN = NaN). Rows that see no key output zeros.
+- **Split-KV (flash-decoding).** With `num_splits` > 1 the KV range of each tile is cut into that many
+  contiguous runs of tiles, each program writes a normalised partial output and its log-sum-exp, and
+  `_merge_kernel` combines them. Splits with no tile (more splits than tiles) write LSE = -inf.
+- **Precision.** Under `TRITON_INTERPRET=1` everything is loaded then converted to float32 (bf16
+  arithmetic is broken in the interpreter, and its fp32 -> bf16 cast truncates, so bf16 results are
+  rounded to nearest even by hand). On GPU, the dots take the input dtype with float32 accumulation;
+  float32 inputs use IEEE (not TF32) dots.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# tl.max / tl.sum / tl.zeros are themselves @triton.jit functions, decorated when triton is first imported.
+# If that happened before TRITON_INTERPRET=1 was set (importing transformers' Llama imports triton), they
+# cannot run in the interpreter, so the kernels use builtins only: tl.full, and tl.reduce with triton's
+# own combine functions, which the interpreter recognises (numpy max / sum) without calling them.
+from triton.language.standard import _elementwise_max as _max_fn
+from triton.language.standard import _sum_combine as _sum_fn
+
+__all__ = ["INTERPRET", "paged_attention", "write_kv_cache", "choose_num_splits", "kernel_config"]
+
+
+def _interpret() -> bool:
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# `triton.jit` picks the interpreter when the decorator runs, i.e. when this module is imported.
+INTERPRET = _interpret()
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice.tanh is missing under the interpreter. exp(2x) -> inf gives 1, -> 0 gives -1: no NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _cast_out(x, DTYPE: tl.constexpr, RTNE_BF16: tl.constexpr):
+    """float32 -> DTYPE. The interpreter truncates fp32 -> bf16; RTNE_BF16 rounds to nearest even."""
+    if RTNE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + ((bits >> 16) & 1) + 0x7FFF
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+# ------------------------------------------------------------------------------------ write_kv_cache
+
+
+@triton.jit
+def _write_kv_kernel(
+    key, value, key_cache, value_cache, slot_mapping,
+    num_kv_heads,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    CONVERT: tl.constexpr, RTNE_BF16: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + tok).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(key + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if CONVERT:
+        k = _cast_out(k.to(tl.float32), key_cache.dtype.element_ty, RTNE_BF16)
+        v = _cast_out(v.to(tl.float32), value_cache.dtype.element_ty, RTNE_BF16)
+    tl.store(key_cache + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :], k, mask=mask)
+    tl.store(value_cache + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :], v, mask=mask)
+
+
+def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                   slot_mapping: Tensor) -> None:
+    """Store new keys/values at their slots. key/value: [num_tokens, Hkv, D]; slot -1 = skip (padding).
+
+    key_cache/value_cache: [num_blocks, block_size, Hkv, D]; slot = block_id * block_size + offset,
+    computed in int64. Values are converted to the cache dtype.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim(key, value, key_cache, value_cache)
+    block_size = key_cache.shape[1]
+    convert = key.dtype != key_cache.dtype or value.dtype != value_cache.dtype
+    rtne = INTERPRET and convert and key_cache.dtype == torch.bfloat16
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        num_kv_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), CONVERT=convert, RTNE_BF16=rtne,
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+    )
+
+
+# ----------------------------------------------------------------------------------- paged_attention
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, K, V, table, start, seq_len, q_pos,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale, scale, softcap, window,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One KV tile of the online softmax; K/V already point at this program's KV head."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if MASKED:
+        n_ok = n < seq_len
+        # past the sequence's last block the table may hold anything: never index with it
+        blk = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        k_mask = n_ok[None, :] & d_ok[:, None]
+        v_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        blk = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+        k_mask = (n >= 0)[None, :] & d_ok[:, None]  # folds to the head-dim mask
+        v_mask = (n >= 0)[:, None] & d_ok[None, :]
+    off = n % BLOCK_SIZE
+    # K^T: [D_PAD, BLOCK_N]; V: [BLOCK_N, D_PAD]
+    k = tl.load(K + blk[None, :] * stride_kb + off[None, :] * stride_ks + d[:, None], mask=k_mask, other=0.0)
+    v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :], mask=v_mask, other=0.0)
+    if FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+
+    s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+    else:
+        s = s * qk_scale  # scale * log2(e): exp2 below
+    if MASKED:
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_fn))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.reduce(p, 1, _sum_fn)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+# Per-step ints are not specialised (a value of 1 or a multiple of 16 would otherwise mean a recompile).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
+def _paged_attention_kernel(
+    Q, K, V, Out, P_OUT, P_LSE, block_tables, cu_seqlens_q, seq_lens,
+    num_seqs, num_splits, scale, qk_scale, softcap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+    PRECISION: tl.constexpr, RTNE_BF16: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Sequence owning grid slot `pid`: the last i with cu_seqlens_q[i] // BLOCK_Q + i <= pid.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_slot = tl.load(cu_seqlens_q + mid) // BLOCK_Q + mid
+        lo = tl.where(first_slot <= pid, mid, lo)
+        hi = tl.where(first_slot <= pid, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    q_first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within the sequence
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    ctx = seq_len - q_len  # absolute position of the sequence's first new token
+    pos_first = ctx + q_first
+    pos_last = ctx + tl.minimum(q_first + BLOCK_Q, q_len) - 1
+
+    r = tl.arange(0, BLOCK_M)
+    t = q_first + r // G_PAD
+    g = r % G_PAD
+    row_ok = (t < q_len) & (g < G)
+    head = kvh * G + g
+    tok = (q_start + t).to(tl.int64)
+    q_pos = ctx + t
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32:
+        q = q.to(tl.float32)
+
+    # KV range of the tile: [kv_lo, pos_last]. Tiles in [full_lo, full_hi) are seen whole by every row.
+    kv_hi = tl.maximum(pos_last + 1, 0)
+    if USE_WINDOW:
+        kv_lo = tl.maximum(pos_first - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = (tl.maximum(pos_last - window + 1 - kv_lo, 0) + BLOCK_N - 1) // BLOCK_N
+    else:
+        kv_lo = 0
+        full_lo = 0
+    num_tiles = (tl.maximum(kv_hi - kv_lo, 0) + BLOCK_N - 1) // BLOCK_N
+    full_hi = tl.maximum(tl.maximum(pos_first + 1 - kv_lo, 0) // BLOCK_N, full_lo)
+    per_split = (num_tiles + num_splits - 1) // num_splits
+    t0 = split * per_split
+    t1 = tl.minimum(t0 + per_split, num_tiles)
+
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    K += kvh.to(tl.int64) * stride_kh
+    V += kvh.to(tl.int64) * stride_vh
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for it in range(t0, tl.minimum(t1, full_lo)):  # window edge
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, K, V, table, kv_lo + it * BLOCK_N, seq_len, q_pos,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, scale, softcap, window,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, True, USE_WINDOW, USE_SOFTCAP, FP32, PRECISION)
+    for it in range(tl.maximum(t0, full_lo), tl.minimum(t1, full_hi)):  # no mask
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, K, V, table, kv_lo + it * BLOCK_N, seq_len, q_pos,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, scale, softcap, window,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, False, USE_WINDOW, USE_SOFTCAP, FP32, PRECISION)
+    for it in range(tl.maximum(t0, full_hi), t1):  # causal diagonal, end of the sequence
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, K, V, table, kv_lo + it * BLOCK_N, seq_len, q_pos,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, scale, softcap, window,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, True, USE_WINDOW, USE_SOFTCAP, FP32, PRECISION)
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        base = split.to(tl.int64) * stride_ps + tok * stride_pt + head * stride_ph
+        tl.store(P_OUT + base[:, None] + d[None, :], o, mask=st_mask)
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # log2 units
+        tl.store(P_LSE + split.to(tl.int64) * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+    else:
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 _cast_out(o, Out.dtype.element_ty, RTNE_BF16), mask=st_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(
+    Out, P_OUT, P_LSE, num_heads, num_splits,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    BLOCK_H: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    RTNE_BF16: tl.constexpr,
+):
+    """Combine the splits' partial outputs of one token (BLOCK_H heads) by log-sum-exp."""
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    h_ok = h < num_heads
+    s_ok = s < num_splits
+    lse = tl.load(P_LSE + s[None, :] * stride_ls + tok * stride_lt + h[:, None],
+                  mask=h_ok[:, None] & s_ok[None, :], other=float("-inf"))  # [BLOCK_H, S_PAD]
+    m = tl.reduce(lse, 1, _max_fn)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m[:, None])  # empty splits: 0
+    den = tl.reduce(w, 1, _sum_fn)
+    mask3 = h_ok[:, None, None] & s_ok[None, :, None] & (d < HEAD_DIM)[None, None, :]
+    part = tl.load(P_OUT + s[None, :, None] * stride_ps + tok * stride_pt + h[:, None, None] * stride_ph
+                   + d[None, None, :], mask=mask3, other=0.0)  # [BLOCK_H, S_PAD, D_PAD]
+    o = tl.reduce(part * w[:, :, None], 1, _sum_fn) / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(Out + tok * stride_ot + h[:, None] * stride_oh + d[None, :], _cast_out(o, Out.dtype.element_ty, RTNE_BF16),
+             mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def kernel_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  *, tile_q: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> dict[str, int]:
+    """Tile shape and launch options from tensor shapes only (no host sync).
+
+    Rows per tile (tokens x packed heads): 16 for a decode-only batch (num_tokens <= num_seqs: one
+    token's head group, padded to the 16 rows tl.dot needs); 128 when the batch is mostly long chunks
+    (>= 64 tokens per sequence on average; 64 for head dims over 128); 64 for a mixed batch, where every
+    decode sequence still occupies a whole tile, so smaller tiles waste less. tile_q is the number of
+    query tokens per tile (rows = tile_q * next_pow2(Hq / Hkv)); tile_n the keys per KV tile. These
+    defaults come from shapes alone; `bench/kernels_gpu.py --sweep` measures the alternatives on a GPU.
+    """
+    g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_tokens <= num_seqs:
+        rows = 16
+    elif num_tokens >= 64 * num_seqs and d_pad <= 128:
+        rows = 128
+    else:
+        rows = 64
+    if tile_q is None:
+        tile_q = max(1, rows // g_pad)
+    if tile_q < 1 or tile_q & (tile_q - 1):
+        raise ValueError(f"tile_q must be a power of two >= 1, got {tile_q}")
+    if tile_q * g_pad < 16:
+        raise ValueError(f"tile_q {tile_q} x {g_pad} packed heads = {tile_q * g_pad} rows: tl.dot needs >= 16")
+    if tile_n is None:
+        tile_n = 64 if d_pad <= 128 else 32
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
+    big = tile_q * g_pad >= 128
+    return {
+        "tile_q": tile_q,
+        "tile_n": tile_n,
+        "num_warps": num_warps or (8 if big else 4),
+        "num_stages": num_stages or (2 if d_pad > 128 else 3),
+    }
+
+
+def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split-KV for decode batches too small to fill the GPU: aim for ~2 programs per SM.
+
+    Shapes only (no host sync), so a split may find no KV tile on a short context: it then costs one
+    nearly empty program. Prefill batches have enough query tiles and never split; neither does the
+    interpreter (it runs programs one by one).
+    """
+    if INTERPRET or device.type != "cuda" or num_tokens > num_seqs:
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    return min(_MAX_SPLITS, triton.cdiv(target, programs))
+
+
+def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                    cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, *, plan: Any = None,
+                    out: Tensor | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                    num_splits: int | None = None, tile_q: int | None = None, tile_n: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
+    """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache; one launch.
+
+    Same contract as `kernels.reference.paged_attention` (plan is accepted and ignored): query
+    [num_tokens, Hq, D], rows cu_seqlens_q[i]:cu_seqlens_q[i+1] belong to sequence i; caches
+    [num_blocks, block_size, Hkv, D]; block_tables [num_seqs, max_blocks] (entries past a sequence's
+    last block are never read); seq_lens = cached + new tokens. Rows past cu_seqlens_q[-1] (padding)
+    are left untouched. Returns [num_tokens, Hq, D] in query's dtype.
+
+    sliding_window: query at position p sees keys in (p - sliding_window, p]; None or <= 0 = off.
+    softcap: scores become softcap * tanh(scale * q.k / softcap) (Gemma 2); None or 0 = off.
+    num_splits: split-KV partitions (1 = off; None = `choose_num_splits`, 1 except small GPU decodes).
+    tile_q / tile_n / num_warps / num_stages: tuning overrides, see `kernel_config`.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = key_cache.shape
+    if num_heads % num_kv_heads or kv_dim != head_dim or value_cache.shape != key_cache.shape:
+        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} / "
+                         f"{tuple(value_cache.shape)}: need Hq % Hkv == 0 and equal head dims")
+    _check_last_dim(query, key_cache, value_cache)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.stride(-1) != 1:
+        raise ValueError("out must have a contiguous last dimension")
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg = kernel_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, tile_q=tile_q, tile_n=tile_n,
+                        num_warps=num_warps, num_stages=num_stages)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tokens, num_seqs, num_kv_heads, query.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    fp32 = INTERPRET or query.dtype == torch.float32
+    use_window = sliding_window is not None and sliding_window > 0
+    use_softcap = softcap is not None and softcap > 0
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    seq_lens = seq_lens.contiguous()
+
+    split = num_splits > 1
+    if split:
+        p_out = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
+        p_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+        p_strides = (p_out.stride(0), p_out.stride(1), p_out.stride(2), p_lse.stride(0), p_lse.stride(1))
+    else:
+        p_out = p_lse = out  # unused
+        p_strides = (0, 0, 0, 0, 0)
+    grid = (num_tokens // cfg["tile_q"] + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, out, p_out, p_lse, block_tables, cu_seqlens_q, seq_lens,
+        num_seqs, num_splits, float(scale), float(scale) * _LOG2E, float(softcap or 0.0),
+        int(sliding_window or 0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), *p_strides,
+        G=group, G_PAD=triton.next_power_of_2(group), BLOCK_Q=cfg["tile_q"], BLOCK_N=cfg["tile_n"],
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+        SPLIT=split, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, FP32=fp32,
+        PRECISION="ieee" if fp32 else "tf32", RTNE_BF16=INTERPRET and out.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        # One program per (token, head) on GPU keeps registers small; the interpreter does all heads at once.
+        block_h = triton.next_power_of_2(num_heads) if INTERPRET else 1
+        _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            out, p_out, p_lse, num_heads, num_splits,
+            out.stride(0), out.stride(1), *p_strides,
+            BLOCK_H=block_h, S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad,
+            RTNE_BF16=INTERPRET and out.dtype == torch.bfloat16, num_warps=4,
+        )
+    return out
+
+
+def _check_last_dim(*tensors: Tensor) -> None:
+    for x in tensors:
+        if x.stride(-1) != 1:
+            raise ValueError(f"tensor of shape {tuple(x.shape)} needs a contiguous last dimension "
+                             f"(strides {x.stride()})")
