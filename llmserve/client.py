@@ -13,8 +13,6 @@ import grpc
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 
-RETRY_SECONDS = 120
-
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text (a user message with --chat)")
@@ -40,6 +38,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     p.add_argument("--include-stop-str-in-output", action="store_true")
     p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--retry-seconds", type=float, default=60.0,
+                   help="how long to keep re-attaching while the server answers UNAVAILABLE (restart, fail-over)")
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -87,7 +87,10 @@ def generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 # The scheduler restarted or is failing over: re-attach by request id, from where we are.
-                deadline = deadline or time.monotonic() + RETRY_SECONDS
+                if deadline is None:
+                    deadline = time.monotonic() + args.retry_seconds
+                    print(f"[server unavailable ({e.details()}); re-attaching to {req.request_id} for up to "
+                          f"{args.retry_seconds:g}s]", file=sys.stderr)
                 if time.monotonic() < deadline:
                     time.sleep(0.5)
                     continue

@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,7 +16,9 @@ from grpc_reflection.v1alpha import reflection
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
-from worker_svc.runner import ModelRunner, RunnerOptions, config_summary
+
+if TYPE_CHECKING:  # torch loads only in the worker process, not in `llmserve generate`
+    from worker_svc.runner import ModelRunner, RunnerOptions
 
 log = logging.getLogger("llmserve.worker")
 
@@ -56,6 +59,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def runner_options(args: argparse.Namespace) -> RunnerOptions:
     from worker_svc.loader import default_model_path
+    from worker_svc.runner import RunnerOptions
 
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         raise SystemExit(f"--block-size must be a power of two >= 1, got {args.block_size}")
@@ -88,6 +92,8 @@ def build_server(runner: ModelRunner, address: str) -> tuple[grpc.Server, int]:
 
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from worker_svc.runner import ModelRunner, config_summary
+
     runner = ModelRunner(runner_options(args))
     server, port = build_server(runner, f"{args.host}:{args.port}")
     server.start()
@@ -99,6 +105,7 @@ def serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait: the main thread must wake to run the signal handler
+        pass
     # Let the step in flight finish, then go.
     server.stop(grace=5).wait()
