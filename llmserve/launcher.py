@@ -73,7 +73,7 @@ def start_worker(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from scheduler_svc.server import build_server, check_flags, scheduler_from_args
+    from scheduler_svc.server import build_server, check_flags, scheduler_from_args, shutdown
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     check_flags(args)
@@ -104,8 +104,7 @@ def serve(args: argparse.Namespace) -> None:
             if worker.poll() is not None:
                 log.error("the worker exited with code %s; stopping", worker.returncode)
                 break
-        engine.stop()
-        server.stop(grace=2).wait()
+        shutdown(engine, server, args.shutdown_timeout)
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

@@ -42,7 +42,8 @@ def hash_block(parent: bytes | None, tokens: tuple[int, ...], salt: str = "") ->
 
 class BlockPool:
     def __init__(self, num_blocks: int, free_ids: list[int] | None = None, refs: dict[int, int] | None = None,
-                 cached: dict[int, tuple[bytes, tuple[int, ...]]] | None = None, evictable: list[int] | None = None):
+                 cached: dict[int, tuple[bytes, tuple[int, ...]]] | None = None,
+                 evictable: list[int] | dict[int, int] | None = None):
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         for b, n in (refs or {}).items():
@@ -54,9 +55,15 @@ class BlockPool:
             self.block_hash[b] = h
             self.block_tokens[b] = toks
             self.index.setdefault(h, b)
-        # Evictable blocks in LRU order, each with the tick at which it became evictable (persisted).
-        self.evictable: OrderedDict[int, int] = OrderedDict((b, i + 1) for i, b in enumerate(evictable or []))
-        self.lru_tick = len(self.evictable)
+        # Evictable blocks in LRU order, each with the tick at which it became evictable (persisted). `evictable`
+        # is a list in LRU order, or block -> stored tick: new ticks must continue above the stored ones, or a
+        # block freed after a reload would sort before older blocks in the ledger.
+        if isinstance(evictable, dict):
+            order = sorted(evictable.items(), key=lambda kv: kv[1])
+        else:
+            order = [(b, i + 1) for i, b in enumerate(evictable or [])]
+        self.evictable: OrderedDict[int, int] = OrderedDict(order)
+        self.lru_tick = max(self.evictable.values(), default=0)
         if free_ids is None:
             free_ids = [b for b in range(num_blocks) if self.ref_counts[b] == 0 and b not in self.evictable]
         self.free: deque[int] = deque(free_ids)  # never used, or used without a hash

@@ -83,6 +83,7 @@ class Engine:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.ready = threading.Event()  # leader with a live worker
+        self.draining = threading.Event()  # shutting down: no new requests
         self.on_ready_change = lambda ready: None
         # Engine-thread state.
         self.token: int | None = None
@@ -113,6 +114,30 @@ class Engine:
         self.wake.set()
         self.thread.join(timeout=30)
 
+    def drain(self, timeout: float) -> int:
+        """Stop admitting; let requests in flight finish for up to `timeout` seconds, then abort the rest.
+        Returns how many were aborted. With timeout 0 nothing is aborted: the requests stay in Redis and the next
+        leader resumes them (clients re-attach by request id)."""
+        self.draining.set()
+        self.on_ready_change(False)
+        if timeout <= 0:
+            return 0
+        deadline = time.monotonic() + timeout
+
+        def unfinished() -> list[str]:
+            with self.lock:
+                return [rid for rid, p in self.published.items() if p.finish_reason is None]
+
+        while unfinished() and time.monotonic() < deadline and self.token is not None:
+            time.sleep(0.1)
+        left = unfinished()
+        for rid in left:
+            self.abort(rid, FINISH_ABORT)
+        end = time.monotonic() + 10
+        while unfinished() and time.monotonic() < end and self.token is not None:
+            time.sleep(0.05)  # the aborts are committed at the next iteration boundary
+        return len(left)
+
     def lookup(self, rid: str) -> Published | None:
         with self.lock:
             pub = self.published.get(rid)
@@ -130,6 +155,9 @@ class Engine:
     def submit(self, reqs: list[Request]) -> list[Published]:
         """Queue the sequences of one request (n > 1: siblings fork from the first), or return the existing ones."""
         with self.lock:
+            if self.draining.is_set():
+                raise SubmitError(grpc.StatusCode.UNAVAILABLE, "this scheduler is shutting down (draining); "
+                                  "retry on another scheduler or after the restart")
             if not self.ready.is_set():
                 raise SubmitError(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
                                   "(or it is a standby); retry shortly")
@@ -182,7 +210,7 @@ class Engine:
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready.is_set():
             (self.ready.set if ready else self.ready.clear)()
-            self.on_ready_change(ready)
+            self.on_ready_change(ready and not self.draining.is_set())
 
     def _step_down(self) -> None:
         self._set_ready(False)
@@ -448,6 +476,8 @@ class Engine:
             self._worker_failed(e, StepSchedule())
             return
         if info.epoch != self.worker_info.epoch:
+            # A restarted worker (new epoch): its KV is gone, and with it every cached block.
+            self.pool.drop_all_hashes()
             self.worker_info = info
             self.ledger.set_worker(self.token, self.cfg.worker_address, info.epoch,
                                    {"model": info.model.name, "num_blocks": info.num_blocks})

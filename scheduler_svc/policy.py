@@ -129,6 +129,9 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
             out.preempted.append(victim)
             if victim is req:
                 break
+            # The victim may have shared a block req was going to copy: if req now holds it alone, no copy.
+            shared = _shared_blocks_written(req, n, pool, cfg.block_size)
+            need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) + len(shared)
         if req.status != Status.RUNNING:
             continue  # req itself was the victim; `running[i]` is now the next request
         if shared:

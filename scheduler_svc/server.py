@@ -223,6 +223,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=None)
     g.add_argument("--lease-ttl-ms", type=int, default=5000)
     g.add_argument("--debug-invariants", action="store_true", help="check the block ledger after every step")
+    g.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before aborting them; 0 hands them "
+                        "over to the next scheduler (they stay in Redis, clients re-attach)")
     g.add_argument("--tokenizer", default=None, help="GGUF or HF directory for the tokenizer (default: the model)")
 
 
@@ -307,5 +310,15 @@ def serve(args: argparse.Namespace) -> None:
     # runs Python code again; an untimed wait could sleep through SIGTERM (seen: a scheduler ignoring it for 12 min).
     while not stop.wait(0.5):
         pass
+    shutdown(engine, server, args.shutdown_timeout)
+
+
+def shutdown(engine: Engine, server: grpc.Server, timeout: float) -> None:
+    """Graceful drain: NOT_SERVING and no admission at once, in-flight requests finish (up to `timeout`), the rest
+    are aborted; with timeout 0 they are left in Redis for the next leader (streams end UNAVAILABLE)."""
+    log.info("draining (shutdown timeout %gs)", timeout)
+    aborted = engine.drain(timeout)
+    if aborted:
+        log.warning("aborted %d requests still running after --shutdown-timeout %gs", aborted, timeout)
     engine.stop()
     server.stop(grace=2).wait()

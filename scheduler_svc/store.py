@@ -242,7 +242,7 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   reqs[#reqs + 1] = redis.call('GET', ARGV[1] .. 'out:' .. rid) or ''
 end
 return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]), reqs,
-        redis.call('ZRANGE', ARGV[1] .. 'evict', 0, -1), redis.call('HGETALL', ARGV[1] .. 'bhash')}
+        redis.call('ZRANGE', ARGV[1] .. 'evict', 0, -1, 'WITHSCORES'), redis.call('HGETALL', ARGV[1] .. 'bhash')}
 """
 
 
@@ -457,7 +457,7 @@ class RedisLedger:
             h, toks = v.split("|")
             cached[int(b)] = (bytes.fromhex(h), tuple(_parse_ints(toks)))
         pool = BlockPool(int(meta["num_blocks"]), free_ids=sorted(int(b) for b in free), refs=refs, cached=cached,
-                         evictable=[int(b) for b in evict])
+                         evictable={int(evict[i]): int(float(evict[i + 1])) for i in range(0, len(evict), 2)})
         return LoadedState(requests=requests, pool=pool, step_id=int(meta.get("step_id", 0)),
                            arrival_seq=int(meta.get("arrival_seq", 0)), meta=meta)
 
