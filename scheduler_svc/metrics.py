@@ -38,51 +38,66 @@ class Metrics:
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", L,
                                    registry=r)
         self._last_token_time: dict[str, float] = {}
+        self._tokens_this_step = 0
+        self.set_model_name(model_name)
 
     def set_model_name(self, name: str) -> None:
+        """Bind every metric's label once: `labels()` per token would cost more than the observation."""
         self.model_name = name
+        m = {"model_name": name}
+        self.c_running, self.c_waiting, self.c_kv = (g.labels(**m) for g in (self.running, self.waiting,
+                                                                              self.kv_usage))
+        self.c_preempt, self.c_prompt, self.c_gen = (c.labels(**m) for c in (self.preemptions, self.prompt_tokens,
+                                                                             self.generation_tokens))
+        self.c_ttft, self.c_itl, self.c_e2e, self.c_queue, self.c_iter = (
+            h.labels(**m) for h in (self.ttft, self.itl, self.e2e, self.queue, self.iteration_tokens))
+        self.c_prefix_q, self.c_prefix_h = self.prefix_queries.labels(**m), self.prefix_hits.labels(**m)
+        self.c_success: dict[str, Counter] = {}
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
-    def _l(self):
-        return {"model_name": self.model_name}
-
     def preempted(self, n: int) -> None:
         if n:
-            self.preemptions.labels(**self._l()).inc(n)
+            self.c_preempt.inc(n)
 
     def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         if queried_tokens:
-            self.prefix_queries.labels(**self._l()).inc(queried_tokens)
-            self.prefix_hits.labels(**self._l()).inc(hit_tokens)
+            self.c_prefix_q.inc(queried_tokens)
+            self.c_prefix_h.inc(hit_tokens)
 
     def request_scheduled(self, req: Request, now: float) -> None:
-        self.queue.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
+        self.c_queue.observe(max(0.0, now - req.arrival_time))
 
     def token_generated(self, req: Request, now: float) -> None:
-        self.generation_tokens.labels(**self._l()).inc()
+        self._tokens_this_step += 1
         last = self._last_token_time.get(req.request_id)
         if last is None:
             if req.first_token_time is None:  # the first token of this request, not of a resumed one
-                self.ttft.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
+                self.c_ttft.observe(max(0.0, now - req.arrival_time))
         else:
-            self.itl.labels(**self._l()).observe(now - last)
+            self.c_itl.observe(now - last)
         self._last_token_time[req.request_id] = now
 
     def request_finished(self, req: Request, now: float) -> None:
         self._last_token_time.pop(req.request_id, None)
-        self.success.labels(**self._l(), finished_reason=req.finish_reason or "unknown").inc()
-        self.e2e.labels(**self._l()).observe(max(0.0, now - req.arrival_time))
+        reason = req.finish_reason or "unknown"
+        if reason not in self.c_success:
+            self.c_success[reason] = self.success.labels(model_name=self.model_name, finished_reason=reason)
+        self.c_success[reason].inc()
+        self.c_e2e.observe(max(0.0, now - req.arrival_time))
 
     def step_done(self, sched, num_running: int, num_waiting: int, kv_usage: float) -> None:
-        labels = self._l()
-        self.running.labels(**labels).set(num_running)
-        self.waiting.labels(**labels).set(num_waiting)
-        self.kv_usage.labels(**labels).set(kv_usage)
-        self.iteration_tokens.labels(**labels).observe(sched.total_tokens)
+        self.c_running.set(num_running)
+        self.c_waiting.set(num_waiting)
+        self.c_kv.set(kv_usage)
+        self.c_iter.observe(sched.total_tokens)
+        if self._tokens_this_step:
+            self.c_gen.inc(self._tokens_this_step)
+            self._tokens_this_step = 0
         prefill = 0
         for r in sched.scheduled:  # called after num_computed_tokens advanced by this step
             before = r.num_computed_tokens - sched.num_tokens[r.request_id]
             prefill += max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - before)
-        self.prompt_tokens.labels(**labels).inc(prefill)
+        if prefill:
+            self.c_prompt.inc(prefill)

@@ -242,7 +242,9 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
                           scheduling_policy=args.scheduling_policy,
                           enable_prefix_caching=args.enable_prefix_caching)
-    client = redis.Redis.from_url(args.redis_url)
+    # Blocking pool: a burst of Generate calls that look up request ids waits for a connection instead of failing.
+    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64,
+                                                                               timeout=30))
     ledger = RedisLedger(client, namespace=args.namespace)
     cfg = EngineConfig(policy=policy, worker_address=args.worker_address,
                        max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
