@@ -10,6 +10,11 @@ if ROOT not in sys.path:
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+# Without a GPU the Triton kernels run in the interpreter; it must be chosen before triton is first imported
+# (transformers imports it too), and it stays on for the session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     # Before kernels.triton_attention is imported, and for the session: see tests/test_triton_attention.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton")
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402
+import triton  # noqa: E402, F401
 
 import kernels  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
@@ -24,8 +24,8 @@ from worker_svc.runner import ModelRunner, resolve_attention_backend  # noqa: E4
 from worker_svc.server import add_worker_args, runner_options  # noqa: E402
 
 if not torch.cuda.is_available() and not kernels.get_backend("triton").INTERPRET:
-    pytest.skip("kernels.triton_attention was imported without TRITON_INTERPRET=1 and there is no GPU",
-                allow_module_level=True)
+    raise RuntimeError("kernels.triton_attention was imported without TRITON_INTERPRET=1 and there is no GPU "
+                       "(tests/conftest.py sets it before any import)")
 
 NEW_TOKENS = 12
 
