@@ -258,7 +258,11 @@ class Engine:
         previous = self.worker.ExecuteStep(fence, timeout=30).previous_step_id
         self.step_id = fence.step_id
         self.reset_worker = False
-        if previous > state.step_id or self.previous_epoch != info.epoch:
+        # The cached blocks are valid only if this worker's KV is exactly what the ledger's last committed step left:
+        # a step it ran that Redis never saw (previous > step_id) may have overwritten cached blocks, and one that
+        # has not run the ledger's steps (previous < step_id: a restarted worker whose epoch the last leader recorded
+        # before its commit dropped the hashes) never computed them.
+        if previous != state.step_id or self.previous_epoch != info.epoch:
             self.pool.drop_all_hashes()
         with self.lock:
             for req in state.requests:
@@ -266,6 +270,9 @@ class Engine:
                 self.published[req.request_id] = Published(req, list(req.output_ids), [None] * len(req.output_ids))
         # The worker holds none of them now: requeue the running ones; their cached blocks make recompute cheap.
         self._requeue_running()
+        # Commit the fence step at once: the ledger's step_id then matches the worker's, so a next leader (this one
+        # killed before any other step) still trusts the cache instead of dropping it.
+        self._commit(StepSchedule(), {}, time.perf_counter(), 0.0)
         log.info("leading pool %s with token %d: %d running, %d waiting requests resumed", self.ledger.prefix,
                  token, len(self.running), len(self.waiting))
         self._set_ready(True)

@@ -614,8 +614,9 @@ def test_preemption_keeps_outputs_and_frees_every_block(cl):
 def test_full_queue_and_queue_timeout(cl):
     sched = cl.scheduler("queue")  # --max-num-seqs 1 --max-num-queued-requests 1 --queue-timeout 1
     stub = cl.stub(sched)
-    (ids_a, m_a), ids_b = PREEMPT[0], PREEMPT[1][0]
-    ref = cl.alone(sched, ids_a, m_a)  # cached by the preemption test on this worker
+    (ids_a, _), ids_b = PREEMPT[0], PREEMPT[1][0]
+    m_a = 150  # long enough that B outwaits the 1 s queue timeout behind it, however fast the worker is
+    ref = cl.alone(sched, ids_a, m_a)
     ledger = cluster.ledger(cl.redis_url, sched.namespace)
     rid_b = f"waits-{uuid.uuid4().hex[:6]}"
     events: dict[str, object] = {}
