@@ -38,6 +38,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     p.add_argument("--include-stop-str-in-output", action="store_true")
     p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="number of sequences to sample for the prompt")
+    p.add_argument("--cache-salt", default="", help="prefix-cache isolation key")
     p.add_argument("--retry-seconds", type=float, default=60.0,
                    help="how long to keep re-attaching while the server answers UNAVAILABLE (restart, fail-over)")
 
@@ -51,7 +53,9 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)
-    req = pb.GenerateRequest(request_id=args.request_id or uuid.uuid4().hex, sampling=s, priority=args.priority)
+    s.n = args.n
+    req = pb.GenerateRequest(request_id=args.request_id or uuid.uuid4().hex, sampling=s, priority=args.priority,
+                             cache_salt=args.cache_salt)
     if args.chat:
         if args.system:
             req.chat.messages.add(role="system", content=args.system)
@@ -64,26 +68,31 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 def generate(args: argparse.Namespace) -> int:
     req = build_request(args)
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
-    token_ids: list[int] = []
-    text: list[str] = []
-    finish = None
+    n = max(1, args.n)
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    text: list[list[str]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    usage: list[pb.Usage | None] = [None] * n
     deadline = None
-    while finish is None:
-        req.resume_from_token = len(token_ids)
+    while None in finish:
+        if n > 1:  # several sequences: re-attach from the start and rebuild them all
+            token_ids, text = [[] for _ in range(n)], [[] for _ in range(n)]
+        req.resume_from_token = len(token_ids[0]) if n == 1 else 0
         try:
             with grpc.insecure_channel(args.server) as channel:
                 for msg in pb_grpc.LLMServeStub(channel).Generate(req, metadata=metadata):
                     deadline = None
-                    token_ids.extend(msg.token_ids)
-                    text.append(msg.text)
+                    i = msg.index
+                    token_ids[i].extend(msg.token_ids)
+                    text[i].append(msg.text)
                     if args.json:
                         print(json.dumps(_as_dict(msg)), flush=True)
-                    else:
+                    elif n == 1:
                         sys.stdout.write(msg.text)
                         sys.stdout.flush()
                     if msg.finish_reason:
-                        finish = msg.finish_reason
-                        usage = msg.usage
+                        finish[i] = msg.finish_reason
+                        usage[i] = msg.usage
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 # The scheduler restarted or is failing over: re-attach by request id, from where we are.
@@ -96,17 +105,22 @@ def generate(args: argparse.Namespace) -> int:
                     continue
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+    summaries = [{"index": i, "token_ids": token_ids[i], "text": "".join(text[i]), "finish_reason": finish[i],
+                  "usage": {"prompt_tokens": usage[i].prompt_tokens, "completion_tokens": usage[i].completion_tokens}}
+                 for i in range(n)]
     if args.json:
-        print(json.dumps({"request_id": req.request_id, "token_ids": token_ids, "text": "".join(text),
-                          "finish_reason": finish, "usage": {"prompt_tokens": usage.prompt_tokens,
-                                                             "completion_tokens": usage.completion_tokens}}))
-    else:
+        final = {k: v for k, v in summaries[0].items() if k != "index"} if n == 1 else {"choices": summaries}
+        print(json.dumps({"request_id": req.request_id, **final}))
+    elif n == 1:
         print()
+    else:
+        for summary in summaries:
+            print(f"--- [{summary['index']}] ({summary['finish_reason']})\n{summary['text']}")
     return 0
 
 
 def _as_dict(msg: pb.GenerateResponse) -> dict:
-    d = {"request_id": msg.request_id, "text": msg.text, "token_ids": list(msg.token_ids)}
+    d = {"request_id": msg.request_id, "index": msg.index, "text": msg.text, "token_ids": list(msg.token_ids)}
     if msg.logprobs:
         d["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
                           "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in msg.logprobs]
