@@ -30,6 +30,22 @@ def _generate(args: argparse.Namespace) -> None:
     sys.exit(generate(args))
 
 
+def _health(args: argparse.Namespace) -> None:
+    """grpc.health.v1 check for container health checks: exit 0 when SERVING, 1 otherwise."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                             timeout=args.timeout)
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.RpcError as e:
+            status = e.code().name
+    print(status)
+    sys.exit(0 if status == "SERVING" else 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from llmserve.client import add_generate_args
     from scheduler_svc.server import add_scheduler_args
@@ -38,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="Paged-attention LLM serving over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="redis-server + worker + scheduler in one command (bundled model by default)")
+    # conflict_handler: the scheduler's and the worker's groups both define --worker-token.
+    s = sub.add_parser("serve", conflict_handler="resolve",
+                       help="redis-server + worker + scheduler in one command (bundled model by default)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051)
     add_scheduler_args(s)
@@ -56,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=50061, help="0 picks a free port")
     add_worker_args(w)
     w.set_defaults(func=_worker)
+
+    h = sub.add_parser("health", help="grpc.health.v1 check of a scheduler or worker: exit 0 when SERVING")
+    h.add_argument("--address", default="127.0.0.1:50051")
+    h.add_argument("--service", default="", help="service name (default: the whole server)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=_health)
 
     g = sub.add_parser("generate", help="stream a generation from a running server")
     add_generate_args(g)

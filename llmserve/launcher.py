@@ -48,7 +48,7 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
 
 
 WORKER_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization",
-                "num_gpu_blocks_override", "max_model_len")
+                "num_gpu_blocks_override", "max_model_len", "worker_token")
 
 
 def worker_argv(args: argparse.Namespace, port: int) -> list[str]:
@@ -57,6 +57,8 @@ def worker_argv(args: argparse.Namespace, port: int) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
+    if getattr(args, "otlp_traces_endpoint", None):  # the OTEL_* variables reach the worker through its environment
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     return argv
 
 
@@ -73,10 +75,12 @@ def start_worker(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
 
 
 def serve(args: argparse.Namespace) -> None:
+    from llmserve import tracing
     from scheduler_svc.server import build_server, check_flags, scheduler_from_args, shutdown
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     check_flags(args)
+    tracing.setup("llmserve-scheduler", args.otlp_traces_endpoint)
     procs: list[subprocess.Popen] = []
     workdir = tempfile.mkdtemp(prefix="llmserve-")
     try:
@@ -92,8 +96,12 @@ def serve(args: argparse.Namespace) -> None:
             engine.metrics.serve(args.metrics_port)
         server.start()
         engine.start()
-        if not engine.ready.wait(timeout=120):
-            raise SystemExit("the scheduler did not take the pool within 120 s")
+        deadline = time.monotonic() + 120
+        while not engine.ready.wait(timeout=0.5):
+            if engine.fatal:
+                raise SystemExit(f"scheduler: {engine.fatal}")
+            if time.monotonic() > deadline:
+                raise SystemExit("the scheduler did not take the pool within 120 s")
         info = engine.worker_info
         print(f"llmserve ready on {args.host}:{port}: {info.model.name} on {info.device} ({info.dtype}), "
               f"{info.num_blocks} KV blocks of {info.block_size}, redis {args.redis_url}", flush=True)
@@ -105,6 +113,7 @@ def serve(args: argparse.Namespace) -> None:
                 log.error("the worker exited with code %s; stopping", worker.returncode)
                 break
         shutdown(engine, server, args.shutdown_timeout)
+        tracing.shutdown()
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from llmserve import tracing
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.block_pool import BlockPool
@@ -24,6 +25,8 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import PolicyConfig, StepSchedule, schedule
 from scheduler_svc.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Status
 from scheduler_svc.store import LeaseLost, RedisLedger, StepCommit
+from scheduler_svc.validation import ConfigError, check_limits
+from scheduler_svc.worker_auth import with_worker_token
 
 log = logging.getLogger("llmserve.scheduler")
 
@@ -43,6 +46,7 @@ class EngineConfig:
     debug_invariants: bool = False
     step_timeout: float = 600.0
     finished_ttl_s: int = 600
+    worker_token: str | None = None  # sent as `authorization: Bearer <token>` on every worker call
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Engine:
         self.stopping = threading.Event()
         self.ready = threading.Event()  # leader with a live worker
         self.draining = threading.Event()  # shutting down: no new requests
+        self.fatal: str | None = None  # settings that cannot work with this worker (the process exits)
         self.on_ready_change = lambda ready: None
         # Engine-thread state.
         self.token: int | None = None
@@ -194,6 +199,11 @@ class Engine:
                     self._become_leader()
                 else:
                     self._iteration()
+            except ConfigError as e:
+                log.error("%s", e)
+                self.fatal = str(e)
+                self.stopping.set()
+                break
             except LeaseLost:
                 log.warning("lost the lease on the pool; standing by")
                 self._step_down()
@@ -220,6 +230,10 @@ class Engine:
             for pub in self.published.values():
                 if pub.finish_reason is None:
                     pub.finish_reason = "unavailable"
+                if pub.request.span is not None:  # this process lost the request: close its span here
+                    pub.request.span.set_attribute("gen_ai.response.finish_reasons", ["unavailable"])
+                    pub.request.span.end()
+                    pub.request.span = None
             self.published.clear()
             self.inbox.clear()
             self.changed.notify_all()
@@ -283,12 +297,15 @@ class Engine:
         self.cfg.policy = replace(pol, block_size=info.block_size,
                                   max_num_batched_tokens=pol.max_num_batched_tokens or (8192 if gpu else 512),
                                   max_num_seqs=pol.max_num_seqs or (256 if gpu else 64))
+        check_limits(block_size=info.block_size, budget=self.cfg.policy.max_num_batched_tokens,
+                     max_model_len=info.max_model_len, chunked=pol.enable_chunked_prefill,
+                     budget_is_default=not pol.max_num_batched_tokens)
 
     def _connect_worker(self) -> wpb.WorkerInfo | None:
         """Describe the worker until it answers (renewing our lease meanwhile); record it in the registry."""
         channel = grpc.insecure_channel(self.cfg.worker_address, options=[
             ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
-        stub = wpb_grpc.WorkerStub(channel)
+        stub = wpb_grpc.WorkerStub(with_worker_token(channel, self.cfg.worker_token))
         last_log = 0.0
         while not self.stopping.is_set():
             try:
@@ -322,6 +339,8 @@ class Engine:
                     self.arrival_seq += 1
                     req.arrival_seq = self.arrival_seq
                     self.pending_new.append(req)
+                    if tracing.enabled:
+                        self._start_request_span(req)
                 self.waiting.append(first)
                 if siblings:
                     self.forks[first.request_id] = siblings
@@ -360,6 +379,8 @@ class Engine:
         req.finish_reason = reason
         self.pending_finished.append(req)
         self.metrics.request_finished(req, now)
+        if req.span is not None:
+            _end_request_span(req, now)
 
     def _iteration(self) -> None:
         now = time.time()
@@ -376,6 +397,7 @@ class Engine:
             self._ping_worker()
             return
         t0 = time.perf_counter()
+        t0_ns = time.time_ns() if tracing.enabled else 0
         sched = schedule(self.waiting, self.running, self.pool, self.cfg.policy)
         for req in sched.preempted:
             if req.on_worker:
@@ -392,9 +414,16 @@ class Engine:
             self.wake.clear()
             return
         plan = self._build_plan(sched)
+        span = self._start_iteration_span(sched, t0_ns) if tracing.enabled else None
         try:
-            result = self.worker.ExecuteStep(plan, timeout=self.cfg.step_timeout)
+            if span is None:
+                result = self.worker.ExecuteStep(plan, timeout=self.cfg.step_timeout)
+            else:
+                result = self._traced_execute(plan, span)
         except grpc.RpcError as e:
+            if span is not None:
+                span.set_attribute("llmserve.worker.error", e.code().name)
+                span.end()
             self._worker_failed(e, sched)
             return
         worker_time = result.prepare_seconds + result.forward_seconds + result.sample_seconds
@@ -422,11 +451,78 @@ class Engine:
             self.metrics.token_generated(req, now)
             if req.first_token_time is None:
                 req.first_token_time = now
+                if req.span is not None:
+                    req.span.add_event("first token", timestamp=int(now * 1e9))
             if tok.finish_reason:
                 req.on_worker = False  # the worker forgot it already
                 self._finish(req, _WORKER_FINISH[tok.finish_reason], now)
         self._commit(sched, appended, t0, worker_time)
         self.metrics.step_done(sched, len(self.running), len(self.waiting), self.pool.usage)
+        if span is not None:
+            self._end_iteration_span(span, sched)
+
+    # ---- tracing (called only while tracing.enabled) ------------------------------------------------------------
+
+    def _start_request_span(self, req: Request) -> None:
+        s = req.sampling
+        model = self.worker_info.model.name if self.worker_info is not None else ""
+        attrs = {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
+                 "gen_ai.request.max_tokens": s.max_tokens, "llmserve.request_id": req.request_id,
+                 "gen_ai.usage.input_tokens": req.num_prompt_tokens, "gen_ai.request.temperature": s.temperature,
+                 "gen_ai.request.top_p": s.top_p}
+        req.span = tracing.tracer.start_span(f"text_completion {model}".strip(), context=req.trace_context,
+                                             start_time=int(req.arrival_time * 1e9), attributes=attrs)
+
+    def _start_iteration_span(self, sched: StepSchedule, t0_ns: int):
+        prefill = decode = 0
+        for req in sched.scheduled:
+            n = sched.num_tokens[req.request_id]
+            if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and req.output_ids:
+                decode += 1
+            else:
+                prefill += n
+        span = tracing.tracer.start_span("llmserve.iteration", start_time=t0_ns, attributes={
+            "llmserve.step.id": self.step_id, "llmserve.step.prefill_tokens": prefill,
+            "llmserve.step.decode_seqs": decode, "llmserve.step.scheduled_seqs": len(sched.scheduled),
+            "llmserve.step.preemptions": len(sched.preempted), "llmserve.step.tokens": sched.total_tokens,
+            "llmserve.step.token_budget": self.cfg.policy.max_num_batched_tokens})
+        now_ns = time.time_ns()
+        for req in sched.admitted:
+            if req.span is not None:
+                req.span.add_event("scheduled", {"llmserve.step.id": self.step_id,
+                                                 "llmserve.cached_tokens": req.num_cached_tokens}, now_ns)
+        for req in sched.preempted:
+            if req.span is not None:
+                req.span.add_event("preempted", {"llmserve.step.id": self.step_id}, now_ns)
+        return span
+
+    def _traced_execute(self, plan: wpb.StepPlan, parent) -> wpb.StepResult:
+        from opentelemetry.trace import SpanKind
+
+        span = tracing.tracer.start_span("llmserve.worker/ExecuteStep", context=tracing.context_with(parent),
+                                         kind=SpanKind.CLIENT, attributes={"rpc.system": "grpc",
+                                                                           "rpc.service": "llmserve.worker.v1.Worker",
+                                                                           "rpc.method": "ExecuteStep",
+                                                                           "llmserve.step.id": plan.step_id})
+        try:
+            result = self.worker.ExecuteStep(plan, timeout=self.cfg.step_timeout, metadata=tracing.inject(span))
+        except grpc.RpcError as e:
+            span.set_attribute("rpc.grpc.status_code", e.code().value[0])
+            raise
+        finally:
+            span.end()
+        parent.set_attributes({"llmserve.worker.prepare_seconds": result.prepare_seconds,
+                               "llmserve.worker.forward_seconds": result.forward_seconds,
+                               "llmserve.worker.sample_seconds": result.sample_seconds})
+        return result
+
+    def _end_iteration_span(self, span, sched: StepSchedule) -> None:
+        stats = self.step_stats[-1] if self.step_stats else None
+        span.set_attributes({"llmserve.num_running": len(self.running), "llmserve.num_waiting": len(self.waiting),
+                             "llmserve.kv.free_blocks": self.pool.num_free,
+                             "llmserve.kv.used_blocks": self.pool.num_used,
+                             "llmserve.redis.commit_seconds": stats.commit if stats is not None else 0.0})
+        span.end()
 
     def _release_forks(self, first: Request) -> None:
         """Siblings that can no longer fork from `first` queue on their own (the prefix cache still helps)."""
@@ -578,3 +674,16 @@ class Engine:
     def _oldest_is_finished(self) -> bool:
         oldest = next(iter(self.published.values()))
         return oldest.finish_reason is not None
+
+
+def _end_request_span(req: Request, now: float) -> None:
+    span, req.span = req.span, None
+    attrs = {"gen_ai.usage.input_tokens": req.num_prompt_tokens, "gen_ai.usage.output_tokens": len(req.output_ids),
+             "gen_ai.response.finish_reasons": [req.finish_reason or "unknown"],
+             "llmserve.num_preemptions": req.num_preemptions}
+    if req.first_token_time is not None:
+        attrs["gen_ai.latency.time_to_first_token"] = max(0.0, req.first_token_time - req.arrival_time)
+    if req.scheduled_time is not None:
+        attrs["gen_ai.latency.time_in_queue"] = max(0.0, req.scheduled_time - req.arrival_time)
+    span.set_attributes(attrs)
+    span.end(end_time=int(now * 1e9))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from protos import worker_pb2 as wpb
 from scheduler_svc.block_pool import hash_block
@@ -50,6 +51,9 @@ class Request:
     # Worker protocol bookkeeping (not persisted: a new scheduler resumes everything anyway).
     on_worker: bool = False  # the worker holds this request's state
     needs_resume: bool = False  # the worker must rebuild it from the full token list
+    # Tracing (never persisted): the caller's W3C context from Generate, and this request's open span.
+    trace_context: Any = field(default=None, repr=False, compare=False)
+    span: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve import tracing
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.admission import (
@@ -31,6 +32,8 @@ from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.validation import ConfigError, check_limits
+from worker_svc.server import add_worker_token_arg
 
 log = logging.getLogger("llmserve.scheduler")
 
@@ -112,7 +115,12 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
                 limits = self.limits()
                 ids = prompt_ids(request, self.tokenizer(), limits)
                 rid = request.request_id or uuid.uuid4().hex
-                pubs = engine.submit(build_requests(request, ids, limits, rid))
+                reqs = build_requests(request, ids, limits, rid)
+                if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis
+                    parent = tracing.extract(context.invocation_metadata())
+                    for req in reqs:
+                        req.trace_context = parent
+                pubs = engine.submit(reqs)
         except (AdmissionError, SubmitError) as e:
             context.abort(e.code, str(e))
         yield from self._stream(request.request_id or pubs[0].request.request_id, pubs, request.resume_from_token,
@@ -227,6 +235,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them; 0 hands them "
                         "over to the next scheduler (they stay in Redis, clients re-attach)")
     g.add_argument("--tokenizer", default=None, help="GGUF or HF directory for the tokenizer (default: the model)")
+    tracing.add_otlp_arg(g)
+    add_worker_token_arg(g)
 
 
 def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
@@ -248,7 +258,8 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
     ledger = RedisLedger(client, namespace=args.namespace)
     cfg = EngineConfig(policy=policy, worker_address=args.worker_address,
                        max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
-                       lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants)
+                       lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants,
+                       worker_token=args.worker_token)
     return Engine(cfg, ledger, Metrics()), ledger
 
 
@@ -282,20 +293,26 @@ def build_server(engine: Engine, address: str, api_key: str | None = None,
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Incompatible combinations fail at start-up, naming both flags."""
-    if (not args.enable_chunked_prefill and args.max_num_batched_tokens and getattr(args, "max_model_len", None)
-            and args.max_num_batched_tokens < args.max_model_len):
-        raise SystemExit(f"--no-enable-chunked-prefill needs --max-num-batched-tokens "
-                         f"({args.max_num_batched_tokens}) >= --max-model-len ({args.max_model_len}): "
-                         "a whole prompt must fit one step")
+    """Incompatible combinations fail at start-up, naming the flags and the values. The block size and
+    max-model-len are checked here when they are flags of this command (`llmserve serve`), otherwise once the
+    worker has described itself (Engine._size_policy)."""
+    for flag in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.long_prefill_token_threshold and not args.enable_chunked_prefill:
         raise SystemExit("--long-prefill-token-threshold only applies with --enable-chunked-prefill; "
                          "drop one of them")
+    try:
+        check_limits(block_size=getattr(args, "block_size", None), budget=args.max_num_batched_tokens,
+                     max_model_len=getattr(args, "max_model_len", None), chunked=args.enable_chunked_prefill)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
 
 
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     check_flags(args)
+    tracing.setup("llmserve-scheduler", args.otlp_traces_endpoint)
     engine, _ = scheduler_from_args(args)
     server, port, _ = build_server(engine, f"{args.host}:{args.port}", args.api_key, args.tokenizer)
     if args.metrics_port is not None:
@@ -311,8 +328,12 @@ def serve(args: argparse.Namespace) -> None:
     # A timed wait: a signal that lands on another thread sets only a flag, which the main thread acts on when it
     # runs Python code again; an untimed wait could sleep through SIGTERM (seen: a scheduler ignoring it for 12 min).
     while not stop.wait(0.5):
-        pass
+        if engine.fatal:
+            break
     shutdown(engine, server, args.shutdown_timeout)
+    tracing.shutdown()
+    if engine.fatal:
+        raise SystemExit(f"scheduler: {engine.fatal}")
 
 
 def shutdown(engine: Engine, server: grpc.Server, timeout: float) -> None:

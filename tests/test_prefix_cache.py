@@ -198,7 +198,8 @@ class Cluster:
 
     def start(self) -> None:
         pending = {"main": cluster.start_worker([*WORKER_ARGS, "--num-gpu-blocks-override", MAIN_BLOCKS], wait=False),
-                   "small": cluster.start_worker([*WORKER_ARGS, "--num-gpu-blocks-override", SMALL_BLOCKS],
+                   "small": cluster.start_worker([*WORKER_ARGS, "--num-gpu-blocks-override", SMALL_BLOCKS,
+                                                         "--allow-kv-pool-below-max-model-len"],
                                                  wait=False)}
         self.procs += pending.values()
         from scheduler_svc.tokenizer import Tokenizer

@@ -51,7 +51,8 @@ API_KEY = "s3cret-key"
 
 WORKERS = {
     "main": ["--num-gpu-blocks-override", MAIN_BLOCKS, "--max-model-len", MAX_MODEL_LEN],
-    "small": ["--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN],
+    "small": ["--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN,
+              "--allow-kv-pool-below-max-model-len"],
 }
 _COMMON = ["--max-num-batched-tokens", BATCH_TOKENS, "--debug-invariants"]
 # name -> (worker, scheduler flags); "--metrics-port" is added to every one.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from llmserve import tracing
 from protos import worker_pb2 as pb
 from worker_svc import kv_cache
 from worker_svc.batch import BatchLimits, PersistentBatch, RequestState, ScheduledChunk
@@ -171,6 +172,8 @@ class ModelRunner:
             result.tokens.extend(self._sample(logits, samplers))
         t3 = time.perf_counter()
         result.prepare_seconds, result.forward_seconds, result.sample_seconds = t1 - t0, t2 - t1, t3 - t2
+        if tracing.enabled:
+            _trace_phases(plan, chunks, len(samplers), t0, t1, t2, t3)
         return result
 
     def _prepare(self, chunks: list[ScheduledChunk]):
@@ -223,6 +226,18 @@ class ModelRunner:
         if (p.max_tokens and n_out >= p.max_tokens) or len(s.token_ids) >= self.max_model_len:
             return "length"
         return None
+
+
+def _trace_phases(plan: pb.StepPlan, chunks: list[ScheduledChunk], num_sampled: int, *t: float) -> None:
+    """Child spans of the current (ExecuteStep) span for the three phases, from the perf_counter marks taken anyway
+    (no tracing work inside the step itself)."""
+    offset = time.time_ns() - time.perf_counter_ns()
+    ns = [offset + int(x * 1e9) for x in t]
+    attrs = ({"llmserve.step.id": plan.step_id, "llmserve.num_tokens": sum(c.length for c in chunks),
+              "llmserve.num_seqs": len(chunks)}, {"llmserve.step.id": plan.step_id},
+             {"llmserve.step.id": plan.step_id, "llmserve.num_sampled": num_sampled})
+    for i, name in enumerate(("llmserve.worker.prepare_inputs", "llmserve.worker.forward", "llmserve.worker.sample")):
+        tracing.tracer.start_span(name, start_time=ns[i], attributes=attrs[i]).end(end_time=ns[i + 1])
 
 
 def config_summary(cfg: ModelConfig) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
@@ -13,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve import tracing
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
@@ -36,11 +38,53 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self.runner.describe()
 
     def ExecuteStep(self, plan: pb.StepPlan, context):
+        if tracing.enabled:
+            return self._traced_execute(plan, context)
         with self.lock:
             try:
                 return self.runner.execute(plan)
             except PlanError as e:
                 context.abort(e.code, str(e))
+
+    def _traced_execute(self, plan: pb.StepPlan, context):
+        """ExecuteStep as a server span continuing the scheduler's trace (W3C context in the metadata)."""
+        from opentelemetry import trace
+
+        with tracing.tracer.start_as_current_span(
+                "llmserve.worker.v1.Worker/ExecuteStep", context=tracing.extract(context.invocation_metadata()),
+                kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "llmserve.step.id": plan.step_id}):
+            with self.lock:
+                try:
+                    return self.runner.execute(plan)
+                except PlanError as e:
+                    context.abort(e.code, str(e))
+
+
+class WorkerTokenInterceptor(grpc.ServerInterceptor):
+    """Every call except health checks needs `authorization: Bearer <--worker-token>` (the scheduler sends it)."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token: the scheduler must be "
+                          "started with the same --worker-token as this worker")
+
+        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        if dict(details.invocation_metadata).get("authorization") == self.expected:
+            return continuation(details)
+        return self.deny
+
+
+def add_worker_token_arg(g) -> None:
+    """--worker-token, shared by the worker and the scheduler (the environment keeps it out of `ps`)."""
+    g.add_argument("--worker-token", default=os.environ.get("LLMSERVE_WORKER_TOKEN") or None,
+                   help="shared secret every scheduler->worker call carries and the worker checks "
+                        "(default: $LLMSERVE_WORKER_TOKEN; unset = no check)")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +99,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="paged-attention kernels: auto = triton on CUDA, torch on CPU")
+    tracing.add_otlp_arg(g)
+    add_worker_token_arg(g)
+    g.add_argument("--allow-kv-pool-below-max-model-len", action="store_true",
+                   help="start even if the KV pool cannot hold one --max-model-len sequence (such requests are "
+                        "then refused at admission; for tests and tiny pools)")
 
 
 def runner_options(args: argparse.Namespace) -> RunnerOptions:
@@ -71,9 +120,9 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
     )
 
 
-def build_server(runner: ModelRunner, address: str) -> tuple[grpc.Server, int]:
+def build_server(runner: ModelRunner, address: str, token: str | None = None) -> tuple[grpc.Server, int]:
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
+        futures.ThreadPoolExecutor(max_workers=8), interceptors=[WorkerTokenInterceptor(token)] if token else [],
         options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
@@ -94,8 +143,16 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from worker_svc.runner import ModelRunner, config_summary
 
+    tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
     runner = ModelRunner(runner_options(args))
-    server, port = build_server(runner, f"{args.host}:{args.port}")
+    if args.max_model_len is not None and not args.allow_kv_pool_below_max_model_len:
+        from scheduler_svc.validation import ConfigError, check_pool
+
+        try:
+            check_pool(max_model_len=runner.max_model_len, num_blocks=runner.num_blocks, block_size=runner.block_size)
+        except ConfigError as e:
+            raise SystemExit(f"worker: {e}") from None
+    server, port = build_server(runner, f"{args.host}:{args.port}", args.worker_token)
     server.start()
     info = runner.describe()
     log.info("worker ready on %s:%d — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
@@ -109,3 +166,4 @@ def serve(args: argparse.Namespace) -> None:
         pass
     # Let the step in flight finish, then go.
     server.stop(grace=5).wait()
+    tracing.shutdown()

@@ -1,0 +1,74 @@
+"""Start-up validation with real processes: impossible settings exit non-zero with a message naming the flags
+and the values."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import cluster
+from tests.redis_fixture import redis_server  # noqa: F401
+
+pytest_plugins = ("tests.cluster",)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_fails(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    for n in needles:
+        assert n in out, f"{n!r} not in:\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("argv,needles", [
+    # budget smaller than the block size (both are flags of `serve`)
+    (["--max-num-batched-tokens", 8, "--block-size", 16],
+     ["--max-num-batched-tokens", "(8)", "--block-size", "(16)"]),
+    # chunked prefill off with a budget below max-model-len
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", 256, "--max-model-len", 512],
+     ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "(256)", "--max-model-len", "(512)"]),
+    # a block size the kernels cannot use
+    (["--block-size", 12], ["--block-size", "power of two", "12"]),
+    (["--long-prefill-token-threshold", 64, "--no-enable-chunked-prefill"],
+     ["--long-prefill-token-threshold", "--enable-chunked-prefill"]),
+])
+def test_serve_refuses_impossible_flags(argv, needles):
+    assert_fails(run_cli("serve", "--redis-url", "redis://127.0.0.1:1/0", "--port", 0, *argv, timeout=60), *needles)
+
+
+def test_scheduler_refuses_impossible_flags():
+    assert_fails(run_cli("scheduler", "--redis-url", "redis://127.0.0.1:1/0", "--no-enable-chunked-prefill",
+                         "--long-prefill-token-threshold", 8), "--long-prefill-token-threshold")
+    assert_fails(run_cli("scheduler", "--redis-url", "redis://127.0.0.1:1/0", "--max-num-batched-tokens", 0),
+                 "--max-num-batched-tokens", "0")
+
+
+def test_worker_refuses_max_model_len_above_pool():
+    proc = run_cli("worker", "--port", 0, "--device", "cpu", "--num-gpu-blocks-override", 8, "--max-model-len", 512)
+    assert_fails(proc, "--max-model-len (512)", "128 tokens", "--num-gpu-blocks-override", "--kv-cache-memory")
+    assert_fails(run_cli("worker", "--port", 0, "--block-size", 24), "--block-size", "24")
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = cluster.start_worker(["--device", "cpu", "--num-gpu-blocks-override", "64", "--max-model-len", "512"])
+    yield w
+    cluster.stop_all()
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--max-num-batched-tokens", 8], ["--max-num-batched-tokens", "(8)", "--block-size (16)"]),
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", 100],
+     ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "(100)", "--max-model-len (512)"]),
+])
+def test_scheduler_exits_when_the_worker_makes_the_flags_impossible(redis_server, worker, argv, needles):  # noqa: F811
+    """A standalone scheduler learns the block size and max-model-len from the worker's Describe."""
+    proc = run_cli("scheduler", "--host", "127.0.0.1", "--port", 0, "--redis-url", redis_server, "--namespace",
+                   cluster.new_namespace("val"), "--worker-address", worker.address, *argv)
+    assert_fails(proc, *needles)
