@@ -49,18 +49,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scheduler_overhead import percentile  # noqa: E402
+
 BLOCK_SIZE = 16
 LISTENING = re.compile(r"LLMSERVE_SCHEDULER_LISTENING port=(\d+)")
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def median(xs: list[float]) -> float:
