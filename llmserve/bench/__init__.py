@@ -1,0 +1,1 @@
+"""`llmserve bench`: load generator, Hugging Face baselines, sweeps and the KV-waste report."""
