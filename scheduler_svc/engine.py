@@ -8,6 +8,7 @@ leader reloads the mirror from Redis and resumes the running requests on the wor
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ class EngineConfig:
     step_timeout: float = 600.0
     finished_ttl_s: int = 600
     worker_token: str | None = None  # sent as `authorization: Bearer <token>` on every worker call
+    step_log: str | None = None  # JSONL path: one line per executed step (benchmarks, tests)
 
 
 @dataclass
@@ -107,6 +109,7 @@ class Engine:
         self.forks: dict[str, list[Request]] = {}  # first sequence id -> siblings waiting for its prompt KV
         self.previous_epoch: str | None = None
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
+        self.step_log = open(cfg.step_log, "a", buffering=1) if cfg.step_log else None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- called from gRPC threads ---------------------------------------------------------------------------
@@ -118,6 +121,8 @@ class Engine:
         self.stopping.set()
         self.wake.set()
         self.thread.join(timeout=30)
+        if self.step_log is not None and not self.thread.is_alive():
+            self.step_log.close()
 
     def drain(self, timeout: float) -> int:
         """Stop admitting; let requests in flight finish for up to `timeout` seconds, then abort the rest.
@@ -294,11 +299,17 @@ class Engine:
     def _size_policy(self, info: wpb.WorkerInfo) -> None:
         """Fill the policy's unset limits from the worker: a smaller token budget on CPU than on a GPU."""
         pol, gpu = self.cfg.policy, info.device.startswith("cuda")
+        # Static and naive batches prefill whole prompts whatever the budget, so only continuous mode without
+        # chunking needs a budget that holds a whole prompt (vLLM's default then: at least max-model-len).
+        whole_prompts_in_budget = pol.scheduling_mode == "continuous" and not pol.enable_chunked_prefill
+        default_budget = 8192 if gpu else 512
+        if whole_prompts_in_budget:
+            default_budget = max(default_budget, info.max_model_len)
         self.cfg.policy = replace(pol, block_size=info.block_size,
-                                  max_num_batched_tokens=pol.max_num_batched_tokens or (8192 if gpu else 512),
+                                  max_num_batched_tokens=pol.max_num_batched_tokens or default_budget,
                                   max_num_seqs=pol.max_num_seqs or (256 if gpu else 64))
         check_limits(block_size=info.block_size, budget=self.cfg.policy.max_num_batched_tokens,
-                     max_model_len=info.max_model_len, chunked=pol.enable_chunked_prefill,
+                     max_model_len=info.max_model_len, chunked=not whole_prompts_in_budget,
                      budget_is_default=not pol.max_num_batched_tokens)
 
     def _connect_worker(self) -> wpb.WorkerInfo | None:
@@ -458,8 +469,18 @@ class Engine:
                 self._finish(req, _WORKER_FINISH[tok.finish_reason], now)
         self._commit(sched, appended, t0, worker_time)
         self.metrics.step_done(sched, len(self.running), len(self.waiting), self.pool.usage)
+        if self.step_log is not None:
+            self._log_step(sched, now)
         if span is not None:
             self._end_iteration_span(span, sched)
+
+    def _log_step(self, sched: StepSchedule, now: float) -> None:
+        record = {"step": self.step_id, "time": now, "mode": self.cfg.policy.scheduling_mode,
+                  "scheduled": sched.num_tokens, "admitted": [r.request_id for r in sched.admitted],
+                  "preempted": [r.request_id for r in sched.preempted],
+                  "finished": [r.request_id for r in sched.scheduled if r.finished],
+                  "running": len(self.running), "waiting": len(self.waiting), "kv_usage": self.pool.usage}
+        self.step_log.write(json.dumps(record) + "\n")
 
     # ---- tracing (called only while tracing.enabled) ------------------------------------------------------------
 

@@ -4,6 +4,10 @@ No prefill/decode phases: each request closes the gap between `num_tokens` and
 `num_computed_tokens` as far as the token budget allows. Running requests go first; when the
 pool runs dry the lowest-priority / latest request is preempted by recompute and goes to the
 front of the waiting queue, and nothing new is admitted in that step.
+
+Two older modes exist for benchmarks, on the same engine: `static` forms a batch only when nothing runs and
+admits nobody until every member has finished; `naive` does the same one request at a time. Both prefill each
+prompt whole in the admission step (the token budget does not split it), as a padded batch does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ class PolicyConfig:
     long_prefill_token_threshold: int = 0  # 0: off
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enable_prefix_caching: bool = False
+    scheduling_mode: str = "continuous"  # continuous | static | naive
+
+
+SCHEDULING_MODES = ("continuous", "static", "naive")
 
 
 @dataclass
@@ -108,6 +116,11 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
     """Mutates the queues, the pool and the requests' block tables; returns the step."""
     out = StepSchedule()
     budget = cfg.max_num_batched_tokens
+    continuous = cfg.scheduling_mode == "continuous"
+    if not continuous and running:
+        admit = False  # static / naive: no admission into a running batch
+    else:
+        admit = True
 
     # 1. Running requests, in order.
     i = 0
@@ -156,14 +169,15 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         waiting.extend(ordered)
 
     # 2. Waiting requests, only when nothing was preempted (their blocks must go to running ones).
-    while not out.preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+    max_seqs = 1 if cfg.scheduling_mode == "naive" else cfg.max_num_seqs
+    while admit and not out.preempted and waiting and (budget > 0 or not continuous) and len(running) < max_seqs:
         req = waiting[0]
         remaining = req.num_tokens - req.num_computed_tokens
-        if not cfg.enable_chunked_prefill and remaining > budget:
+        if continuous and not cfg.enable_chunked_prefill and remaining > budget:
             break  # without chunking a prompt that does not fit the budget waits whole
         hits = _cached_prefix(req, pool, cfg) if cfg.enable_prefix_caching and not req.block_ids else []
         req.num_computed_tokens += len(hits) * cfg.block_size
-        n = _chunk(req, budget, cfg)
+        n = _chunk(req, budget, cfg) if continuous else req.num_tokens - req.num_computed_tokens
         need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) - len(hits)
         # Evictable hits leave the free capacity once taken.
         if need > pool.num_free - pool.num_evictable_in(hits):

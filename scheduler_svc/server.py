@@ -28,7 +28,7 @@ from scheduler_svc.admission import (
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine import FINISH_TIMEOUT, Engine, EngineConfig, Published, SubmitError
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.policy import PolicyConfig
+from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
@@ -225,6 +225,12 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (hash-chained full blocks)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--scheduling-mode", choices=SCHEDULING_MODES, default="continuous",
+                   help="continuous: iteration-level admission (the product); static: a new batch only when the "
+                   "previous one has finished; naive: one request at a time. The last two exist for benchmarks")
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="append one JSON line per step (scheduled/admitted/preempted/finished ids, queue sizes, "
+                   "KV usage): for benchmarks and tests")
     g.add_argument("--max-num-queued-requests", type=int, default=10_000)
     g.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request may wait; 0 = forever")
     g.add_argument("--api-key", default=None)
@@ -251,7 +257,8 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
                           scheduling_policy=args.scheduling_policy,
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          scheduling_mode=args.scheduling_mode)
     # Blocking pool: a burst of Generate calls that look up request ids waits for a connection instead of failing.
     client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64,
                                                                                timeout=30))
@@ -259,7 +266,7 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
     cfg = EngineConfig(policy=policy, worker_address=args.worker_address,
                        max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
                        lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants,
-                       worker_token=args.worker_token)
+                       worker_token=args.worker_token, step_log=args.step_log)
     return Engine(cfg, ledger, Metrics()), ledger
 
 
