@@ -311,7 +311,8 @@ def check_flags(args: argparse.Namespace) -> None:
                          "drop one of them")
     try:
         check_limits(block_size=getattr(args, "block_size", None), budget=args.max_num_batched_tokens,
-                     max_model_len=getattr(args, "max_model_len", None), chunked=args.enable_chunked_prefill)
+                     max_model_len=getattr(args, "max_model_len", None),
+                     chunked=args.enable_chunked_prefill or args.scheduling_mode != "continuous")
     except ConfigError as e:
         raise SystemExit(str(e)) from None
 
