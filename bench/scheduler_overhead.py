@@ -87,8 +87,10 @@ class Stack:
     def __init__(self, model: str, *, max_num_seqs: int | None, max_num_batched_tokens: int | None,
                  num_blocks: int | None,
                  max_model_len: int | None, tokenizer: str | None = None, dtype: str = "auto",
-                 device: str = "auto", block_size: int = 16, extra_scheduler_args: list[str] | None = None):
+                 device: str = "auto", block_size: int = 16, extra_scheduler_args: list[str] | None = None,
+                 worker_otlp_endpoint: str | None = None):
         self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, dtype, device
+        self.worker_otlp_endpoint = worker_otlp_endpoint  # the worker traces to this collector (None: off)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.num_blocks, self.max_model_len, self.block_size = num_blocks, max_model_len, block_size
         self.extra = extra_scheduler_args or []
@@ -121,7 +123,8 @@ class Stack:
         self.redis = redis.Redis.from_url(self.redis_url)
         wargs = argparse.Namespace(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
                                    kv_cache_memory=None, gpu_memory_utilization=None,
-                                   num_gpu_blocks_override=self.num_blocks, max_model_len=self.max_model_len)
+                                   num_gpu_blocks_override=self.num_blocks, max_model_len=self.max_model_len,
+                                   worker_token=None, otlp_traces_endpoint=self.worker_otlp_endpoint)
         t0 = time.perf_counter()
         worker, wport = start_worker(wargs)
         self.procs.append(worker)

@@ -30,12 +30,20 @@ def _generate(args: argparse.Namespace) -> None:
     sys.exit(generate(args))
 
 
+def _diagnose(args: argparse.Namespace) -> None:
+    from llmserve.diagnose import main as diagnose
+
+    diagnose(args)
+
+
 def _health(args: argparse.Namespace) -> None:
     """grpc.health.v1 check for container health checks: exit 0 when SERVING, 1 otherwise."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    from llmserve.tls import client_channel
+
+    with client_channel(args, args.address) as channel:  # TLS with --tls-ca / --tls-cert
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
                                                              timeout=args.timeout)
@@ -48,6 +56,8 @@ def _health(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from llmserve.client import add_generate_args
+    from llmserve.diagnose import add_diagnose_args
+    from llmserve.tls import add_client_tls_args
     from scheduler_svc.server import add_scheduler_args
     from worker_svc.server import add_worker_args
 
@@ -79,11 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--address", default="127.0.0.1:50051")
     h.add_argument("--service", default="", help="service name (default: the whole server)")
     h.add_argument("--timeout", type=float, default=3.0)
+    add_client_tls_args(h)
     h.set_defaults(func=_health)
 
     g = sub.add_parser("generate", help="stream a generation from a running server")
     add_generate_args(g)
     g.set_defaults(func=_generate)
+
+    d = sub.add_parser("diagnose", help="read a server's metrics (or a benchmark JSON) and name what limits it: "
+                       "KV capacity, batch admission or prefill interference")
+    add_diagnose_args(d)
+    d.set_defaults(func=_diagnose)
+
+    from llmserve.bench.cli import add_bench_commands  # light: the heavy parts import when a command runs
+
+    add_bench_commands(sub)
     return parser
 
 

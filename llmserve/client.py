@@ -10,6 +10,7 @@ import uuid
 
 import grpc
 
+from llmserve.tls import add_client_tls_args, client_channel
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 
@@ -42,6 +43,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-salt", default="", help="prefix-cache isolation key")
     p.add_argument("--retry-seconds", type=float, default=60.0,
                    help="how long to keep re-attaching while the server answers UNAVAILABLE (restart, fail-over)")
+    add_client_tls_args(p)
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -79,7 +81,7 @@ def generate(args: argparse.Namespace) -> int:
             token_ids, text = [[] for _ in range(n)], [[] for _ in range(n)]
         req.resume_from_token = len(token_ids[0]) if n == 1 else 0
         try:
-            with grpc.insecure_channel(args.server) as channel:
+            with client_channel(args, args.server) as channel:
                 for msg in pb_grpc.LLMServeStub(channel).Generate(req, metadata=metadata):
                     deadline = None
                     i = msg.index

@@ -75,10 +75,15 @@ def start_worker(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from llmserve import tracing
-    from scheduler_svc.server import build_server, check_flags, scheduler_from_args, shutdown
+    from llmserve import tls, tracing
+    from scheduler_svc.server import build_server, check_flags, redact_url, scheduler_from_args, shutdown
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The worker of `serve` is a private process on loopback and stays plaintext; --tls-* secure the public server.
+    for flag in ("worker_tls_ca", "worker_tls_cert", "worker_tls_key", "worker_tls_server_name"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"--{flag.replace('_', '-')} is for a scheduler talking to a separate worker "
+                             "(`llmserve scheduler`); `llmserve serve` runs its own worker on loopback without TLS")
     check_flags(args)
     tracing.setup("llmserve-scheduler", args.otlp_traces_endpoint)
     procs: list[subprocess.Popen] = []
@@ -91,7 +96,8 @@ def serve(args: argparse.Namespace) -> None:
         procs.append(worker)
         args.worker_address = f"127.0.0.1:{wport}"
         engine, _ = scheduler_from_args(args)
-        server, port, _ = build_server(engine, f"{args.host}:{args.port}", args.api_key, args.tokenizer)
+        server, port, _ = build_server(engine, f"{args.host}:{args.port}", args.api_key, args.tokenizer,
+                                       tls.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca))
         if args.metrics_port is not None:
             engine.metrics.serve(args.metrics_port)
         server.start()
@@ -104,7 +110,7 @@ def serve(args: argparse.Namespace) -> None:
                 raise SystemExit("the scheduler did not take the pool within 120 s")
         info = engine.worker_info
         print(f"llmserve ready on {args.host}:{port}: {info.model.name} on {info.device} ({info.dtype}), "
-              f"{info.num_blocks} KV blocks of {info.block_size}, redis {args.redis_url}", flush=True)
+              f"{info.num_blocks} KV blocks of {info.block_size}, redis {redact_url(args.redis_url)}", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

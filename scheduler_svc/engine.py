@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from llmserve import tracing
+from llmserve import tls, tracing
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.block_pool import BlockPool
@@ -49,6 +49,8 @@ class EngineConfig:
     finished_ttl_s: int = 600
     worker_token: str | None = None  # sent as `authorization: Bearer <token>` on every worker call
     step_log: str | None = None  # JSONL path: one line per executed step (benchmarks, tests)
+    worker_credentials: grpc.ChannelCredentials | None = None  # TLS to the worker (--worker-tls-*); None = plaintext
+    worker_server_name: str | None = None  # name expected in the worker's certificate (default: the address's host)
 
 
 @dataclass
@@ -111,11 +113,14 @@ class Engine:
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self.step_log = open(cfg.step_log, "a", buffering=1) if cfg.step_log else None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.step_started: float | None = None  # monotonic start of the worker call in flight
+        self.heartbeat = threading.Thread(target=self._keep_lease_during_steps, name="lease", daemon=True)
 
     # ---- called from gRPC threads ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self.thread.start()
+        self.heartbeat.start()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -216,11 +221,20 @@ class Engine:
                 log.exception("engine iteration failed; standing by and retrying")
                 self._step_down()
                 time.sleep(0.5)
+        with self.lock:
+            self._end_open_spans()  # requests left in Redis for the next leader (e.g. --shutdown-timeout 0)
         if self.token is not None:
             try:
                 self.ledger.release_lease(self.holder, self.token)
             except Exception:
                 pass
+
+    def _end_open_spans(self) -> None:
+        """This process stops serving its requests (lost lease, shutdown): end their spans so they get exported."""
+        now = time.time()
+        for pub in self.published.values():
+            if pub.request.span is not None:
+                _end_request_span(pub.request, now, "unavailable")
 
     def _set_ready(self, ready: bool) -> None:
         if ready != self.ready.is_set():
@@ -235,10 +249,7 @@ class Engine:
             for pub in self.published.values():
                 if pub.finish_reason is None:
                     pub.finish_reason = "unavailable"
-                if pub.request.span is not None:  # this process lost the request: close its span here
-                    pub.request.span.set_attribute("gen_ai.response.finish_reasons", ["unavailable"])
-                    pub.request.span.end()
-                    pub.request.span = None
+            self._end_open_spans()
             self.published.clear()
             self.inbox.clear()
             self.changed.notify_all()
@@ -311,11 +322,15 @@ class Engine:
         check_limits(block_size=info.block_size, budget=self.cfg.policy.max_num_batched_tokens,
                      max_model_len=info.max_model_len, chunked=not whole_prompts_in_budget,
                      budget_is_default=not pol.max_num_batched_tokens)
+        self.metrics.set_config(self.cfg.policy, num_gpu_blocks=info.num_blocks,
+                                kv_bytes_per_block=info.kv_bytes_per_block, max_model_len=info.max_model_len,
+                                device=info.device)
 
     def _connect_worker(self) -> wpb.WorkerInfo | None:
         """Describe the worker until it answers (renewing our lease meanwhile); record it in the registry."""
-        channel = grpc.insecure_channel(self.cfg.worker_address, options=[
-            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+        channel = tls.open_channel(self.cfg.worker_address, self.cfg.worker_credentials, self.cfg.worker_server_name,
+                                   options=[("grpc.max_send_message_length", 256 << 20),
+                                            ("grpc.max_receive_message_length", 256 << 20)])
         stub = wpb_grpc.WorkerStub(with_worker_token(channel, self.cfg.worker_token))
         last_log = 0.0
         while not self.stopping.is_set():
@@ -324,7 +339,10 @@ class Engine:
                 break
             except grpc.RpcError as e:
                 if time.monotonic() - last_log > 10:
-                    log.info("waiting for worker %s: %s", self.cfg.worker_address, e.code().name)
+                    # The details carry TLS handshake failures (untrusted certificate, plaintext vs TLS).
+                    log.info("waiting for worker %s over %s: %s: %s%s", self.cfg.worker_address,
+                             "plaintext" if self.cfg.worker_credentials is None else "TLS", e.code().name, e.details(),
+                             tls.closed_hint(e.details(), self.cfg.worker_credentials is not None))
                     last_log = time.monotonic()
                 if not self.ledger.renew_lease(self.holder, self.token, self.cfg.lease_ttl_ms):
                     raise LeaseLost() from None
@@ -426,6 +444,7 @@ class Engine:
             return
         plan = self._build_plan(sched)
         span = self._start_iteration_span(sched, t0_ns) if tracing.enabled else None
+        self.step_started = time.monotonic()
         try:
             if span is None:
                 result = self.worker.ExecuteStep(plan, timeout=self.cfg.step_timeout)
@@ -437,6 +456,8 @@ class Engine:
                 span.end()
             self._worker_failed(e, sched)
             return
+        finally:
+            self.step_started = None
         worker_time = result.prepare_seconds + result.forward_seconds + result.sample_seconds
         appended: dict[str, list[wpb.SampledToken]] = {}
         now = time.time()
@@ -473,6 +494,20 @@ class Engine:
             self._log_step(sched, now)
         if span is not None:
             self._end_iteration_span(span, sched)
+
+    def _keep_lease_during_steps(self) -> None:
+        """Each commit renews the lease, but one worker step can outlast the TTL (a static batch or an unchunked
+        prompt of thousands of tokens on a CPU). While the engine thread waits on such a step the process is alive
+        and still leads, so renew from here; a lost lease still fails the step's commit."""
+        period = self.cfg.lease_ttl_ms / 3000
+        while not self.stopping.wait(period):
+            started, token = self.step_started, self.token
+            if started is None or token is None or time.monotonic() - started < period:
+                continue
+            try:
+                self.ledger.renew_lease(self.holder, token, self.cfg.lease_ttl_ms)
+            except Exception:  # Redis down: the engine thread finds out and handles it
+                log.warning("could not renew the lease during a long step", exc_info=True)
 
     def _log_step(self, sched: StepSchedule, now: float) -> None:
         record = {"step": self.step_id, "time": now, "mode": self.cfg.policy.scheduling_mode,
@@ -697,10 +732,10 @@ class Engine:
         return oldest.finish_reason is not None
 
 
-def _end_request_span(req: Request, now: float) -> None:
+def _end_request_span(req: Request, now: float, reason: str | None = None) -> None:
     span, req.span = req.span, None
     attrs = {"gen_ai.usage.input_tokens": req.num_prompt_tokens, "gen_ai.usage.output_tokens": len(req.output_ids),
-             "gen_ai.response.finish_reasons": [req.finish_reason or "unknown"],
+             "gen_ai.response.finish_reasons": [reason or req.finish_reason or "unknown"],
              "llmserve.num_preemptions": req.num_preemptions}
     if req.first_token_time is not None:
         attrs["gen_ai.latency.time_to_first_token"] = max(0.0, req.first_token_time - req.arrival_time)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Why admission stopped in a step that left requests waiting (`llmserve:admission_blocked_steps_total{limit}`).
+ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache")
+_CONFIG_LABELS = ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
+                  "enable_prefix_caching", "scheduling_policy", "scheduling_mode", "block_size", "num_gpu_blocks",
+                  "kv_bytes_per_block", "max_model_len", "device"]
 
 
 class Metrics:
@@ -37,6 +43,13 @@ class Metrics:
                                       L, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", L,
                                    registry=r)
+        # Not in vLLM: the configuration and the admission limit, for `llmserve diagnose`.
+        self.config_info = Gauge("llmserve:config_info", "Scheduler limits and KV pool size in effect (value 1)",
+                                 [*L, *_CONFIG_LABELS], registry=r)
+        self.admission_blocked = Counter("llmserve:admission_blocked_steps",
+                                         "Steps that left requests waiting, by the limit that stopped admission",
+                                         [*L, "limit"], registry=r)
+        self._limits: tuple[int, int, bool] | None = None  # (max_num_seqs, token budget, chunked); continuous only
         self._last_token_time: dict[str, float] = {}
         self._tokens_this_step = 0
         self.set_model_name(model_name)
@@ -53,6 +66,26 @@ class Metrics:
             h.labels(**m) for h in (self.ttft, self.itl, self.e2e, self.queue, self.iteration_tokens))
         self.c_prefix_q, self.c_prefix_h = self.prefix_queries.labels(**m), self.prefix_hits.labels(**m)
         self.c_success: dict[str, Counter] = {}
+        # Created up front so a scrape shows 0 rather than nothing for a limit never hit.
+        self.c_blocked = {lim: self.admission_blocked.labels(model_name=name, limit=lim) for lim in ADMISSION_LIMITS}
+
+    def set_config(self, policy: PolicyConfig, num_gpu_blocks: int, kv_bytes_per_block: int, max_model_len: int,
+                   device: str) -> None:
+        """Publish the limits in effect once the worker's sizes filled the policy's defaults."""
+        self.config_info.clear()
+        self.config_info.labels(
+            model_name=self.model_name, max_num_seqs=policy.max_num_seqs,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+            enable_chunked_prefill=str(policy.enable_chunked_prefill).lower(),
+            long_prefill_token_threshold=policy.long_prefill_token_threshold,
+            enable_prefix_caching=str(policy.enable_prefix_caching).lower(),
+            scheduling_policy=policy.scheduling_policy, scheduling_mode=policy.scheduling_mode,
+            block_size=policy.block_size, num_gpu_blocks=num_gpu_blocks, kv_bytes_per_block=kv_bytes_per_block,
+            max_model_len=max_model_len, device=device).set(1)
+        # Static / naive batches hold admission back by design: no limit to attribute there.
+        continuous = policy.scheduling_mode == "continuous"
+        self._limits = ((policy.max_num_seqs, policy.max_num_batched_tokens, policy.enable_chunked_prefill)
+                        if continuous else None)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -101,3 +134,20 @@ class Metrics:
             prefill += max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - before)
         if prefill:
             self.c_prompt.inc(prefill)
+        if num_waiting and self._limits is not None:
+            self.c_blocked[self._admission_limit(sched, num_running, kv_usage)].inc()
+
+    def _admission_limit(self, sched, num_running: int, kv_usage: float) -> str:
+        """Which limit kept the waiting queue out of this step, in the order the policy checks them."""
+        max_seqs, budget, chunked = self._limits
+        if sched.preempted:
+            return "kv_cache"  # the pool ran dry: the policy admits nothing in a step that preempted
+        if num_running >= max_seqs:
+            return "max_num_seqs"
+        if sched.total_tokens >= budget:
+            return "token_budget"
+        if chunked:
+            return "kv_cache"  # budget and seats left, so the head of the queue did not get its blocks
+        # Without chunking the head also waits when its whole prompt exceeds the budget left; which of the two
+        # stopped it is not visible here, so a nearly full pool is taken as the reason.
+        return "kv_cache" if kv_usage >= 0.9 else "token_budget"

@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import threading
+import urllib.parse
 import uuid
 from concurrent import futures
 
@@ -14,7 +15,7 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve import tracing
+from llmserve import tls, tracing
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.admission import (
@@ -32,7 +33,7 @@ from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.validation import ConfigError, check_limits
+from scheduler_svc.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
 from worker_svc.server import add_worker_token_arg
 
 log = logging.getLogger("llmserve.scheduler")
@@ -243,6 +244,53 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="GGUF or HF directory for the tokenizer (default: the model)")
     tracing.add_otlp_arg(g)
     add_worker_token_arg(g)
+    tls.add_server_tls_args(g)
+    g.add_argument("--worker-tls-ca", default=None,
+                   help="connect to the worker over TLS, trusting this CA bundle (PEM) (default: plaintext)")
+    g.add_argument("--worker-tls-cert", default=None,
+                   help="client certificate (PEM) for a worker that requires one (its --tls-client-ca)")
+    g.add_argument("--worker-tls-key", default=None, help="private key (PEM) of --worker-tls-cert")
+    g.add_argument("--worker-tls-server-name", default=None,
+                   help="expect this name in the worker's certificate instead of --worker-address's host")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (and any *password* query value) replaced by ***, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = "&".join(f"{k}=***" if "password" in k.lower() else f"{k}={v}"
+                     for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def connect_redis(url: str) -> redis.Redis:
+    """The scheduler's Redis client, after one PING went through: a wrong password, a TLS mismatch or an unreachable
+    server ends the process at start with a message naming --redis-url (password redacted) instead of an engine
+    that retries the same failure forever."""
+    shown = redact_url(url)
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=10) as probe:
+            probe.ping()
+    except redis.AuthenticationError as e:
+        raise SystemExit(f"--redis-url {shown}: Redis refused the credentials ({e}); put the right password in the "
+                         "URL: redis://:PASSWORD@host:port/db") from None
+    except redis.ResponseError as e:
+        raise SystemExit(f"--redis-url {shown}: Redis answered PING with an error: {e}") from None
+    except redis.RedisError as e:
+        if isinstance(e.__context__, ConnectionRefusedError):
+            hint = "is Redis running there?"
+        elif url.startswith("rediss://"):
+            hint = ("with rediss:// the port must serve TLS and its certificate must be signed by the CA named by "
+                    "?ssl_ca_certs=PATH (or the system's)")
+        else:
+            hint = "a Redis that serves TLS only drops plaintext connections: use rediss://...?ssl_ca_certs=PATH"
+        raise SystemExit(f"--redis-url {shown}: cannot use Redis: {e} ({hint})") from None
+    except (OSError, ValueError, TypeError) as e:  # a malformed URL, an unknown query option, an unreadable file
+        raise SystemExit(f"--redis-url {shown}: {e}") from None
+    # Blocking pool: a burst of Generate calls that look up request ids waits for a connection instead of failing.
+    return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30))
 
 
 def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
@@ -259,19 +307,21 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
                           scheduling_policy=args.scheduling_policy,
                           enable_prefix_caching=args.enable_prefix_caching,
                           scheduling_mode=args.scheduling_mode)
-    # Blocking pool: a burst of Generate calls that look up request ids waits for a connection instead of failing.
-    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64,
-                                                                               timeout=30))
-    ledger = RedisLedger(client, namespace=args.namespace)
+    ledger = RedisLedger(connect_redis(args.redis_url), namespace=args.namespace)
+    worker_credentials = None
+    if args.worker_tls_ca is not None:
+        worker_credentials = tls.channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
     cfg = EngineConfig(policy=policy, worker_address=args.worker_address,
                        max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
                        lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants,
-                       worker_token=args.worker_token, step_log=args.step_log)
+                       worker_token=args.worker_token, step_log=args.step_log,
+                       worker_credentials=worker_credentials, worker_server_name=args.worker_tls_server_name)
     return Engine(cfg, ledger, Metrics()), ledger
 
 
-def build_server(engine: Engine, address: str, api_key: str | None = None,
-                 tokenizer_path: str | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
+def build_server(engine: Engine, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=512), interceptors=interceptors,
                          options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -283,7 +333,7 @@ def build_server(engine: Engine, address: str, api_key: str | None = None,
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise SystemExit(f"cannot listen on {address}")
 
@@ -313,6 +363,9 @@ def check_flags(args: argparse.Namespace) -> None:
         check_limits(block_size=getattr(args, "block_size", None), budget=args.max_num_batched_tokens,
                      max_model_len=getattr(args, "max_model_len", None),
                      chunked=args.enable_chunked_prefill or args.scheduling_mode != "continuous")
+        check_server_tls(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+        check_channel_tls(ca=args.worker_tls_ca, cert=args.worker_tls_cert, key=args.worker_tls_key,
+                          server_name=args.worker_tls_server_name)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
 
@@ -322,13 +375,15 @@ def serve(args: argparse.Namespace) -> None:
     check_flags(args)
     tracing.setup("llmserve-scheduler", args.otlp_traces_endpoint)
     engine, _ = scheduler_from_args(args)
-    server, port, _ = build_server(engine, f"{args.host}:{args.port}", args.api_key, args.tokenizer)
+    server, port, _ = build_server(engine, f"{args.host}:{args.port}", args.api_key, args.tokenizer,
+                                   tls.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca))
     if args.metrics_port is not None:
         engine.metrics.serve(args.metrics_port)
     server.start()
     engine.start()
-    log.info("scheduler listening on %s:%d (worker %s, redis %s)", args.host, port, args.worker_address,
-             args.redis_url)
+    log.info("scheduler listening on %s:%d (%s; worker %s over %s; redis %s)", args.host, port,
+             "plaintext" if args.tls_cert is None else "mutual TLS" if args.tls_client_ca else "TLS",
+             args.worker_address, "plaintext" if args.worker_tls_ca is None else "TLS", redact_url(args.redis_url))
     print(f"LLMSERVE_SCHEDULER_LISTENING port={port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 
 class ConfigError(Exception):
     """A combination of settings that cannot work; the message names the flags and their values."""
@@ -36,3 +38,50 @@ def check_pool(*, max_model_len: int, num_blocks: int, block_size: int) -> None:
                           f"{num_blocks} blocks x --block-size {block_size}): a sequence that long could never "
                           "run; lower --max-model-len or give the pool more room with --num-gpu-blocks-override, "
                           "--kv-cache-memory (CPU) or --gpu-memory-utilization (GPU)")
+
+
+def _check_cert_pair(cert_flag: str, cert: str, key_flag: str, key: str) -> None:
+    try:  # also proves the key belongs to the certificate
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot use {cert_flag} {cert} with {key_flag} {key}: {e}") from None
+
+
+def _check_ca(flag: str, path: str) -> None:
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot use {flag} {path} as a CA bundle: {e}") from None
+
+
+def check_server_tls(*, cert: str | None, key: str | None, client_ca: str | None) -> None:
+    """--tls-cert/--tls-key/--tls-client-ca of a gRPC server: cert and key together, readable, matching."""
+    if (cert is None) != (key is None):
+        pair = ("--tls-cert", "--tls-key")
+        given, missing = pair if key is None else pair[::-1]
+        raise ConfigError(f"{given} needs {missing}: the server certificate and its key go together")
+    if client_ca is not None and cert is None:
+        raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key: client certificates are "
+                          "checked only on a TLS server")
+    if cert is not None:
+        _check_cert_pair("--tls-cert", cert, "--tls-key", key)
+    if client_ca is not None:
+        _check_ca("--tls-client-ca", client_ca)
+
+
+def check_channel_tls(*, ca: str | None, cert: str | None, key: str | None, server_name: str | None) -> None:
+    """--worker-tls-ca/--worker-tls-cert/--worker-tls-key/--worker-tls-server-name of the scheduler->worker
+    channel: TLS is on with --worker-tls-ca; the client certificate and the name override need it."""
+    if (cert is None) != (key is None):
+        pair = ("--worker-tls-cert", "--worker-tls-key")
+        given, missing = pair if key is None else pair[::-1]
+        raise ConfigError(f"{given} needs {missing}: the client certificate and its key go together")
+    if ca is None:
+        for flag, value in (("--worker-tls-cert", cert), ("--worker-tls-server-name", server_name)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --worker-tls-ca (the CA that signed the worker's certificate): "
+                                  "TLS to the worker is on only with it")
+        return
+    _check_ca("--worker-tls-ca", ca)
+    if cert is not None:
+        _check_cert_pair("--worker-tls-cert", cert, "--worker-tls-key", key)

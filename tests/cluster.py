@@ -15,10 +15,11 @@ such process appended to its report -- if the test module activates this file as
     cluster.kill(s)                              # SIGKILL (crash tests); or cluster.stop(s): SIGTERM, then SIGKILL
 
 API (all blocking, all with timeouts that raise ``ProcError`` naming the process and showing its log):
-- ``start_worker(extra_args=(), wait=True) -> Proc``: ``python -m llmserve.cli worker --port 0 ...``;
+- ``start_worker(extra_args=(), wait=True, env=None) -> Proc``: ``python -m llmserve.cli worker --port 0 ...``
+  (``env``: variables added to this process's environment, e.g. OTEL_*);
   ``Proc.port`` / ``Proc.epoch`` come from its ``LLMSERVE_WORKER_READY port=N epoch=E`` line.
-- ``start_scheduler(redis_url, worker, extra_args=(), namespace=None, wait=True) -> Proc``: ``worker`` is a
-  worker ``Proc``, a port, or a "host:port" string; the namespace defaults to a fresh ``new_namespace()``
+- ``start_scheduler(redis_url, worker, extra_args=(), namespace=None, wait=True, env=None) -> Proc``: ``worker``
+  is a worker ``Proc``, a port, or a "host:port" string; the namespace defaults to a fresh ``new_namespace()``
   (``Proc.namespace``). ``Proc.port`` comes from ``LLMSERVE_SCHEDULER_LISTENING port=N``. Listening is not
   ready: call ``wait_healthy`` before sending work.
 - ``wait_ready(proc)``: for ``wait=False`` starts (e.g. two workers loading in parallel).
@@ -134,10 +135,10 @@ def _log_dir() -> str:
     return d
 
 
-def _spawn(kind: str, argv: list[str]) -> Proc:
+def _spawn(kind: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
     name = f"{kind}-{next(_counter)}"
     fd, log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=_log_dir())
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with os.fdopen(fd, "wb") as log:
         popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
@@ -168,14 +169,16 @@ def wait_ready(proc: Proc, timeout: float = START_TIMEOUT_S) -> Proc:
         time.sleep(0.05)
 
 
-def start_worker(extra_args=(), wait: bool = True, timeout: float = START_TIMEOUT_S) -> Proc:
-    """`llmserve worker --port 0 *extra_args` (bundled model unless --model is given)."""
-    proc = _spawn("worker", [sys.executable, "-m", "llmserve.cli", "worker", "--port", "0", *map(str, extra_args)])
+def start_worker(extra_args=(), wait: bool = True, timeout: float = START_TIMEOUT_S,
+                 env: dict[str, str] | None = None) -> Proc:
+    """`llmserve worker --port 0 *extra_args` (bundled model unless --model is given); `env` adds variables."""
+    proc = _spawn("worker", [sys.executable, "-m", "llmserve.cli", "worker", "--port", "0", *map(str, extra_args)],
+                  env)
     return wait_ready(proc, timeout) if wait else proc
 
 
 def start_scheduler(redis_url: str, worker, extra_args=(), namespace: str | None = None, wait: bool = True,
-                    timeout: float = START_TIMEOUT_S) -> Proc:
+                    timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None) -> Proc:
     """`llmserve scheduler --host 127.0.0.1 --port 0 --redis-url ... --worker-address ... --namespace ...`.
 
     `worker`: a worker Proc, its port (int) or "host:port". Returns once it listens (not yet SERVING).
@@ -189,7 +192,7 @@ def start_scheduler(redis_url: str, worker, extra_args=(), namespace: str | None
     namespace = namespace or new_namespace("sched")
     argv = [sys.executable, "-m", "llmserve.cli", "scheduler", "--host", "127.0.0.1", "--port", "0",
             "--redis-url", redis_url, "--worker-address", address, "--namespace", namespace, *map(str, extra_args)]
-    proc = _spawn("scheduler", argv)
+    proc = _spawn("scheduler", argv, env)
     proc.namespace = namespace
     return wait_ready(proc, timeout) if wait else proc
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import deque
 
 import grpc
@@ -190,3 +191,37 @@ def test_continuous_batches_requests_and_chunks_prompts(runs):
     steps = runs["continuous"][1]
     assert all(n <= 32 for s in steps for n in s["scheduled"].values())
     assert max(len(s["scheduled"]) for s in steps) > 1
+
+
+def test_a_step_longer_than_the_lease_keeps_the_lease(redis_server, worker, tmp_path):  # noqa: F811
+    """A static batch of four 1000-token prompts is prefilled in one step that outlasts the 500 ms lease on this
+    CPU; the scheduler renews its lease while it waits on the worker instead of losing the pool mid-step."""
+    log = tmp_path / "steps.jsonl"
+    sched = cluster.start_scheduler(redis_server, worker, ["--scheduling-mode", "static", "--lease-ttl-ms", "500",
+                                                           "--step-log", str(log)])
+    try:
+        cluster.wait_healthy(sched.address)
+        stub = pb_grpc.LLMServeStub(grpc.insecure_channel(sched.address))
+        out: dict[int, list] = {}
+
+        def one(i: int) -> None:
+            req = pb.GenerateRequest(request_id=f"long-{i}",
+                                     token_ids=pb.TokenIds(ids=[(7 * j + i) % 900 + 20 for j in range(1000)]),
+                                     sampling=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            out[i] = list(stub.Generate(req, timeout=120))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert sorted(out) == [0, 1, 2, 3]
+        for msgs in out.values():
+            assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].finish_reason == "length"
+        steps = _steps(log)
+        prefill = next(s for s in steps if len(s["admitted"]) == 4)  # all four arrived before the first step
+        assert prefill["time"] - t0 > 0.5, "the prefill step did not outlast the lease; the test proves nothing"
+        assert "lost its lease" not in sched.log_tail()
+    finally:
+        cluster.stop(sched)

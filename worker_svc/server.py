@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve import tracing
+from llmserve import tls, tracing
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
@@ -101,6 +101,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="paged-attention kernels: auto = triton on CUDA, torch on CPU")
     tracing.add_otlp_arg(g)
     add_worker_token_arg(g)
+    tls.add_server_tls_args(g)
     g.add_argument("--allow-kv-pool-below-max-model-len", action="store_true",
                    help="start even if the KV pool cannot hold one --max-model-len sequence (such requests are "
                         "then refused at admission; for tests and tiny pools)")
@@ -120,7 +121,9 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
     )
 
 
-def build_server(runner: ModelRunner, address: str, token: str | None = None) -> tuple[grpc.Server, int]:
+def build_server(runner: ModelRunner, address: str, token: str | None = None,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+    """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8), interceptors=[WorkerTokenInterceptor(token)] if token else [],
         options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -133,30 +136,42 @@ def build_server(runner: ModelRunner, address: str, token: str | None = None) ->
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (pb.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise SystemExit(f"cannot listen on {address}")
     return server, port
 
 
+def _tls_mode(args: argparse.Namespace) -> str:
+    return "plaintext" if args.tls_cert is None else "mutual TLS" if args.tls_client_ca else "TLS"
+
+
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from scheduler_svc.validation import ConfigError, check_server_tls
+
+    try:  # before importing torch and loading the model: a bad TLS flag fails in a second
+        check_server_tls(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+    except ConfigError as e:
+        raise SystemExit(f"worker: {e}") from None
     from worker_svc.runner import ModelRunner, config_summary
 
     tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
     runner = ModelRunner(runner_options(args))
     if args.max_model_len is not None and not args.allow_kv_pool_below_max_model_len:
-        from scheduler_svc.validation import ConfigError, check_pool
+        from scheduler_svc.validation import check_pool
 
         try:
             check_pool(max_model_len=runner.max_model_len, num_blocks=runner.num_blocks, block_size=runner.block_size)
         except ConfigError as e:
             raise SystemExit(f"worker: {e}") from None
-    server, port = build_server(runner, f"{args.host}:{args.port}", args.worker_token)
+    credentials = tls.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    server, port = build_server(runner, f"{args.host}:{args.port}", args.worker_token, credentials)
     server.start()
     info = runner.describe()
-    log.info("worker ready on %s:%d — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
-             config_summary(runner.config), info.dtype, info.device, info.num_blocks, info.block_size, info.epoch)
+    log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
+             _tls_mode(args), config_summary(runner.config), info.dtype, info.device, info.num_blocks,
+             info.block_size, info.epoch)
     # Machine-readable readiness line for launchers and tests.
     print(f"LLMSERVE_WORKER_READY port={port} epoch={info.epoch}", flush=True)
     stop = threading.Event()

@@ -1,0 +1,233 @@
+"""One benchmark run: launch (or reach) a server, warm it up, send a workload, measure, and return the record that
+report.py writes as JSON.
+
+Modes of the llmserve stack map to scheduler flags:
+  naive      --scheduling-mode naive                 (one request at a time)
+  static     --scheduling-mode static                (batches that run to completion before the next is admitted)
+  continuous --scheduling-mode continuous --no-enable-chunked-prefill  (a whole prompt per step; the step budget
+             is raised to --max-model-len, as it must be without chunking)
+  chunked    --scheduling-mode continuous            (chunked prefill on: what `llmserve serve` does by default)
+Backends hf-naive, hf-static and hf-continuous run Hugging Face transformers in this process instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from llmserve.bench import loadgen, metrics, workloads
+from llmserve.bench.common import RequestResult, RequestSpec
+from llmserve.launcher import free_port
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
+
+MODE_FLAGS: dict[str, list[str]] = {
+    "naive": ["--scheduling-mode", "naive"],
+    "static": ["--scheduling-mode", "static"],
+    "continuous": ["--scheduling-mode", "continuous", "--no-enable-chunked-prefill"],
+    "chunked": ["--scheduling-mode", "continuous"],
+}
+READY_PREFIX = "llmserve ready on "
+LAUNCHED_LEASE_TTL_MS = 120_000  # a launched stack has one scheduler: a lease lapse is never a real fail-over
+
+
+def server_flags(mode: str, max_model_len: int, extra: list[str]) -> list[str]:
+    """The `llmserve serve` flags for a mode: the mode's, --max-model-len, then the user's (last, so they win)."""
+    flags = [*MODE_FLAGS[mode], "--max-model-len", str(max_model_len)]
+    if mode == "continuous" and not _has_flag(extra, "--max-num-batched-tokens"):
+        flags += ["--max-num-batched-tokens", str(max_model_len)]  # without chunking a prompt must fit one step
+    if not _has_flag(extra, "--lease-ttl-ms"):
+        # The lease is renewed once per step, and one unchunked step of a few thousand tokens can outlast the
+        # default 5 s on a small CPU: the only scheduler would then lose its own lease and recompute everything.
+        flags += ["--lease-ttl-ms", str(LAUNCHED_LEASE_TTL_MS)]
+    return flags + extra
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+class LocalServer:
+    """`python -m llmserve.cli serve` in a subprocess: started on free ports, ready when it prints its ready line,
+    stopped with SIGTERM. Its stderr (scheduler and worker logs) goes to `log_path`."""
+
+    def __init__(self, mode: str, max_model_len: int, extra: list[str], log_path: str, timeout_s: float = 300):
+        self.mode = mode
+        self.port, self.metrics_port = free_port(), free_port()
+        self.flags = server_flags(mode, max_model_len, extra)
+        self.argv = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), "--metrics-port",
+                     str(self.metrics_port), *self.flags]
+        self.log_path, self.timeout_s = log_path, timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.ready_line = ""
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def __enter__(self) -> LocalServer:
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        ready = threading.Event()
+
+        def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
+            for line in self.proc.stdout:
+                if line.startswith(READY_PREFIX) and not ready.is_set():
+                    self.ready_line = line.strip()
+                    ready.set()
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s
+        while not ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"`{' '.join(self.argv)}` did not get ready (exit code {self.proc.returncode}); "
+                                   f"log {self.log_path}:\n{_tail(self.log_path)}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
+def model_info(address: str, api_key: str | None = None) -> dict:
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with grpc.insecure_channel(address) as channel:
+        info = pb_grpc.LLMServeStub(channel).GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=10)
+    return {"model_name": info.model_name, "model_path": info.model_path, "device": info.device, "dtype": info.dtype,
+            "max_model_len": info.max_model_len, "block_size": info.block_size, "num_blocks": info.num_blocks,
+            "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens}
+
+
+@dataclass
+class Target:
+    """Where requests go: a launched LocalServer, an existing server (--target), or an in-process HF backend."""
+
+    backend: str  # llmserve | hf-naive | hf-static | hf-continuous
+    mode: str  # the llmserve mode, or the backend name for HF
+    address: str | None = None
+    metrics_url: str | None = None
+    pid: int | None = None  # process tree whose memory is watched
+    server_argv: list[str] | None = None
+    server_flags: list[str] = field(default_factory=list)
+    model: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunSettings:
+    workload: str
+    params: workloads.WorkloadParams
+    max_concurrency: int | None = None
+    warmup: int = 2
+    slo_ms: dict[str, float] = field(default_factory=dict)
+    save_requests: bool = False
+    progress: bool = True
+    api_key: str | None = None
+    max_num_seqs: int = 64  # HF backends' batch cap
+    model_path: str | None = None  # HF backends
+    poll_interval_s: float = 0.1
+
+
+def _json_number(x: float) -> float | str:
+    return "inf" if math.isinf(x) else x
+
+
+def _hf_results(target: Target, specs: list[RequestSpec], s: RunSettings) -> list[RequestResult]:
+    from llmserve.bench.hf_backends import run_hf_backend
+    from worker_svc.loader import default_model_path
+
+    path = s.model_path or default_model_path()
+    target.model = target.model or {"model_path": path}
+    return run_hf_backend(target.backend, path, specs, s.max_num_seqs, progress=s.progress)
+
+
+async def _measure_llmserve(target: Target, specs: list[RequestSpec], s: RunSettings, tag: str):
+    await loadgen.warm_up(target.address, s.warmup, s.api_key)
+    before = metrics.scrape(target.metrics_url) if target.metrics_url else None
+    with metrics.Watcher(target.metrics_url, target.pid, s.poll_interval_s) as watcher:
+        results, reattaches = await loadgen.run(target.address, specs, max_concurrency=s.max_concurrency,
+                                                api_key=s.api_key, tag=tag, progress=s.progress)
+    after = metrics.scrape(target.metrics_url) if target.metrics_url else None
+    return results, reattaches, watcher.peaks, before, after
+
+
+def run(target: Target, s: RunSettings) -> dict:
+    """One run; returns the JSON-ready record (settings, machine, server, metrics, optionally every request)."""
+    specs = workloads.generate(s.workload, s.params)
+    tag = f"{target.mode}-{uuid.uuid4().hex[:8]}"
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    server: dict = {}
+    reattaches = None
+    if target.backend == "llmserve":
+        if not target.model:
+            target.model = model_info(target.address, s.api_key)
+        results, reattaches, peaks, before, after = asyncio.run(_measure_llmserve(target, specs, s, tag))
+        if before is not None and after is not None:
+            server = metrics.server_deltas(before, after)
+    else:
+        with metrics.Watcher(None, target.pid or os.getpid(), s.poll_interval_s) as watcher:
+            results = _hf_results(target, specs, s)
+        peaks = watcher.peaks
+    duration = max((r.end_s for r in results if r.end_s is not None), default=0.0)
+    summary = metrics.summarize(results, duration, s.slo_ms)
+    queue = server.get("queue_time_ms", {})
+    hwm = metrics.tree_hwm(target.pid) if target.pid else None
+    summary.update({
+        "queue_time_ms": queue,
+        "queue_time_p95_ms": queue.get("p95"),
+        "step_tokens": server.get("step_tokens", {}),
+        "preemptions": server.get("preemptions"),
+        "reattaches": reattaches,  # streams resumed after UNAVAILABLE (a scheduler restart or lost lease)
+        "peak_kv_usage": peaks.kv_usage,
+        "peak_running": peaks.running,
+        "peak_waiting": peaks.waiting,
+        "peak_rss_mb": peaks.rss_bytes / 2**20 if peaks.rss_bytes else None,
+        "peak_hwm_mb": hwm / 2**20 if hwm else None,
+    })
+    p = workloads.resolved(s.workload, s.params) if s.workload != "trace" else s.params
+    record = {
+        "command": shlex.join(sys.argv),
+        "started_at": started,
+        "backend": target.backend,
+        "mode": target.mode,
+        "workload": {**asdict(p), "name": s.workload, "request_rate": _json_number(p.request_rate)},
+        "seed": s.params.seed,
+        "request_rate": _json_number(s.params.request_rate),
+        "burstiness": s.params.burstiness,
+        "max_concurrency": s.max_concurrency,
+        "warmup_requests": s.warmup,
+        "server": {"address": target.address, "metrics_url": target.metrics_url, "argv": target.server_argv,
+                   "launched": target.server_argv is not None},
+        "server_flags": target.server_flags,  # the key `llmserve diagnose --bench-json` reads
+        "machine": {**metrics.machine(), **target.model},
+        **summary,  # the metrics at the top level, as `llmserve diagnose --bench-json` reads them
+    }
+    if s.save_requests:
+        record["requests"] = [asdict(r) for r in results]
+    return record
