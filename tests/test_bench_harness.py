@@ -139,8 +139,7 @@ def test_mode_flags():
     assert server_flags("continuous", 4096, ["--max-num-batched-tokens", "8192"]).count("--max-num-batched-tokens") == 1
     naive = server_flags("naive", 1024, ["--x"])
     assert naive[:2] == ["--scheduling-mode", "naive"] and naive[-1] == "--x"
-    assert server_flags("static", 1024, ["--lease-ttl-ms", "9"]).count("--lease-ttl-ms") == 1
-    assert "--lease-ttl-ms" not in server_flags("static", 1024, ["--lease-ttl-ms=9"])
+    assert server_flags("continuous", 1024, ["--max-num-batched-tokens=4096"]).count("--max-num-batched-tokens") == 0
 
 
 # ---- workloads ----

@@ -40,7 +40,6 @@ MODE_FLAGS: dict[str, list[str]] = {
     "chunked": ["--scheduling-mode", "continuous"],
 }
 READY_PREFIX = "llmserve ready on "
-LAUNCHED_LEASE_TTL_MS = 120_000  # a launched stack has one scheduler: a lease lapse is never a real fail-over
 
 
 def server_flags(mode: str, max_model_len: int, extra: list[str]) -> list[str]:
@@ -48,10 +47,6 @@ def server_flags(mode: str, max_model_len: int, extra: list[str]) -> list[str]:
     flags = [*MODE_FLAGS[mode], "--max-model-len", str(max_model_len)]
     if mode == "continuous" and not _has_flag(extra, "--max-num-batched-tokens"):
         flags += ["--max-num-batched-tokens", str(max_model_len)]  # without chunking a prompt must fit one step
-    if not _has_flag(extra, "--lease-ttl-ms"):
-        # The lease is renewed once per step, and one unchunked step of a few thousand tokens can outlast the
-        # default 5 s on a small CPU: the only scheduler would then lose its own lease and recompute everything.
-        flags += ["--lease-ttl-ms", str(LAUNCHED_LEASE_TTL_MS)]
     return flags + extra
 
 
