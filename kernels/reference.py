@@ -83,7 +83,7 @@ def build_reference_plan(block_tables: Tensor, query_lens: list[int], seq_lens: 
     prefills = [i for i, q in enumerate(query_lens) if q > 1]
     batches = _split_decodes(decodes, seq_lens, block_size) if device.type == "cpu" else [decodes]
     groups, empty = [], []
-    for ids in (*batches, prefills):
+    for ids in (*batches, *_split_prefills(prefills, query_lens, seq_lens)):
         if ids:
             group, group_empty = _build_group(ids, tables, starts, query_lens, seq_lens, block_size, device)
             groups.append(group)
@@ -113,6 +113,29 @@ def _split_decodes(decodes: list[int], seq_lens: list[int], block_size: int) -> 
         batches[-1].append(i)
         done += n
     return batches
+
+
+# A prefill group pads every chunk to its longest query and context; a new chunk joins only while the padded
+# work stays within this factor of the real work (one 4k-token prompt padded with sixty 100-token ones would
+# otherwise cost 60 x 4k x 4k attention scores).
+PREFILL_PADDING_LIMIT = 1.25
+
+
+def _split_prefills(prefills: list[int], query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Prefill chunks in groups of similar shape, by increasing context length."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(prefills, key=lambda i: (seq_lens[i], query_lens[i])):
+        if groups:
+            g = groups[-1] + [i]
+            padded = len(g) * max(query_lens[j] for j in g) * max(seq_lens[j] for j in g)
+            if padded <= PREFILL_PADDING_LIMIT * (real + query_lens[i] * seq_lens[i]):
+                groups[-1].append(i)
+                real += query_lens[i] * seq_lens[i]
+                continue
+        groups.append([i])
+        real = query_lens[i] * seq_lens[i]
+    return groups
 
 
 def _build_group(ids: list[int], tables: Tensor, starts: list[int], query_lens: list[int],

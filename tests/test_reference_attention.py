@@ -236,11 +236,20 @@ def test_build_attention_metadata_rejects_bad_input():
 
 
 def test_plan_groups_decodes_and_prefills():
-    plan = build_reference_plan(torch.zeros(4, 8, dtype=torch.int32), [1, 6, 1, 3], [20, 6, 40, 100], 16)
+    plan = build_reference_plan(torch.zeros(4, 8, dtype=torch.int32), [1, 6, 1, 5], [20, 100, 40, 96], 16)
     decode, prefill = plan.groups
     assert (decode.num_seqs, decode.max_q, decode.kv_len, decode.num_blocks) == (2, 1, 40, 3)
     assert (prefill.num_seqs, prefill.max_q, prefill.kv_len, prefill.num_blocks) == (2, 6, 100, 7)
-    assert decode.rows.tolist() == [0, 7] and prefill.rows.tolist() == [1, 2, 3, 4, 5, 6, 8, 9, 10]
+    assert decode.rows.tolist() == [0, 7] and sorted(prefill.rows.tolist()) == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12]
+
+
+def test_prefills_of_very_different_shapes_are_not_padded_together():
+    # A 4k-token prompt with short ones: padding them together would cost ~4k x 4k scores per short prompt.
+    q = [4000, 100, 110, 6, 1]
+    plan = build_reference_plan(torch.zeros(5, 256, dtype=torch.int32), q, [4000, 100, 110, 90, 50], 16)
+    shapes = sorted((g.num_seqs, g.max_q, g.kv_len) for g in plan.groups)
+    assert shapes == [(1, 1, 50), (1, 6, 90), (1, 4000, 4000), (2, 110, 110)]
+    assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(sum(q)))
 
 
 @pytest.mark.parametrize("shapes", [MIXED, [(1, 20), (1, 33)], [(40, 50)]])

@@ -260,11 +260,13 @@ def run_hf_continuous(model, specs: Sequence[RequestSpec], *, max_num_seqs: int,
 def _start_manager(model, specs: Sequence[RequestSpec], max_num_seqs: int, block_size: int, max_batch_tokens: int):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    longest = max((len(s.prompt_ids) + _num_new_tokens(s) for s in specs), default=1)
-    blocks_per_seq = math.ceil(longest / block_size) + 1
+    # Enough blocks for the max_num_seqs largest requests at full length at once (an upper bound of what can be
+    # in flight, so it never preempts), not max_num_seqs x the longest: that over-reserves gigabytes on mixed loads.
+    sizes = sorted((math.ceil((len(s.prompt_ids) + _num_new_tokens(s)) / block_size) + 1 for s in specs),
+                   reverse=True)
     config = ContinuousBatchingConfig(
         page_size=block_size,
-        num_blocks=max_num_seqs * blocks_per_seq,
+        num_blocks=max(1, sum(sizes[:max_num_seqs])),
         max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_num_seqs,
         safety_margin=0.0,  # the cache holds every admitted request at full length: no need to hold blocks back
