@@ -49,24 +49,24 @@ def test_same_greedy_tokens_and_exact_lengths(runs):
 def test_token_times_are_real_and_ordered(runs):
     for name, results in runs.items():
         for r in results:
-            assert r.arrival_s <= r.sent_s <= r.token_times[0], (name, r)
+            assert r.sent_s == r.arrival_s <= r.started_s <= r.token_times[0], (name, r)
             assert len(r.token_times) == len(r.output_ids), (name, r)
             assert all(a <= b for a, b in pairwise(r.token_times)), (name, r)
             assert r.end_s == r.token_times[-1], (name, r)
 
 
 def test_naive_runs_one_request_at_a_time(runs):
-    results = sorted(runs["hf-naive"], key=lambda r: r.sent_s)
+    results = sorted(runs["hf-naive"], key=lambda r: r.started_s)
     assert [r.request_id for r in results] == ["a", "b", "c", "d"]  # arrival order
     for prev, nxt in pairwise(results):
-        assert nxt.sent_s >= prev.end_s, (prev, nxt)
+        assert nxt.started_s >= prev.end_s, (prev, nxt)
 
 
 def test_static_batches(runs):
     results = runs["hf-static"]
     batches: dict[float, list] = {}
     for r in results:
-        batches.setdefault(r.sent_s, []).append(r)
+        batches.setdefault(r.started_s, []).append(r)
     order = sorted(batches)
     assert len(order) >= 2  # 4 requests, at most 2 per batch
     for i, start in enumerate(order):
@@ -87,12 +87,12 @@ def test_static_batches(runs):
 
 def test_continuous_joins_running_batch_within_max_num_seqs(runs):
     results = runs["hf-continuous"]
-    events = sorted({r.sent_s for r in results} | {r.end_s for r in results})
+    events = sorted({r.started_s for r in results} | {r.end_s for r in results})
     for t in events:
-        assert sum(1 for r in results if r.sent_s <= t < r.end_s) <= MAX_NUM_SEQS
+        assert sum(1 for r in results if r.started_s <= t < r.end_s) <= MAX_NUM_SEQS
     r = _by_id(results)
     # b (2 tokens) finishes long before a (6 tokens); c takes b's place while a keeps decoding.
-    assert r["c"].sent_s < r["a"].end_s
+    assert r["c"].started_s < r["a"].end_s
     assert r["c"].token_times[0] < r["a"].end_s
 
 

@@ -23,7 +23,9 @@ class RequestResult:
     request_id: str
     prompt_tokens: int
     arrival_s: float  # when it was due (RequestSpec.arrival_s)
-    sent_s: float | None = None  # when the backend actually took it (>= arrival_s under --max-concurrency)
+    sent_s: float | None = None  # when the client sent it (>= arrival_s only under --max-concurrency); TTFT and
+    # end-to-end latency count from here, so time queued inside the serving system counts
+    started_s: float | None = None  # in-process baselines: when the backend began work on it (after its queue)
     token_times: list[float] = field(default_factory=list)  # arrival of each output token (a chunk shares one time)
     end_s: float | None = None
     output_ids: list[int] = field(default_factory=list)

@@ -157,7 +157,9 @@ def _finish(r: RequestResult, spec: RequestSpec, tokens: list[int], times: list[
 
 
 def _results(specs: Sequence[RequestSpec]) -> dict[str, RequestResult]:
-    return {s.request_id: RequestResult(s.request_id, len(s.prompt_ids), s.arrival_s) for s in specs}
+    # A baseline is the server: its clients send at arrival, and its own queue counts in TTFT as llmserve's does.
+    return {s.request_id: RequestResult(s.request_id, len(s.prompt_ids), s.arrival_s, sent_s=s.arrival_s)
+            for s in specs}
 
 
 def run_hf_naive(model, specs: Sequence[RequestSpec], *, max_num_seqs: int = 1, start: float | None = None,
@@ -168,7 +170,7 @@ def run_hf_naive(model, specs: Sequence[RequestSpec], *, max_num_seqs: int = 1, 
     for spec in sorted(specs, key=lambda s: s.arrival_s):
         _sleep_until(spec.arrival_s, origin)
         r = results[spec.request_id]
-        r.sent_s = time.perf_counter() - origin
+        r.started_s = time.perf_counter() - origin
         try:
             rows, times = _generate_batch(model, [spec.prompt_ids], _num_new_tokens(spec), origin)
             _finish(r, spec, rows[0], times)
@@ -192,7 +194,7 @@ def run_hf_static(model, specs: Sequence[RequestSpec], *, max_num_seqs: int, sta
         while pending and len(batch) < max_num_seqs and pending[0].arrival_s <= now:
             batch.append(pending.popleft())
         for spec in batch:
-            results[spec.request_id].sent_s = now
+            results[spec.request_id].started_s = now
         try:
             rows, times = _generate_batch(model, [s.prompt_ids for s in batch], max(map(_num_new_tokens, batch)),
                                           origin)
@@ -228,7 +230,7 @@ def run_hf_continuous(model, specs: Sequence[RequestSpec], *, max_num_seqs: int,
                 arrived.append(pending.popleft())
             while arrived and len(in_flight) < max_num_seqs:
                 spec = arrived.popleft()
-                results[spec.request_id].sent_s = time.perf_counter() - origin
+                results[spec.request_id].started_s = time.perf_counter() - origin
                 manager.add_request(list(spec.prompt_ids), request_id=spec.request_id,
                                     max_new_tokens=_num_new_tokens(spec), record_timestamps=True, eos_token_id=-1)
                 in_flight.add(spec.request_id)
