@@ -214,6 +214,8 @@ def main() -> None:
     ap.add_argument("--sweep-requests", type=int, default=32, help="each sweep point and each RAG run")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (chat, mixed, sweep, rag-on, "
                     "rag-off, kv-waste); the page is rebuilt from everything present")
+    ap.add_argument("--skip-baselines", action="store_true",
+                    help="run only llmserve (the Hugging Face rows already there are kept on the page)")
     ap.add_argument("--page-only", action="store_true")
     ap.add_argument("--page", default=os.path.join(ROOT, "bench", "RESULTS.md"))
     args = ap.parse_args()
@@ -222,6 +224,8 @@ def main() -> None:
         if args.only:
             keep = set(args.only.split(","))
             runs = [r for r in runs if r[0] in keep]
+        if args.skip_baselines:
+            runs = [r for r in runs if not any(f"hf-{m}" in r[1] for m in ("naive", "static", "continuous"))]
         execute(runs, args.out)
     with open(args.page, "w") as f:
         f.write(page(args.out))

@@ -14,6 +14,7 @@ from kernels import (
     paged_attention,
     write_kv_cache,
 )
+from kernels.reference import DECODE_GROUP_ROWS
 
 
 def make_batch(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0,
@@ -250,6 +251,17 @@ def test_prefills_of_very_different_shapes_are_not_padded_together():
     shapes = sorted((g.num_seqs, g.max_q, g.kv_len) for g in plan.groups)
     assert shapes == [(1, 1, 50), (1, 6, 90), (1, 4000, 4000), (2, 110, 110)]
     assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(sum(q)))
+
+
+def test_decodes_are_grouped_by_context_length():
+    # 2k-token contexts among 200-token ones, interleaved in batch order: sorted and cut so no short context is
+    # padded to 2k; on CPU also capped at DECODE_GROUP_ROWS gathered rows per group.
+    seq = [200 if i % 8 else 2000 for i in range(64)]
+    plan = build_reference_plan(torch.zeros(64, 128, dtype=torch.int32), [1] * 64, seq, 16, device="cpu")
+    for g in plan.groups:
+        lens = {seq[r] for r in g.rows.tolist()}
+        assert len(lens) == 1 and g.num_seqs * g.num_blocks * 16 <= max(DECODE_GROUP_ROWS, g.num_blocks * 16)
+    assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(64))
 
 
 @pytest.mark.parametrize("shapes", [MIXED, [(1, 20), (1, 33)], [(40, 50)]])
