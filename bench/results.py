@@ -138,6 +138,10 @@ def page(out: str) -> str:
                      if workload == "mixed" else "") + ". Latencies in ms.", "",
                   report.markdown_table([recs[k] for k in sorted(recs, key=_order)])]
     lines += _ratios(sections, out)
+    analysis = os.path.join(out, "ANALYSIS.md")  # hand-written: why each missed target is missed, with a profile
+    if os.path.exists(analysis):
+        with open(analysis) as f:
+            lines += [f.read(), ""]
     sweep = _latest(os.path.join(out, "sweep"))
     if sweep:
         lines += ["## Rate sweep on `mixed`", "", report.markdown_table(sorted(sweep.values(), key=_sweep_order))]
