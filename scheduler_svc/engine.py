@@ -488,7 +488,13 @@ class Engine:
             if tok.finish_reason:
                 req.on_worker = False  # the worker forgot it already
                 self._finish(req, _WORKER_FINISH[tok.finish_reason], now)
-        self._commit(sched, appended, t0, worker_time)
+        try:
+            self._commit(sched, appended, t0, worker_time)
+        except Exception as e:
+            if span is not None:  # e.g. the lease was lost: still export the step's span, marked
+                span.set_attribute("llmserve.commit.error", type(e).__name__)
+                span.end()
+            raise
         self.metrics.step_done(sched, len(self.running), len(self.waiting), self.pool.usage)
         if self.step_log is not None:
             self._log_step(sched, now)

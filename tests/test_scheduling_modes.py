@@ -181,7 +181,9 @@ def test_static_never_admits_into_a_running_batch(runs):
             batches.append(set(s["admitted"]))
         assert set(s["scheduled"]) <= batches[-1]
         running_after_previous = s["running"]
-    assert max(len(b) for b in batches) == 4  # up to --max-num-seqs together, prompts whole despite budget 32
+    # Up to --max-num-seqs together (how many form the first batch depends on when the six clients' requests land),
+    # prompts whole despite the 32-token budget.
+    assert 2 <= max(len(b) for b in batches) <= 4
     assert sum(len(b) for b in batches) == 6
     admitted_prefill = [n for s in steps for rid, n in s["scheduled"].items() if rid in s["admitted"]]
     assert max(admitted_prefill) > 32
@@ -219,9 +221,9 @@ def test_a_step_longer_than_the_lease_keeps_the_lease(redis_server, worker, tmp_
         assert sorted(out) == [0, 1, 2, 3]
         for msgs in out.values():
             assert sum(len(m.token_ids) for m in msgs) == 3 and msgs[-1].finish_reason == "length"
-        steps = _steps(log)
-        prefill = next(s for s in steps if len(s["admitted"]) == 4)  # all four arrived before the first step
-        assert prefill["time"] - t0 > 0.5, "the prefill step did not outlast the lease; the test proves nothing"
+        times = [t0] + [s["time"] for s in _steps(log)]
+        longest = max(b - a for a, b in zip(times, times[1:], strict=False))
+        assert longest > 0.5, "no step outlasted the lease; the test proves nothing"
         assert "lost its lease" not in sched.log_tail()
     finally:
         cluster.stop(sched)
