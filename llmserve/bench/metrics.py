@@ -31,6 +31,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.common import RequestResult
+from llmserve.diagnose import histogram_quantile  # Prometheus-style bucket quantile, shared with diagnose
 
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 
@@ -186,24 +187,6 @@ def histogram_buckets(before: Sample, after: Sample, name: str) -> list[tuple[fl
 
     b, a = counts(before), counts(after)
     return [(bound, a[bound] - b.get(bound, 0.0)) for bound in sorted(a)]
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus' histogram_quantile: find the bucket holding rank q * total and interpolate linearly inside it
-    (the first bucket starts at 0); a rank in the +Inf bucket gives the largest finite bound."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    prev_bound, prev_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return prev_bound
-            if count == prev_count:
-                return bound
-            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
-        prev_bound, prev_count = bound, count
-    return prev_bound
 
 
 def server_deltas(before: Sample, after: Sample) -> dict:
