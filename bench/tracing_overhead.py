@@ -177,7 +177,7 @@ def main() -> None:
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from llmserve import tracing
+    from common import tracing
     from worker_svc.loader import default_model_path
 
     n_max = max(args.running)

@@ -41,7 +41,7 @@ def _health(args: argparse.Namespace) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from llmserve.tls import client_channel
+    from common.tls import client_channel
 
     with client_channel(args, args.address) as channel:  # TLS with --tls-ca / --tls-cert
         try:
@@ -55,9 +55,9 @@ def _health(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from common.tls import add_client_tls_args
     from llmserve.client import add_generate_args
     from llmserve.diagnose import add_diagnose_args
-    from llmserve.tls import add_client_tls_args
     from scheduler_svc.server import add_scheduler_args
     from worker_svc.server import add_worker_args
 

@@ -10,7 +10,7 @@ import uuid
 
 import grpc
 
-from llmserve.tls import add_client_tls_args, client_channel
+from common.tls import add_client_tls_args, client_channel
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 

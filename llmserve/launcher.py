@@ -75,7 +75,7 @@ def start_worker(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from llmserve import tls, tracing
+    from common import tls, tracing
     from scheduler_svc.server import build_server, check_flags, redact_url, scheduler_from_args, shutdown
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

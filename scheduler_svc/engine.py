@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from llmserve import tls, tracing
+from common import tls, tracing
+from common.auth import with_worker_token
+from common.validation import ConfigError, check_limits
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.block_pool import BlockPool
@@ -26,8 +28,6 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import PolicyConfig, StepSchedule, schedule
 from scheduler_svc.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, Status
 from scheduler_svc.store import LeaseLost, RedisLedger, StepCommit
-from scheduler_svc.validation import ConfigError, check_limits
-from scheduler_svc.worker_auth import with_worker_token
 
 log = logging.getLogger("llmserve.scheduler")
 

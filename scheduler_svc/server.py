@@ -15,7 +15,9 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve import tls, tracing
+from common import tls, tracing
+from common.auth import ApiKeyInterceptor, add_worker_token_arg
+from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.admission import (
@@ -33,34 +35,11 @@ from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
-from worker_svc.server import add_worker_token_arg
 
 log = logging.getLogger("llmserve.scheduler")
 
 SERVICE_NAME = "llmserve.v1.LLMServe"
 MAX_MESSAGE_BYTES = 64 << 20
-
-
-class ApiKeyInterceptor(grpc.ServerInterceptor):
-    """Every call except health checks needs `authorization: Bearer <key>`."""
-
-    def __init__(self, api_key: str):
-        self.expected = f"Bearer {api_key}"
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
-
-        self.deny = grpc.unary_unary_rpc_method_handler(deny)
-        self.deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, details):
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
-        if dict(details.invocation_metadata).get("authorization") == self.expected:
-            return continuation(details)
-        return self.deny_stream if details.method.endswith("/Generate") else self.deny
 
 
 def _tokenizer_for(model_path: str) -> Tokenizer:

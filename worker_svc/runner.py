@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from llmserve import tracing
+from common import tracing
 from protos import worker_pb2 as pb
 from worker_svc import kv_cache
 from worker_svc.batch import BatchLimits, PersistentBatch, RequestState, ScheduledChunk

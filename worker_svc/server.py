@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
 from concurrent import futures
@@ -14,7 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve import tls, tracing
+from common import tls, tracing
+from common.auth import WorkerTokenInterceptor, add_worker_token_arg
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
@@ -58,33 +58,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     return self.runner.execute(plan)
                 except PlanError as e:
                     context.abort(e.code, str(e))
-
-
-class WorkerTokenInterceptor(grpc.ServerInterceptor):
-    """Every call except health checks needs `authorization: Bearer <--worker-token>` (the scheduler sends it)."""
-
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}"
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token: the scheduler must be "
-                          "started with the same --worker-token as this worker")
-
-        self.deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, details):
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
-        if dict(details.invocation_metadata).get("authorization") == self.expected:
-            return continuation(details)
-        return self.deny
-
-
-def add_worker_token_arg(g) -> None:
-    """--worker-token, shared by the worker and the scheduler (the environment keeps it out of `ps`)."""
-    g.add_argument("--worker-token", default=os.environ.get("LLMSERVE_WORKER_TOKEN") or None,
-                   help="shared secret every scheduler->worker call carries and the worker checks "
-                        "(default: $LLMSERVE_WORKER_TOKEN; unset = no check)")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +121,7 @@ def _tls_mode(args: argparse.Namespace) -> str:
 
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from scheduler_svc.validation import ConfigError, check_server_tls
+    from common.validation import ConfigError, check_server_tls
 
     try:  # before importing torch and loading the model: a bad TLS flag fails in a second
         check_server_tls(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
@@ -159,7 +132,7 @@ def serve(args: argparse.Namespace) -> None:
     tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
     runner = ModelRunner(runner_options(args))
     if args.max_model_len is not None and not args.allow_kv_pool_below_max_model_len:
-        from scheduler_svc.validation import check_pool
+        from common.validation import check_pool
 
         try:
             check_pool(max_model_len=runner.max_model_len, num_blocks=runner.num_blocks, block_size=runner.block_size)

@@ -8,7 +8,7 @@ one attribute load per instrumentation point.
 
 Instrumented code does::
 
-    from llmserve import tracing
+    from common import tracing
     if tracing.enabled:
         span = tracing.tracer.start_span(...)
 

@@ -1,0 +1,77 @@
+"""Bearer-token checks on gRPC: the worker token on scheduler->worker calls (both ends) and the public API key."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import grpc
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")),
+               grpc.ClientCallDetails):
+    pass
+
+
+class WorkerTokenClientInterceptor(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str):
+        self.header = ("authorization", f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = [*(details.metadata or ()), self.header]
+        return continuation(_Details(details.method, details.timeout, metadata, details.credentials,
+                                     getattr(details, "wait_for_ready", None),
+                                     getattr(details, "compression", None)), request)
+
+
+def with_worker_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
+    return grpc.intercept_channel(channel, WorkerTokenClientInterceptor(token)) if token else channel
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Every call except health checks needs `authorization: Bearer <key>`."""
+
+    def __init__(self, api_key: str):
+        self.expected = f"Bearer {api_key}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
+
+        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+        self.deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        if dict(details.invocation_metadata).get("authorization") == self.expected:
+            return continuation(details)
+        return self.deny_stream if details.method.endswith("/Generate") else self.deny
+
+
+class WorkerTokenInterceptor(grpc.ServerInterceptor):
+    """Every call except health checks needs `authorization: Bearer <--worker-token>` (the scheduler sends it)."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token: the scheduler must be "
+                          "started with the same --worker-token as this worker")
+
+        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        if dict(details.invocation_metadata).get("authorization") == self.expected:
+            return continuation(details)
+        return self.deny
+
+
+def add_worker_token_arg(g) -> None:
+    """--worker-token, shared by the worker and the scheduler (the environment keeps it out of `ps`)."""
+    g.add_argument("--worker-token", default=os.environ.get("LLMSERVE_WORKER_TOKEN") or None,
+                   help="shared secret every scheduler->worker call carries and the worker checks "
+                        "(default: $LLMSERVE_WORKER_TOKEN; unset = no check)")

@@ -1,0 +1,71 @@
+"""Dependencies point one way: common <- services (scheduler_svc, worker_svc, kernels) <- the llmserve CLI.
+
+Every import statement (module level or inside a function) of every file is read with `ast`, so a lazy import
+that runs the wrong way fails here too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# package -> top-level packages of this repository it must not import
+FORBIDDEN = {
+    "common": {"llmserve", "scheduler_svc", "worker_svc", "api_svc", "kernels"},
+    "kernels": {"llmserve", "scheduler_svc", "worker_svc", "api_svc"},
+    "scheduler_svc": {"llmserve", "worker_svc", "api_svc"},
+    "worker_svc": {"llmserve", "scheduler_svc", "api_svc"},
+}
+# The scheduling core is plain data in, plain data out: no I/O library, no wire format.
+PURE_MODULES = ("scheduler_svc/core.py", "scheduler_svc/policy.py", "scheduler_svc/request.py",
+                "scheduler_svc/block_pool.py", "scheduler_svc/outputs.py", "scheduler_svc/sampling.py")
+IO_LIBRARIES = {"grpc", "redis", "opentelemetry", "torch", "protos", "prometheus_client", "google"}
+
+
+def imported_packages(path: str) -> set[tuple[int, str]]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update((node.lineno, a.name.split(".")[0]) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def python_files(package: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(os.path.join(ROOT, package)):
+        out += [os.path.join(dirpath, n) for n in names if n.endswith(".py") and not n.endswith(("_pb2.py",
+                                                                                                  "_pb2_grpc.py"))]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_point_one_way(package):
+    assert python_files(package), f"no Python files under {package}/"
+    wrong = [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+             for path in python_files(package) for line, name in sorted(imported_packages(path))
+             if name in FORBIDDEN[package]]
+    assert not wrong, "imports that run the wrong way:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_scheduling_core_has_no_io_imports(module):
+    path = os.path.join(ROOT, module)
+    if not os.path.exists(path):
+        pytest.fail(f"{module} is missing")
+    wrong = [f"{module}:{line} imports {name}" for line, name in sorted(imported_packages(path))
+             if name in IO_LIBRARIES]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_catches_a_wrong_way_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from llmserve.cli import main\n")
+    assert (2, "llmserve") in imported_packages(str(bad))
