@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import grpc
 
 from protos import llmserve_pb2 as pb
-from protos import worker_pb2 as wpb
 from scheduler_svc.request import Request
+from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
@@ -107,10 +107,10 @@ def build_requests(req: pb.GenerateRequest, ids: list[int], limits: Limits, requ
         return [first]
     seqs = []
     for i, rid in enumerate(sequence_ids(request_id, n)):
-        seq = replace(first, request_id=rid, sampling=wpb.SamplingParams(), stop=list(first.stop),
+        sampling = replace(first.sampling, seed=(first.sampling.seed + i) % (1 << 63),
+                           stop_token_ids=list(first.sampling.stop_token_ids))
+        seq = replace(first, request_id=rid, sampling=sampling, stop=list(first.stop),
                       output_ids=[], block_ids=[], fork_of=request_id + "#0" if i else "")
-        seq.sampling.CopyFrom(first.sampling)
-        seq.sampling.seed = (first.sampling.seed + i) % (1 << 63)
         seqs.append(seq)
     return seqs
 
@@ -137,7 +137,7 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
     bad = next((t for t in s.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise _invalid(f"sampling.stop_token_ids contains {bad}, outside the vocabulary [0, {limits.vocab_size})")
-    sampling = wpb.SamplingParams(
+    sampling = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_k=max(0, s.top_k) if s.HasField("top_k") else 0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -148,9 +148,8 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
         seed=s.seed if s.HasField("seed") else secrets.randbits(63),
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, max_tokens=max_tokens,
         stop_token_ids=list(s.stop_token_ids),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
-    if s.HasField("logprobs"):
-        sampling.logprobs = s.logprobs
     return Request(
         request_id=request_id, prompt_ids=ids, sampling=sampling, priority=req.priority, arrival_time=time.time(),
         stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos import worker_pb2 as wpb
 from scheduler_svc.block_pool import hash_block
+from scheduler_svc.sampling import SamplingParams
 
 
 class Status(enum.StrEnum):
@@ -26,7 +26,7 @@ FINISH_ABORT = "abort"
 class Request:
     request_id: str
     prompt_ids: list[int]
-    sampling: wpb.SamplingParams  # sampling.max_tokens is always set (> 0) by admission
+    sampling: SamplingParams  # sampling.max_tokens is always set (> 0) by admission
     priority: int = 0
     arrival_time: float = 0.0
     arrival_seq: int = 0

@@ -3,7 +3,8 @@
 Every key of a pool starts with `{namespace}:{{{pool}}}:` (e.g. `llmserve:{0}:free`); the braces are a
 Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may touch all of it.
 
-    meta          HASH    num_blocks, block_size, step_id (last committed), arrival_seq (counter),
+    meta          HASH    schema_version (SCHEMA_VERSION when the pool was created), num_blocks, block_size,
+                          step_id (last committed), arrival_seq (counter),
                           worker_address, worker_epoch, worker_<key> for the rest of the worker's info
     free          SET     free block ids holding no cached content
     evict         ZSET    free block ids that still hold a cached (hashed) full block, scored by LRU tick
@@ -11,14 +12,22 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
                           invariant: SCARD(free) + ZCARD(evict) + HLEN(refs) == num_blocks
     bhash         HASH    block id -> "hashhex|t1,t2,..." for every block in the prefix-cache index
     active        SET     ids of unfinished requests (waiting or running)
-    req:{rid}     HASH    spec, written once: prompt ("1,2,3"), sampling (base64 of the SamplingParams bytes),
-                          priority, arrival_time, arrival_seq, stop (JSON list), include_stop, skip_special;
+    req:{rid}     HASH    spec, written once: prompt ("1,2,3"), sampling (JSON object of
+                          scheduler_svc.sampling.SamplingParams.to_dict(), e.g. {"temperature": 0.7, ...,
+                          "seed": 1234, "logprobs": null}), priority, arrival_time, arrival_seq,
+                          stop (JSON list), include_stop, skip_special, cache_salt;
                           state: status, num_computed_tokens, block_ids ("4,7"), num_preemptions,
                           first_token_time ("" = none), finish_reason ("" = none)
     out:{rid}     STRING  output token ids as "12,54," -- APPENDed each step, O(new tokens)
     lease         STRING  "holder:token", PX ttl: the one scheduler allowed to write
     fence         STRING  counter; each new lease takes the next value as its fencing token (a leader whose
                           worker already saw a newer one jumps past it: `advance_fence`)
+
+The layout above is schema_version SCHEMA_VERSION, recorded in meta when `init_pool` creates the pool (version 1
+was never recorded; it stored sampling as base64 of the worker's SamplingParams proto bytes). A scheduler refuses
+to start on a pool of another version, or of none: `init_pool` and `load` raise `SchemaMismatch` (a ConfigError,
+fatal at start-up); flush the namespace or use another --namespace. Bump SCHEMA_VERSION with any change to the
+keys, their encodings or the sampling record's fields.
 
 Each step's effects (new requests, state changes, appended tokens, finishes, block ref counts, step id)
 go in with ONE EVALSHA (`commit_step`), which first checks the caller still holds the lease.
@@ -32,19 +41,42 @@ in the same slot, which Redis Cluster serves).
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import dataclass, field
 
 import redis
 
-from protos import worker_pb2 as wpb
+from common.validation import ConfigError
 from scheduler_svc.block_pool import BlockPool, BlockState
 from scheduler_svc.request import Request, Status
+from scheduler_svc.sampling import SamplingParams
+
+# The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict().
+SCHEMA_VERSION = 2
 
 
 class LeaseLost(Exception):
     """The caller's lease expired or another scheduler took the pool over; it must stop writing."""
+
+
+class SchemaMismatch(ConfigError):
+    """The pool in Redis was written with another schema_version (or before versions were recorded)."""
+
+    def __init__(self, prefix: str, found: str | None):
+        self.found = found
+        have = (f"schema_version {found}" if found is not None
+                else "no schema_version (written before versions were recorded: schema_version 1)")
+        super().__init__(
+            f"pool {prefix!r} in Redis has {have}, but this scheduler reads and writes schema_version "
+            f"{SCHEMA_VERSION}; refusing to start on it. Flush that namespace's keys (e.g. redis-cli --scan "
+            f"--pattern '{prefix}*' | xargs redis-cli unlink; its requests are lost) or start the scheduler "
+            "with another --namespace")
+
+
+def check_schema(prefix: str, found: str | None) -> None:
+    """Raise SchemaMismatch unless `found` (meta's schema_version, None if absent) is SCHEMA_VERSION."""
+    if found != str(SCHEMA_VERSION):
+        raise SchemaMismatch(prefix, found)
 
 
 class InvariantViolation(Exception):
@@ -128,9 +160,10 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: meta free refs. ARGV: num_blocks block_size. Returns 1 when created, else {num_blocks, block_size}.
+# KEYS: meta free refs. ARGV: num_blocks block_size schema_version.
+# Returns 1 when created, else {num_blocks, block_size, schema_version (nil if absent)}.
 _INIT_POOL = """
-local have = redis.call('HMGET', KEYS[1], 'num_blocks', 'block_size')
+local have = redis.call('HMGET', KEYS[1], 'num_blocks', 'block_size', 'schema_version')
 if have[1] then return have end
 redis.call('DEL', KEYS[2], KEYS[3])
 local n = tonumber(ARGV[1])
@@ -140,7 +173,8 @@ for b = 0, n - 1 do
   if #ids == 4000 then redis.call('SADD', KEYS[2], unpack(ids)); ids = {} end
 end
 if #ids > 0 then redis.call('SADD', KEYS[2], unpack(ids)) end
-redis.call('HSET', KEYS[1], 'num_blocks', ARGV[1], 'block_size', ARGV[2], 'step_id', 0, 'arrival_seq', 0)
+redis.call('HSET', KEYS[1], 'schema_version', ARGV[3], 'num_blocks', ARGV[1], 'block_size', ARGV[2], 'step_id', 0,
+           'arrival_seq', 0)
 return 1
 """
 
@@ -272,7 +306,7 @@ def _state(r: Request, blocks: str | bool) -> list[str | bool]:
 
 
 def _spec(r: Request) -> list[str]:
-    return [_ints(r.prompt_ids), base64.b64encode(r.sampling.SerializeToString()).decode(), str(r.priority),
+    return [_ints(r.prompt_ids), json.dumps(r.sampling.to_dict(), separators=(",", ":")), str(r.priority),
             repr(r.arrival_time), str(r.arrival_seq), json.dumps(r.stop), "1" if r.include_stop_str_in_output else "0",
             "1" if r.skip_special_tokens else "0", r.cache_salt]
 
@@ -282,7 +316,7 @@ def _decode_request(rid: str, f: dict[str, str], out: str) -> Request:
     return Request(
         request_id=rid,
         prompt_ids=_parse_ints(f["prompt"]),
-        sampling=wpb.SamplingParams.FromString(base64.b64decode(f["sampling"])),
+        sampling=SamplingParams.from_dict(json.loads(f["sampling"])),
         priority=int(f["priority"]),
         arrival_time=float(f["arrival_time"]),
         arrival_seq=int(f["arrival_seq"]),
@@ -362,15 +396,18 @@ class RedisLedger:
     # ---- pool and worker registry --------------------------------------------------------------------------
 
     def init_pool(self, num_blocks: int, block_size: int) -> bool:
-        """Create the pool (all blocks free) unless it exists; an existing pool must have the same shape."""
-        res = self._init_pool(keys=[self.k_meta, self.k_free, self.k_refs], args=[num_blocks, block_size])
+        """Create the pool (all blocks free, schema_version SCHEMA_VERSION) unless it exists; an existing pool must
+        have this schema_version (else SchemaMismatch) and the same shape (else ValueError)."""
+        res = self._init_pool(keys=[self.k_meta, self.k_free, self.k_refs],
+                              args=[num_blocks, block_size, SCHEMA_VERSION])
         if res == 1:
             return True
+        check_schema(self.prefix, None if res[2] is None else _text(res[2]))
         have_n, have_bs = int(res[0]), int(res[1])
         if (have_n, have_bs) != (num_blocks, block_size):
             raise ValueError(f"pool {self.prefix!r} exists with num_blocks={have_n}, block_size={have_bs}; "
                              f"asked for num_blocks={num_blocks}, block_size={block_size} "
-                             "(reset it with --reset or use another --namespace)")
+                             "(flush that namespace's keys or use another --namespace)")
         return False
 
     def set_worker(self, token: int, address: str, epoch: str, info: dict[str, str]) -> str | None:
@@ -445,6 +482,7 @@ class RedisLedger:
         meta = _pairs(meta_flat)
         if "num_blocks" not in meta:
             raise RuntimeError(f"pool {self.prefix!r} is not initialised (call init_pool first)")
+        check_schema(self.prefix, meta.get("schema_version"))  # before decoding any request in the old layout
         requests = []
         for i in range(0, len(reqs), 3):
             fields = _pairs(reqs[i + 1])
@@ -489,7 +527,7 @@ class RedisLedger:
                 "overlap": len(free_ids & ref_counts.keys()) + len(evict_ids & (free_ids | ref_counts.keys()))}
 
     def flush_pool(self) -> None:
-        """Delete every key of this namespace + pool (tests, `--reset`)."""
+        """Delete every key of this namespace + pool (tests)."""
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"
         batch: list = []
         for key in self.client.scan_iter(match=pattern, count=1000):

@@ -19,10 +19,10 @@ from llmserve import cli
 from llmserve.diagnose import Observation, Scrape, diagnose, histogram_quantile, observe_bench, observe_scrapes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from protos import worker_pb2 as wpb
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import PolicyConfig, StepSchedule
 from scheduler_svc.request import Request
+from scheduler_svc.sampling import SamplingParams
 from tests import cluster
 from tests.redis_fixture import redis_server  # noqa: F401
 
@@ -270,11 +270,11 @@ def test_cli_reads_snapshots_and_prints_json(tmp_path, capsys):
 def _step(tokens: dict[str, int], preempted: int = 0) -> StepSchedule:
     s = StepSchedule()
     for rid, n in tokens.items():
-        req = Request(request_id=rid, prompt_ids=[1] * n, sampling=wpb.SamplingParams())
+        req = Request(request_id=rid, prompt_ids=[1] * n, sampling=SamplingParams())
         req.num_computed_tokens = n
         s.scheduled.append(req)
         s.num_tokens[rid] = n
-    s.preempted = [Request(request_id=f"p{i}", prompt_ids=[1], sampling=wpb.SamplingParams()) for i in range(preempted)]
+    s.preempted = [Request(request_id=f"p{i}", prompt_ids=[1], sampling=SamplingParams()) for i in range(preempted)]
     return s
 
 

@@ -12,17 +12,17 @@ from collections import deque
 
 import pytest
 
-from protos import worker_pb2 as wpb
 from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
 from scheduler_svc.policy import PolicyConfig, StepSchedule, blocks_for, schedule
 from scheduler_svc.request import Request, Status
+from scheduler_svc.sampling import SamplingParams
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, seq: int = 0) -> Request:
     return Request(
         request_id=rid,
         prompt_ids=[(seq * 31 + i) % 1000 + 1 for i in range(prompt_len)],
-        sampling=wpb.SamplingParams(max_tokens=max_tokens),
+        sampling=SamplingParams(max_tokens=max_tokens),
         priority=priority,
         arrival_seq=seq,
     )

@@ -25,6 +25,7 @@ from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import Request, Status
+from scheduler_svc.sampling import SamplingParams
 from worker_svc.batch import BatchLimits, PersistentBatch
 
 BS = 4
@@ -227,7 +228,7 @@ def cfg_(**kw) -> PolicyConfig:
 
 
 def req_(rid: str, ids: list[int], salt: str = "", max_tokens: int = 4) -> Request:
-    return Request(request_id=rid, prompt_ids=list(ids), sampling=wpb.SamplingParams(max_tokens=max_tokens),
+    return Request(request_id=rid, prompt_ids=list(ids), sampling=SamplingParams(max_tokens=max_tokens),
                    cache_salt=salt)
 
 
@@ -392,7 +393,7 @@ def fake_model(seed: int, greedy: bool, ids: list[int]) -> int:
     return zlib.crc32(data, 0 if greedy else seed % (1 << 32)) % (VOCAB - 1) + 1
 
 
-def expected_output(prompt: list[int], sampling: wpb.SamplingParams) -> list[int]:
+def expected_output(prompt: list[int], sampling: SamplingParams) -> list[int]:
     ids = list(prompt)
     for _ in range(sampling.max_tokens):
         ids.append(fake_model(sampling.seed, sampling.temperature == 0, ids))
@@ -609,7 +610,7 @@ def test_engine_n4_sampled_sequence_i_uses_seed_plus_i():
     run(eng)
     outs = [output(eng, s.request_id) for s in seqs]
     for i, o in enumerate(outs):
-        assert o == expected_output(prompt, wpb.SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=6))
+        assert o == expected_output(prompt, SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=6))
     assert len({tuple(o) for o in outs}) == 4
     assert_idle_and_clean(eng)
 

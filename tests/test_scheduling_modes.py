@@ -16,10 +16,10 @@ import pytest
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from protos import worker_pb2 as wpb
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import Request, Status
+from scheduler_svc.sampling import SamplingParams
 from tests import cluster
 from tests.redis_fixture import redis_server  # noqa: F401
 
@@ -28,7 +28,7 @@ pytest_plugins = ("tests.cluster",)
 
 def _req(rid: str, prompt_len: int, max_tokens: int, seq: int) -> Request:
     return Request(request_id=rid, prompt_ids=[(seq * 7 + i) % 500 + 1 for i in range(prompt_len)],
-                   sampling=wpb.SamplingParams(max_tokens=max_tokens), arrival_seq=seq)
+                   sampling=SamplingParams(max_tokens=max_tokens), arrival_seq=seq)
 
 
 def _simulate(mode: str, lengths: list[tuple[int, int]], *, budget: int = 64, max_num_seqs: int = 4,

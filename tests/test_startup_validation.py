@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
+from scheduler_svc.store import SCHEMA_VERSION
 from tests import cluster
 from tests.redis_fixture import redis_server  # noqa: F401
 
@@ -72,3 +74,13 @@ def test_scheduler_exits_when_the_worker_makes_the_flags_impossible(redis_server
     proc = run_cli("scheduler", "--host", "127.0.0.1", "--port", 0, "--redis-url", redis_server, "--namespace",
                    cluster.new_namespace("val"), "--worker-address", worker.address, *argv)
     assert_fails(proc, *needles)
+
+
+def test_scheduler_refuses_a_pool_of_another_schema_version(redis_server, worker):  # noqa: F811
+    """A pool written before schema versions (meta without schema_version) is never read in the new layout."""
+    ns = cluster.new_namespace("schema")
+    with redis.Redis.from_url(redis_server) as c:
+        c.hset(f"{ns}:{{0}}:meta", mapping={"num_blocks": 64, "block_size": 16, "step_id": 0, "arrival_seq": 0})
+    proc = run_cli("scheduler", "--host", "127.0.0.1", "--port", 0, "--redis-url", redis_server, "--namespace", ns,
+                   "--worker-address", worker.address)
+    assert_fails(proc, "no schema_version", "schema_version 1", f"schema_version {SCHEMA_VERSION}", "--namespace")

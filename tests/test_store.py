@@ -10,10 +10,10 @@ from collections import deque
 import pytest
 import redis
 
-from protos import worker_pb2 as wpb
 from scheduler_svc.block_pool import BlockPool, BlockState
 from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import FINISH_LENGTH, Request, Status
+from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, StepCommit
 from tests.redis_fixture import redis_server  # noqa: F401
 
@@ -42,8 +42,7 @@ def ledger(client) -> RedisLedger:
 
 
 def make_request(rid: str, prompt_len: int = 5, max_tokens: int = 4, seq: int = 0, **kw) -> Request:
-    sampling = wpb.SamplingParams(temperature=0.7, top_p=0.9, seed=1234 + seq, max_tokens=max_tokens,
-                                  stop_token_ids=[2, 7])
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=1234 + seq, max_tokens=max_tokens, stop_token_ids=[2, 7])
     return Request(request_id=rid, prompt_ids=list(range(100 + seq, 100 + seq + prompt_len)), sampling=sampling,
                    arrival_time=1000.0 + seq / 3, arrival_seq=seq, **kw)
 
