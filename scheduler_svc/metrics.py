@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from scheduler_svc.outputs import SchedulerOutput
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import Request
 
@@ -49,7 +50,6 @@ class Metrics:
         self.admission_blocked = Counter("llmserve:admission_blocked_steps",
                                          "Steps that left requests waiting, by the limit that stopped admission",
                                          [*L, "limit"], registry=r)
-        self._limits: tuple[int, int, bool] | None = None  # (max_num_seqs, token budget, chunked); continuous only
         self._last_token_time: dict[str, float] = {}
         self._tokens_this_step = 0
         self.set_model_name(model_name)
@@ -82,10 +82,6 @@ class Metrics:
             scheduling_policy=policy.scheduling_policy, scheduling_mode=policy.scheduling_mode,
             block_size=policy.block_size, num_gpu_blocks=num_gpu_blocks, kv_bytes_per_block=kv_bytes_per_block,
             max_model_len=max_model_len, device=device).set(1)
-        # Static / naive batches hold admission back by design: no limit to attribute there.
-        continuous = policy.scheduling_mode == "continuous"
-        self._limits = ((policy.max_num_seqs, policy.max_num_batched_tokens, policy.enable_chunked_prefill)
-                        if continuous else None)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -102,13 +98,14 @@ class Metrics:
     def request_scheduled(self, req: Request, now: float) -> None:
         self.c_queue.observe(max(0.0, now - req.arrival_time))
 
-    def token_generated(self, req: Request, now: float) -> None:
-        self._tokens_this_step += 1
+    def first_token(self, req: Request, now: float) -> None:
+        """The first token of this request (not of one resumed after a restart: its first token came earlier)."""
+        self.c_ttft.observe(max(0.0, now - req.arrival_time))
+
+    def tokens_generated(self, req: Request, n: int, now: float) -> None:
+        self._tokens_this_step += n
         last = self._last_token_time.get(req.request_id)
-        if last is None:
-            if req.first_token_time is None:  # the first token of this request, not of a resumed one
-                self.c_ttft.observe(max(0.0, now - req.arrival_time))
-        else:
+        if last is not None:
             self.c_itl.observe(now - last)
         self._last_token_time[req.request_id] = now
 
@@ -120,34 +117,16 @@ class Metrics:
         self.c_success[reason].inc()
         self.c_e2e.observe(max(0.0, now - req.arrival_time))
 
-    def step_done(self, sched, num_running: int, num_waiting: int, kv_usage: float) -> None:
+    def step_done(self, out: SchedulerOutput, num_running: int, num_waiting: int, kv_usage: float) -> None:
         self.c_running.set(num_running)
         self.c_waiting.set(num_waiting)
         self.c_kv.set(kv_usage)
-        self.c_iter.observe(sched.total_tokens)
+        self.c_iter.observe(out.total_tokens)
         if self._tokens_this_step:
             self.c_gen.inc(self._tokens_this_step)
             self._tokens_this_step = 0
-        prefill = 0
-        for r in sched.scheduled:  # called after num_computed_tokens advanced by this step
-            before = r.num_computed_tokens - sched.num_tokens[r.request_id]
-            prefill += max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - before)
-        if prefill:
-            self.c_prompt.inc(prefill)
-        if num_waiting and self._limits is not None:
-            self.c_blocked[self._admission_limit(sched, num_running, kv_usage)].inc()
-
-    def _admission_limit(self, sched, num_running: int, kv_usage: float) -> str:
-        """Which limit kept the waiting queue out of this step, in the order the policy checks them."""
-        max_seqs, budget, chunked = self._limits
-        if sched.preempted:
-            return "kv_cache"  # the pool ran dry: the policy admits nothing in a step that preempted
-        if num_running >= max_seqs:
-            return "max_num_seqs"
-        if sched.total_tokens >= budget:
-            return "token_budget"
-        if chunked:
-            return "kv_cache"  # budget and seats left, so the head of the queue did not get its blocks
-        # Without chunking the head also waits when its whole prompt exceeds the budget left; which of the two
-        # stopped it is not visible here, so a nearly full pool is taken as the reason.
-        return "kv_cache" if kv_usage >= 0.9 else "token_budget"
+        if out.num_prompt_tokens:
+            self.c_prompt.inc(out.num_prompt_tokens)
+        # Static / naive batches hold admission back by design: no limit to attribute there.
+        if num_waiting and out.admission_stopped_by in self.c_blocked:
+            self.c_blocked[out.admission_stopped_by].inc()

@@ -13,9 +13,11 @@ prompt whole in the admission step (the token budget does not split it), as a pa
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from scheduler_svc import outputs
 from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.outputs import SchedulerOutput
 from scheduler_svc.request import Request, Status
 
 
@@ -32,35 +34,6 @@ class PolicyConfig:
 
 
 SCHEDULING_MODES = ("continuous", "static", "naive")
-
-
-@dataclass
-class StepSchedule:
-    """What one iteration computes. `scheduled` keeps plan order: running first, then admitted."""
-
-    scheduled: list[Request] = field(default_factory=list)
-    num_tokens: dict[str, int] = field(default_factory=dict)
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the forward
-    replaced_tables: set[str] = field(default_factory=set)  # requests whose block table changed in place
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens.values())
-
-    def unschedule(self, req: Request) -> int:
-        """Take a (preempted) request back out of this step; returns the tokens it had."""
-        if req.request_id not in self.num_tokens:
-            return 0
-        self.scheduled.remove(req)
-        self.new_blocks.pop(req.request_id, None)
-        if req.request_id in self.replaced_tables:
-            self.replaced_tables.discard(req.request_id)
-            mine = set(req.block_ids)
-            self.copies = [(src, dst) for src, dst in self.copies if dst not in mine]
-        return self.num_tokens.pop(req.request_id)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -112,9 +85,9 @@ def _cached_prefix(req: Request, pool: BlockPool, cfg: PolicyConfig) -> list[int
     return pool.cached_prefix(hashes, (tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))))
 
 
-def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, cfg: PolicyConfig) -> StepSchedule:
+def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, cfg: PolicyConfig) -> SchedulerOutput:
     """Mutates the queues, the pool and the requests' block tables; returns the step."""
-    out = StepSchedule()
+    out = SchedulerOutput()
     budget = cfg.max_num_batched_tokens
     continuous = cfg.scheduling_mode == "continuous"
     if not continuous and running:
@@ -174,6 +147,7 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         req = waiting[0]
         remaining = req.num_tokens - req.num_computed_tokens
         if continuous and not cfg.enable_chunked_prefill and remaining > budget:
+            out.admission_stopped_by = outputs.STOP_TOKEN_BUDGET
             break  # without chunking a prompt that does not fit the budget waits whole
         hits = _cached_prefix(req, pool, cfg) if cfg.enable_prefix_caching and not req.block_ids else []
         req.num_computed_tokens += len(hits) * cfg.block_size
@@ -182,6 +156,7 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         # Evictable hits leave the free capacity once taken.
         if need > pool.num_free - pool.num_evictable_in(hits):
             req.num_computed_tokens -= len(hits) * cfg.block_size
+            out.admission_stopped_by = outputs.STOP_KV_CACHE
             break
         waiting.popleft()
         pool.take(hits)
@@ -196,4 +171,31 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         out.num_tokens[req.request_id] = n
         out.new_blocks[req.request_id] = new
         budget -= n
+    if waiting and out.admission_stopped_by is None:
+        out.admission_stopped_by = _why_not_admitted(out, admit, continuous, budget, len(running), max_seqs)
+    _count_tokens(out)
     return out
+
+
+def _why_not_admitted(out: SchedulerOutput, admit: bool, continuous: bool, budget: int, num_running: int,
+                      max_seqs: int) -> str:
+    """The loop condition that kept the waiting queue out, in the order the loop checks it."""
+    if not admit:
+        return outputs.STOP_BATCH_RUNNING
+    if out.preempted:
+        return outputs.STOP_KV_CACHE  # the pool ran dry: blocks go to running requests first
+    if num_running >= max_seqs:
+        return outputs.STOP_MAX_NUM_SEQS
+    return outputs.STOP_TOKEN_BUDGET  # continuous mode with the budget spent
+
+
+def _count_tokens(out: SchedulerOutput) -> None:
+    """Prompt positions, prefill tokens and decodes of the step (called before the step advances anything)."""
+    for req in out.scheduled:
+        n = out.num_tokens[req.request_id]
+        computed = req.num_computed_tokens
+        out.num_prompt_tokens += max(0, min(computed + n, req.num_prompt_tokens) - computed)
+        if n == 1 and computed == req.num_tokens - 1 and req.output_ids:
+            out.num_decode_seqs += 1
+        else:
+            out.num_prefill_tokens += n

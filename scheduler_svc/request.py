@@ -41,9 +41,10 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    scheduled_time: float | None = None
+    scheduled_time: float | None = field(default=None, compare=False)  # first step (queue-time metric); not persisted
     cache_salt: str = ""  # tenant isolation: requests with different salts never share cached blocks
     fork_of: str = ""  # n > 1: the sibling whose prompt blocks this sequence shares once they are computed
+    error: str = ""  # why the worker rejected this request (finish reason "rejected"); not persisted
     # Prefix-cache bookkeeping (derived from the tokens, not persisted).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of full blocks, chained
     num_registered_blocks: int = 0  # leading blocks already offered to the cache index

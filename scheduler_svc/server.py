@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import re
 import signal
 import threading
 import urllib.parse
@@ -28,9 +30,11 @@ from scheduler_svc.admission import (
     prompt_ids,
     sequence_ids,
 )
+from scheduler_svc.core import FINISH_REJECTED, FINISH_TIMEOUT
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.engine import FINISH_TIMEOUT, Engine, EngineConfig, Published, SubmitError
+from scheduler_svc.driver import Driver, DriverConfig, SubmitError
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.outbox import UNAVAILABLE, Published
 from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
@@ -40,8 +44,18 @@ log = logging.getLogger("llmserve.scheduler")
 
 SERVICE_NAME = "llmserve.v1.LLMServe"
 MAX_MESSAGE_BYTES = 64 << 20
+# Machine-readable line on stdout once the gRPC server listens (not yet SERVING: that needs the worker and the lease).
+LISTENING_LINE = "LLMSERVE_SCHEDULER_LISTENING port={port}"
+_LISTENING_RE = re.compile(r"^LLMSERVE_SCHEDULER_LISTENING port=(\d+)$", re.M)
 
 
+def parse_listening_line(text: str) -> int | None:
+    """The port from the first LISTENING_LINE in `text` (one line or a whole log), or None."""
+    m = _LISTENING_RE.search(text)
+    return int(m.group(1)) if m else None
+
+
+@functools.lru_cache(maxsize=4)
 def _tokenizer_for(model_path: str) -> Tokenizer:
     if model_path.endswith(".gguf"):
         return Tokenizer.from_gguf(model_path)
@@ -49,7 +63,7 @@ def _tokenizer_for(model_path: str) -> Tokenizer:
 
 
 class LLMServeServicer(pb_grpc.LLMServeServicer):
-    def __init__(self, engine: Engine, tokenizer_path: str | None = None):
+    def __init__(self, engine: Driver, tokenizer_path: str | None = None):
         self.engine = engine
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_path = tokenizer_path
@@ -101,8 +115,10 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
                     for req in reqs:
                         req.trace_context = parent
                 pubs = engine.submit(reqs)
-        except (AdmissionError, SubmitError) as e:
+        except AdmissionError as e:
             context.abort(e.code, str(e))
+        except SubmitError as e:
+            context.abort(grpc.StatusCode[e.code], str(e))
         yield from self._stream(request.request_id or pubs[0].request.request_id, pubs, request.resume_from_token,
                                 context)
 
@@ -135,7 +151,11 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"request {rid} waited longer than --queue-timeout "
                                   f"{engine.cfg.queue_timeout:g}s before being scheduled")
-                if finish == "unavailable":
+                if finish == FINISH_REJECTED:
+                    done.set()
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {stream.pub.request.request_id} was "
+                                  f"refused by the worker: {stream.pub.error}")
+                if finish == UNAVAILABLE:
                     done.set()
                     context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; re-attach with "
                                   f"request_id={rid!r} and resume_from_token={stream.sent}")
@@ -174,8 +194,7 @@ class _SequenceStream:
                 lp = lps[i] if i < len(lps) else None
                 if lp is not None:
                     msg.logprobs.add(token_id=tok, logprob=lp.logprob,
-                                     top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob)
-                                          for t in lp.top_logprobs])
+                                     top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
             if self.detok.stopped_by is not None:
                 self.sent = index + 1
                 self.stopped_by_string = True
@@ -272,13 +291,13 @@ def connect_redis(url: str) -> redis.Redis:
     return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30))
 
 
-def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
+def scheduler_from_args(args: argparse.Namespace) -> tuple[Driver, RedisLedger]:
     if not args.redis_url:
         raise SystemExit("--redis-url is required (or use `llmserve serve`, which starts a private redis-server)")
     for flag in ("max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    # 0 = size for the worker's device once it has described itself (see Engine._become_leader).
+    # 0 = size for the worker's device once it has described itself (see leadership.take_pool).
     policy = PolicyConfig(max_num_batched_tokens=args.max_num_batched_tokens or 0,
                           max_num_seqs=args.max_num_seqs or 0, block_size=0,
                           enable_chunked_prefill=args.enable_chunked_prefill,
@@ -290,15 +309,18 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Engine, RedisLedger]:
     worker_credentials = None
     if args.worker_tls_ca is not None:
         worker_credentials = tls.channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
-    cfg = EngineConfig(policy=policy, worker_address=args.worker_address,
+    tokenizer = None  # an explicit --tokenizer must fit the model's vocabulary (checked once the worker answers)
+    if args.tokenizer:
+        tokenizer = (args.tokenizer, _tokenizer_for(args.tokenizer).vocab_size)
+    cfg = DriverConfig(policy=policy, tokenizer=tokenizer, worker_address=args.worker_address,
                        max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
                        lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants,
                        worker_token=args.worker_token, step_log=args.step_log,
                        worker_credentials=worker_credentials, worker_server_name=args.worker_tls_server_name)
-    return Engine(cfg, ledger, Metrics()), ledger
+    return Driver(cfg, ledger, Metrics()), ledger
 
 
-def build_server(engine: Engine, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
+def build_server(engine: Driver, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
     """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
@@ -331,7 +353,7 @@ def build_server(engine: Engine, address: str, api_key: str | None = None, token
 def check_flags(args: argparse.Namespace) -> None:
     """Incompatible combinations fail at start-up, naming the flags and the values. The block size and
     max-model-len are checked here when they are flags of this command (`llmserve serve`), otherwise once the
-    worker has described itself (Engine._size_policy)."""
+    worker has described itself (leadership.sized_policy)."""
     for flag in ("max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -363,7 +385,7 @@ def serve(args: argparse.Namespace) -> None:
     log.info("scheduler listening on %s:%d (%s; worker %s over %s; redis %s)", args.host, port,
              "plaintext" if args.tls_cert is None else "mutual TLS" if args.tls_client_ca else "TLS",
              args.worker_address, "plaintext" if args.worker_tls_ca is None else "TLS", redact_url(args.redis_url))
-    print(f"LLMSERVE_SCHEDULER_LISTENING port={port}", flush=True)
+    print(LISTENING_LINE.format(port=port), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -378,7 +400,7 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"scheduler: {engine.fatal}")
 
 
-def shutdown(engine: Engine, server: grpc.Server, timeout: float) -> None:
+def shutdown(engine: Driver, server: grpc.Server, timeout: float) -> None:
     """Graceful drain: NOT_SERVING and no admission at once, in-flight requests finish (up to `timeout`), the rest
     are aborted; with timeout 0 they are left in Redis for the next leader (streams end UNAVAILABLE)."""
     log.info("draining (shutdown timeout %gs)", timeout)

@@ -42,12 +42,13 @@ in the same slot, which Redis Cluster serves).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
 from common.validation import ConfigError
-from scheduler_svc.block_pool import BlockPool, BlockState
+from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.outputs import StepCommit
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 
@@ -81,19 +82,6 @@ def check_schema(prefix: str, found: str | None) -> None:
 
 class InvariantViolation(Exception):
     """The commit would break SCARD(free) + HLEN(refs) == num_blocks (or names a block outside the pool)."""
-
-
-@dataclass
-class StepCommit:
-    step_id: int
-    arrival_seq: int
-    new_requests: list[Request] = field(default_factory=list)  # full spec + state; out:{rid} starts empty
-    updated: list[Request] = field(default_factory=list)  # status, num_computed_tokens, block_ids, ...
-    appended: dict[str, list[int]] = field(default_factory=dict)  # rid -> tokens produced this step
-    finished: list[Request] = field(default_factory=list)  # final state, then expire
-    block_changes: dict[int, BlockState] = field(default_factory=dict)  # from BlockPool.take_changes()
-    check_invariant: bool = False
-    finished_ttl_s: int = 600
 
 
 @dataclass

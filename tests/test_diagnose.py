@@ -19,8 +19,11 @@ from llmserve import cli
 from llmserve.diagnose import Observation, Scrape, diagnose, histogram_quantile, observe_bench, observe_scrapes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.core import SchedulerCore
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.policy import PolicyConfig, StepSchedule
+from scheduler_svc.outputs import SampledToken, SchedulerOutput, WorkerOutput
+from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import Request
 from scheduler_svc.sampling import SamplingParams
 from tests import cluster
@@ -267,26 +270,29 @@ def test_cli_reads_snapshots_and_prints_json(tmp_path, capsys):
 
 # ---- the metric diagnose relies on ---------------------------------------------------------------------------------
 
-def _step(tokens: dict[str, int], preempted: int = 0) -> StepSchedule:
-    s = StepSchedule()
-    for rid, n in tokens.items():
-        req = Request(request_id=rid, prompt_ids=[1] * n, sampling=SamplingParams())
-        req.num_computed_tokens = n
-        s.scheduled.append(req)
-        s.num_tokens[rid] = n
-    s.preempted = [Request(request_id=f"p{i}", prompt_ids=[1], sampling=SamplingParams()) for i in range(preempted)]
-    return s
+def _stopped_step(limit: str) -> tuple[SchedulerOutput, SchedulerCore]:
+    """A step of the real core (budget 64, 2 seats, block size 16) in which `limit` keeps a request waiting."""
+    blocks = {"kv_cache": 3, "preempted": 2}.get(limit, 64)
+    core = SchedulerCore(PolicyConfig(max_num_batched_tokens=64, max_num_seqs=2, block_size=16), BlockPool(blocks))
+    prompts = {"max_num_seqs": [4, 4, 4], "token_budget": [100, 4], "kv_cache": [40, 30], "preempted": [16, 16],
+               "nobody waits": [4]}[limit]
+    for i, n in enumerate(prompts):
+        core.add([Request(request_id=f"r{i}", prompt_ids=[1] * n, sampling=SamplingParams(max_tokens=8))])
+    out = core.schedule(0.0)
+    if limit == "preempted":  # both prompts fill their only block; the next decode needs one more each
+        core.update_from_output(out, WorkerOutput([SampledToken(r.request_id, 5) for r in out.scheduled]), 0.0)
+        out = core.schedule(0.0)
+        assert out.preempted
+    return out, core
 
 
 def test_metrics_attribute_each_queued_step_to_one_limit():
     m = Metrics("m")
     m.set_config(PolicyConfig(max_num_batched_tokens=64, max_num_seqs=2, block_size=16), num_gpu_blocks=32,
                  kv_bytes_per_block=4096, max_model_len=512, device="cpu")
-    m.step_done(_step({"a": 1, "b": 1}), num_running=2, num_waiting=3, kv_usage=0.2)  # the seats are taken
-    m.step_done(_step({"a": 64}), num_running=1, num_waiting=3, kv_usage=0.2)  # the budget is spent
-    m.step_done(_step({"a": 10}), num_running=1, num_waiting=3, kv_usage=0.95)  # room left, but no blocks
-    m.step_done(_step({"a": 1}, preempted=1), num_running=1, num_waiting=1, kv_usage=1.0)
-    m.step_done(_step({"a": 1}), num_running=1, num_waiting=0, kv_usage=0.1)  # nobody waits: not counted
+    for case in ("max_num_seqs", "token_budget", "kv_cache", "preempted", "nobody waits"):
+        out, core = _stopped_step(case)
+        m.step_done(out, num_running=len(core.running), num_waiting=len(core.waiting), kv_usage=core.pool.usage)
     s = Scrape.parse(generate_latest(m.registry).decode())
     got = {lim: s.total("llmserve:admission_blocked_steps_total", limit=lim)
            for lim in ("max_num_seqs", "token_budget", "kv_cache")}

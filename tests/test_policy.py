@@ -1,19 +1,21 @@
 """Unit tests for the pure scheduling policy (scheduler_svc/policy.py) and its block pool.
 
-The policy does not advance `num_computed_tokens` nor append output tokens: the engine does that
-after the worker step. `Engine.step` below simulates it (one fake token per request whose
-scheduled chunk reached the end of its known tokens; finish at `max_tokens` outputs).
+The policy does not advance `num_computed_tokens` nor append output tokens: the scheduler core does that
+after the worker step (`SchedulerCore.update_from_output`). `Engine.step` below runs the real core and fakes only
+the worker (one fake token per request whose scheduled chunk reached the end of its known tokens; the worker's
+max_tokens finish at `max_tokens` outputs).
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 
 import pytest
 
 from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
-from scheduler_svc.policy import PolicyConfig, StepSchedule, blocks_for, schedule
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, SchedulerOutput, WorkerOutput
+from scheduler_svc.policy import PolicyConfig, blocks_for
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 
@@ -33,13 +35,12 @@ def fake_token(req: Request) -> int:
 
 
 class Engine:
-    """Queues + pool + the engine's post-step bookkeeping, checking the policy's contract every step."""
+    """The real scheduler core against a fake worker, checking the policy's contract every step."""
 
     def __init__(self, cfg: PolicyConfig, num_blocks: int):
         self.cfg = cfg
-        self.pool = BlockPool(num_blocks)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.core = SchedulerCore(cfg, BlockPool(num_blocks))
+        self.pool, self.waiting, self.running = self.core.pool, self.core.waiting, self.core.running
         self.finished: list[Request] = []
         self._seq = 0
         self.steps = 0
@@ -47,15 +48,15 @@ class Engine:
     def add(self, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0) -> Request:
         req = make_req(rid, prompt_len, max_tokens, priority, self._seq)
         self._seq += 1
-        self.waiting.append(req)
+        self.core.add([req])
         return req
 
     def add_running(
         self, rid: str, prompt_len: int, computed: int, outputs: int = 0, max_tokens: int = 100, priority: int = 0
     ) -> Request:
         """A request already running: `computed` tokens in the KV cache, `outputs` tokens generated."""
-        req = make_req(rid, prompt_len, max_tokens, priority, self._seq)
-        self._seq += 1
+        req = self.add(rid, prompt_len, max_tokens, priority)
+        self.waiting.remove(req)
         req.output_ids = [fake_token(req) for _ in range(outputs)]
         assert computed <= req.num_tokens
         req.num_computed_tokens = computed
@@ -67,31 +68,28 @@ class Engine:
     def ids(self, reqs) -> list[str]:
         return [r.request_id for r in reqs]
 
-    def step(self) -> StepSchedule:
-        cfg = self.cfg
+    def step(self) -> SchedulerOutput:
         self.steps += 1
         assert self.steps < 5000, "runaway simulation"
         running_before = list(self.running)
         waiting_before = list(self.waiting)
         computed_before = {r.request_id: r.num_computed_tokens for r in running_before}
-        out = schedule(self.waiting, self.running, self.pool, cfg)
+        out = self.core.schedule(now=0.0)
         self.check_step(out, running_before, waiting_before, computed_before)
-        # The engine's part: advance progress, sample a token at the end of the known tokens, finish.
+        # The worker's part: a token for each chunk that reaches the end of the known tokens; max_tokens ends it.
+        tokens = []
         for req in out.scheduled:
-            req.num_computed_tokens += out.num_tokens[req.request_id]
-            assert req.num_computed_tokens <= req.num_tokens
-            if req.num_computed_tokens == req.num_tokens:
-                req.output_ids.append(fake_token(req))
-                if len(req.output_ids) >= req.max_tokens:
-                    self.pool.release(req.block_ids)
-                    req.block_ids = []
-                    self.running.remove(req)
-                    req.status = Status.FINISHED
-                    self.finished.append(req)
+            end = req.num_computed_tokens + out.num_tokens[req.request_id]
+            assert end <= req.num_tokens
+            if end == req.num_tokens:
+                done = len(req.output_ids) + 1 >= req.max_tokens
+                tokens.append(SampledToken(req.request_id, fake_token(req), WORKER_MAX_TOKENS if done else None))
+        self.core.update_from_output(out, WorkerOutput(tokens), now=0.0)
+        self.finished += self.core.take_commit(self.steps).finished
         self.check_state()
         return out
 
-    def check_step(self, out: StepSchedule, running_before, waiting_before, computed_before) -> None:
+    def check_step(self, out: SchedulerOutput, running_before, waiting_before, computed_before) -> None:
         cfg = self.cfg
         sched_ids = self.ids(out.scheduled)
         assert len(set(sched_ids)) == len(sched_ids), "a request scheduled twice"
@@ -457,7 +455,7 @@ def test_priority_victim_scheduled_earlier_in_step_is_unscheduled_and_budget_ret
 
 
 def test_step_schedule_unschedule():
-    s = StepSchedule()
+    s = SchedulerOutput()
     r = make_req("a", 3)
     other = make_req("b", 3)
     s.scheduled.append(r)

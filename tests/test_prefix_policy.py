@@ -21,7 +21,8 @@ from protos import llmserve_pb2 as pb
 from protos import worker_pb2 as wpb
 from scheduler_svc.admission import Limits, build_requests
 from scheduler_svc.block_pool import BlockPool, NoFreeBlocks, hash_block
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.driver import Driver, DriverConfig
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import Request, Status
@@ -489,63 +490,68 @@ class FakeLedger:
 
 
 def make_engine(num_blocks: int, *, caching: bool = True, budget: int = 24, max_seqs: int = 8,
-                block_size: int = BS) -> Engine:
+                block_size: int = BS) -> Driver:
     policy = PolicyConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, block_size=block_size,
                           enable_prefix_caching=caching)
-    eng = Engine(EngineConfig(policy=policy, worker_address="fake", debug_invariants=True, lease_ttl_ms=30),
+    eng = Driver(DriverConfig(policy=policy, worker_address="fake", debug_invariants=True, lease_ttl_ms=30),
                  FakeLedger(num_blocks), Metrics())
-    worker = FakeWorker(num_blocks, block_size)
-    eng.token, eng.worker, eng.worker_info = 1, worker, worker.info()
-    eng.pool = BlockPool(num_blocks)
+    use_worker(eng, FakeWorker(num_blocks, block_size))
+    eng.lease.token = 1
+    eng.core = SchedulerCore(policy, BlockPool(num_blocks))
+    eng.core.reset_worker = False
     eng.ready.set()
     return eng
 
 
-def submit(eng: Engine, rid: str, prompt: list[int], *, n: int = 1, temperature: float = 0.0, seed: int = 7,
+def use_worker(eng: Driver, worker: FakeWorker) -> None:
+    """The driver's worker client talks to the fake instead of a gRPC stub (the plan encoding stays real)."""
+    eng.worker.stub, eng.worker.info, eng.fake_worker = worker, worker.info(), worker
+
+
+def submit(eng: Driver, rid: str, prompt: list[int], *, n: int = 1, temperature: float = 0.0, seed: int = 7,
            max_tokens: int = 6, salt: str = "") -> list[Request]:
     g = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=prompt), cache_salt=salt,
                            sampling=pb.SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                                       ignore_eos=True, n=n))
     pol = eng.cfg.policy
-    limits = Limits(max_model_len=1 << 20, vocab_size=VOCAB, kv_pool_tokens=eng.pool.num_blocks * pol.block_size,
+    limits = Limits(max_model_len=1 << 20, vocab_size=VOCAB, kv_pool_tokens=eng.core.pool.num_blocks * pol.block_size,
                     block_size=pol.block_size)
     reqs = build_requests(g, prompt, limits, rid)
     eng.submit(reqs)
     return reqs
 
 
-def run(eng: Engine, max_iterations: int = 5000, on_step=None) -> int:
+def run(eng: Driver, max_iterations: int = 5000, on_step=None) -> int:
     """Iterate until nothing is queued, running or pending; returns the iterations taken."""
     for i in range(max_iterations):
         if on_step is not None:
             on_step(eng, i)
         with eng.lock:
             inbox = bool(eng.inbox)
-        if not (inbox or eng.running or eng.waiting or eng.forks or eng.pending_new or eng.pending_finished
-                or eng.pending_updated):
+        if not (inbox or eng.core.has_work or eng.core.forks or eng.core.has_uncommitted):
             return i
         eng._iteration()
     raise AssertionError("the engine did not drain")
 
 
-def output(eng: Engine, rid: str) -> list[int]:
-    pub = eng.published[rid]
+def output(eng: Driver, rid: str) -> list[int]:
+    pub = eng.outbox.published[rid]
     assert pub.finish_reason is not None, rid
     return pub.token_ids
 
 
-def assert_idle_and_clean(eng: Engine) -> None:
-    pool = eng.pool
+def assert_idle_and_clean(eng: Driver) -> None:
+    pool = eng.core.pool
     pool.check([])
     assert all(n == 0 for n in pool.ref_counts)
-    assert pool.num_free == pool.num_blocks and not eng.forks
+    assert pool.num_free == pool.num_blocks and not eng.core.forks
     st = eng.ledger.state
     assert not st["refs"] and len(st["free"]) + len(st["evict"]) == pool.num_blocks
     assert set(st["evict"]) == set(pool.evictable) and set(st["bhash"]) == {
         b for b, h in enumerate(pool.block_hash) if h is not None}
 
 
-def hit_tokens(eng: Engine) -> float:
+def hit_tokens(eng: Driver) -> float:
     return eng.metrics.registry.get_sample_value("vllm:prefix_cache_hits_total", {"model_name": "model"}) or 0.0
 
 
@@ -571,12 +577,12 @@ def test_engine_same_prompt_twice_recomputes_only_the_last_block():
         p = toks(length, 4)
         a = submit(eng, "a", p)[0]
         run(eng)
-        tokens_before = eng.worker.tokens_computed
+        tokens_before = eng.fake_worker.tokens_computed
         b = submit(eng, "b", p)[0]
         run(eng)
         assert b.num_cached_tokens == (length - 1) // BS * BS
         # The second run computes only the uncached tail of the prompt plus its decodes.
-        assert eng.worker.tokens_computed - tokens_before == length - b.num_cached_tokens + b.max_tokens - 1
+        assert eng.fake_worker.tokens_computed - tokens_before == length - b.num_cached_tokens + b.max_tokens - 1
         assert output(eng, "a") == output(eng, "b") == expected_output(p, a.sampling)
         assert_idle_and_clean(eng)
 
@@ -591,15 +597,15 @@ def test_engine_n4_greedy_sequences_share_the_prompt_and_equal_the_single_output
 
         def watch(e, i, seqs=seqs, shared_seen=shared_seen):
             if all(s.status == Status.RUNNING for s in seqs) and not shared_seen:
-                shared_seen.append(e.pool.ref_counts[seqs[0].block_ids[0]])
+                shared_seen.append(e.core.pool.ref_counts[seqs[0].block_ids[0]])
 
         run(eng, on_step=watch)
         for s in seqs:
             assert output(eng, s.request_id) == single
         assert shared_seen == [4], "the four sequences must share the first prompt block"
         # The prompt is computed once plus one token per sibling, not four times.
-        assert eng.worker.tokens_computed == plen + 3 + 4 * 4
-        assert eng.worker.copies == 3, "three sequences copy the block holding the last prompt token"
+        assert eng.fake_worker.tokens_computed == plen + 3 + 4 * 4
+        assert eng.fake_worker.copies == 3, "three sequences copy the block holding the last prompt token"
         assert_idle_and_clean(eng)
 
 
@@ -625,7 +631,7 @@ def test_engine_abort_first_sequence_before_the_fork_releases_its_siblings():
             e.abort("a#0")
 
     run(eng, on_step=abort_first)
-    assert eng.published["a#0"].finish_reason == "abort"
+    assert eng.outbox.published["a#0"].finish_reason == "abort"
     single = expected_output(prompt, seqs[0].sampling)
     assert output(eng, "a#1") == output(eng, "a#2") == single
     assert_idle_and_clean(eng)
@@ -638,11 +644,11 @@ def test_engine_abort_a_sibling_still_waiting_for_the_fork():
 
     def abort_sibling(e, i):
         if i == 1:
-            assert "a#0" in e.forks
+            assert "a#0" in e.core.forks
             e.abort("a#2")
 
     run(eng, on_step=abort_sibling)
-    assert eng.published["a#2"].finish_reason == "abort" and eng.published["a#2"].token_ids == []
+    assert eng.outbox.published["a#2"].finish_reason == "abort" and eng.outbox.published["a#2"].token_ids == []
     assert output(eng, "a#0") == output(eng, "a#1")
     assert_idle_and_clean(eng)
 
@@ -663,9 +669,9 @@ def test_engine_ping_with_a_new_worker_epoch_drops_the_cache():
     p = toks(13, 5)
     submit(eng, "a", p)
     run(eng)
-    assert eng.pool.index
-    eng.worker = FakeWorker(32, BS, epoch="e2")  # same address, new process: empty KV
-    eng._ping_worker()  # the idle loop notices the new epoch
+    assert eng.core.pool.index
+    eng.worker.stub = eng.fake_worker = FakeWorker(32, BS, epoch="e2")  # same address, new process: empty KV
+    eng._check_worker()  # the idle loop notices the new epoch
     b = submit(eng, "b", p)[0]
     run(eng)  # the fake worker asserts if a stale block is read
     assert b.num_cached_tokens == 0
@@ -686,8 +692,8 @@ def test_engine_preemption_of_requests_holding_shared_blocks():
         for r in reqs:
             if r.request_id in sharing and r.num_preemptions > sharing.pop(r.request_id):
                 preempted_while_sharing.append(r.request_id)
-        for r in e.running:
-            if any(e.pool.ref_counts[b] > 1 for b in r.block_ids):
+        for r in e.core.running:
+            if any(e.core.pool.ref_counts[b] > 1 for b in r.block_ids):
                 sharing[r.request_id] = r.num_preemptions
 
     run(eng, on_step=watch)
@@ -725,18 +731,18 @@ def test_engine_randomized_shared_prefixes_forks_aborts_and_preemption(caching, 
                                 max_tokens=s["max_tokens"], salt=s["salt"]):
                     reqs[r.request_id] = r
         for rid, at in aborts.items():
-            if at == it and rid in e.published:
+            if at == it and rid in e.outbox.published:
                 e.abort(rid)
 
     it = 0
     while it < 100 or any(s["at"] >= it for s in specs):  # keep going until every spec was submitted
         feed(eng, it)
         it += 1
-        if eng.running or eng.waiting or eng.forks or eng.inbox:
+        if eng.core.running or eng.core.waiting or eng.core.forks or eng.inbox:
             eng._iteration()
     run(eng)
     for rid, r in reqs.items():
-        pub = eng.published[rid]
+        pub = eng.outbox.published[rid]
         assert pub.finish_reason in ("length", "abort"), (rid, pub.finish_reason)
         want = expected_output(r.prompt_ids, r.sampling)
         if pub.finish_reason == "length":

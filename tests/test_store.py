@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections import deque
 
 import pytest
 import redis
 
 from scheduler_svc.block_pool import BlockPool, BlockState
-from scheduler_svc.policy import PolicyConfig, schedule
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
+from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FINISH_LENGTH, Request, Status
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, StepCommit
@@ -158,48 +159,35 @@ def test_invariant_check_detects_corruption_and_writes_nothing(ledger, client):
 
 
 class MiniEngine:
-    """The policy plus fake tokens, committing every step to the ledger like the real scheduler does."""
+    """The real scheduler core with a fake worker's tokens, committing every step to the ledger like the driver."""
 
     def __init__(self, ledger: RedisLedger, token: int, num_blocks: int, block_size: int):
         self.ledger, self.token = ledger, token
-        self.cfg = PolicyConfig(max_num_batched_tokens=12, max_num_seqs=4, block_size=block_size)
-        self.pool = BlockPool(num_blocks)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.core = SchedulerCore(PolicyConfig(max_num_batched_tokens=12, max_num_seqs=4, block_size=block_size),
+                                  BlockPool(num_blocks))
+        self.pool, self.waiting, self.running = self.core.pool, self.core.waiting, self.core.running
         self.finished: list[Request] = []
         self.step_id = 0
-        self.arrival_seq = 0
+
+    @property
+    def arrival_seq(self) -> int:
+        return self.core.arrival_seq
 
     def step(self, arrivals: list[Request]) -> None:
         self.step_id += 1
         for r in arrivals:
-            self.arrival_seq += 1
-            r.arrival_seq = self.arrival_seq
-            self.waiting.append(r)
-        sched = schedule(self.waiting, self.running, self.pool, self.cfg)
-        appended: dict[str, list[int]] = {}
-        done: list[Request] = []
-        for r in sched.scheduled:
-            r.num_computed_tokens += sched.num_tokens[r.request_id]
-            if r.num_computed_tokens == r.num_tokens:
+            self.core.add([r])
+        out = self.core.schedule(0.0)
+        tokens = []
+        for r in out.scheduled:
+            if r.num_computed_tokens + out.num_tokens[r.request_id] == r.num_tokens:
                 tok = (sum(map(ord, r.request_id)) * 31 + r.num_tokens) % 50_000
-                r.output_ids.append(tok)
-                appended[r.request_id] = [tok]
-                if r.first_token_time is None:
-                    r.first_token_time = 2000.0 + self.step_id / 7
-                if len(r.output_ids) >= r.max_tokens:
-                    done.append(r)
-        for r in done:
-            self.running.remove(r)
-            self.pool.release(r.block_ids)
-            r.block_ids = []
-            r.status, r.finish_reason = Status.FINISHED, FINISH_LENGTH
-            self.finished.append(r)
-        updated = {r.request_id: r for r in sched.scheduled + sched.preempted if not r.finished}
-        self.pool.check([r.block_ids for r in self.running])
-        commit = StepCommit(step_id=self.step_id, arrival_seq=self.arrival_seq, new_requests=arrivals,
-                            updated=list(updated.values()), appended=appended, finished=done,
-                            block_changes=self.pool.take_changes(), check_invariant=True)
+                finish = WORKER_MAX_TOKENS if len(r.output_ids) + 1 >= r.max_tokens else None
+                tokens.append(SampledToken(r.request_id, tok, finish))
+        outcome = self.core.update_from_output(out, WorkerOutput(tokens), 2000.0 + self.step_id / 7)
+        self.core.check_invariant()
+        commit = self.core.take_commit(self.step_id, out, outcome, check_invariant=True)
+        self.finished += commit.finished
         self.ledger.commit_step(HOLDER, self.token, TTL_MS, commit)
 
     @property

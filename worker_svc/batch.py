@@ -6,20 +6,28 @@ plan changes nothing; `apply_plan` then mutates. Both walk the plan in the same 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import grpc
 
+from common import plan_errors
 from protos import worker_pb2 as pb
 from worker_svc.sampling import SamplingParams
 
 
 class PlanError(Exception):
-    """A plan the worker refuses; carries the gRPC status it maps to."""
+    """A plan the worker refuses; carries the gRPC status it maps to, why, and the request at fault."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = plan_errors.INVALID, request_id: str = ""):
         super().__init__(message)
         self.code = code
+        self.reason = reason
+        self.request_id = request_id
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        md = ((plan_errors.REASON_KEY, self.reason),)
+        return md + ((plan_errors.REQUEST_ID_KEY, self.request_id),) if self.request_id else md
 
 
 @dataclass
@@ -61,6 +69,16 @@ def _invalid(msg: str) -> PlanError:
     return PlanError(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
 
+@contextlib.contextmanager
+def _blame(request_id: str):
+    """A PlanError raised while checking one request's entry names that request."""
+    try:
+        yield
+    except PlanError as e:
+        e.request_id = e.request_id or request_id
+        raise
+
+
 class PersistentBatch:
     def __init__(self, limits: BatchLimits):
         self.limits = limits
@@ -74,14 +92,15 @@ class PersistentBatch:
         if plan.fencing_token < self.fencing_token:
             raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"fencing_token {plan.fencing_token} is older than {self.fencing_token}: "
-                            "the plan comes from a scheduler that lost its lease")
+                            "the plan comes from a scheduler that lost its lease", plan_errors.FENCED)
         if plan.step_id <= self.last_step_id:
             raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"step_id {plan.step_id} is not newer than the last executed step {self.last_step_id}")
+                            f"step_id {plan.step_id} is not newer than the last executed step {self.last_step_id}",
+                            plan_errors.STALE_STEP)
         if plan.expected_epoch and plan.expected_epoch != epoch:
             raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"expected_epoch {plan.expected_epoch!r} does not match this worker's epoch {epoch!r}: "
-                            "its KV cache was lost, resume the requests")
+                            "its KV cache was lost, resume the requests", plan_errors.EPOCH_MISMATCH)
         live = set() if plan.reset_batch else set(self.requests) - set(plan.dropped_request_ids)
         seen: set[str] = set()
 
@@ -93,33 +112,36 @@ class PersistentBatch:
             seen.add(rid)
 
         for r in plan.new_requests:
-            where = f"new_requests[{r.request_id!r}]"
-            claim(r.request_id, where)
-            if r.request_id in live:
-                raise _invalid(f"{where}: request_id {r.request_id!r} already exists on this worker")
-            self._check_tokens(where, r.prompt_token_ids, len(r.prompt_token_ids))
-            self._check_sampling(where, r.sampling)
-            self._check_chunk(where, list(r.block_ids), len(r.prompt_token_ids), r.num_computed_tokens,
-                              r.num_scheduled_tokens)
+            with _blame(r.request_id):
+                where = f"new_requests[{r.request_id!r}]"
+                claim(r.request_id, where)
+                if r.request_id in live:
+                    raise _invalid(f"{where}: request_id {r.request_id!r} already exists on this worker")
+                self._check_tokens(where, r.prompt_token_ids, len(r.prompt_token_ids))
+                self._check_sampling(where, r.sampling)
+                self._check_chunk(where, list(r.block_ids), len(r.prompt_token_ids), r.num_computed_tokens,
+                                  r.num_scheduled_tokens)
         for r in plan.resumed_requests:
-            where = f"resumed_requests[{r.request_id!r}]"
-            claim(r.request_id, where)
-            self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
-            self._check_sampling(where, r.sampling)
-            self._check_chunk(where, list(r.block_ids), len(r.token_ids), r.num_computed_tokens,
-                              r.num_scheduled_tokens)
+            with _blame(r.request_id):
+                where = f"resumed_requests[{r.request_id!r}]"
+                claim(r.request_id, where)
+                self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
+                self._check_sampling(where, r.sampling)
+                self._check_chunk(where, list(r.block_ids), len(r.token_ids), r.num_computed_tokens,
+                                  r.num_scheduled_tokens)
         for r in plan.cached_requests:
-            where = f"cached_requests[{r.request_id!r}]"
-            claim(r.request_id, where)
-            if r.request_id not in live:
-                raise _invalid(f"{where}: unknown request_id {r.request_id!r} (not on this worker, or dropped)")
-            s = self.requests[r.request_id]
-            table = list(r.block_table) if r.block_table else s.block_ids
-            if r.block_table and len(r.block_table) < len(s.block_ids):
-                raise _invalid(f"{where}: block_table has {len(r.block_table)} blocks, fewer than the "
-                               f"{len(s.block_ids)} the request holds")
-            self._check_chunk(where, table + list(r.new_block_ids), len(s.token_ids), s.num_computed_tokens,
-                              r.num_scheduled_tokens)
+            with _blame(r.request_id):
+                where = f"cached_requests[{r.request_id!r}]"
+                claim(r.request_id, where)
+                if r.request_id not in live:
+                    raise _invalid(f"{where}: unknown request_id {r.request_id!r} (not on this worker, or dropped)")
+                s = self.requests[r.request_id]
+                table = list(r.block_table) if r.block_table else s.block_ids
+                if r.block_table and len(r.block_table) < len(s.block_ids):
+                    raise _invalid(f"{where}: block_table has {len(r.block_table)} blocks, fewer than the "
+                                   f"{len(s.block_ids)} the request holds")
+                self._check_chunk(where, table + list(r.new_block_ids), len(s.token_ids), s.num_computed_tokens,
+                                  r.num_scheduled_tokens)
         n = self.limits.num_blocks
         for i, c in enumerate(plan.copy_blocks):
             if not (0 <= c.src < n and 0 <= c.dst < n) or c.src == c.dst:

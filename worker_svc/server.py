@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import threading
 from concurrent import futures
@@ -26,6 +27,15 @@ log = logging.getLogger("llmserve.worker")
 
 MAX_MESSAGE_BYTES = 256 << 20  # a resumed 8k-token batch of many requests stays far below this
 SERVICE_NAME = "llmserve.worker.v1.Worker"
+# Machine-readable readiness line on stdout, printed once the server listens (launchers and tests wait for it).
+READY_LINE = "LLMSERVE_WORKER_READY port={port} epoch={epoch}"
+_READY_RE = re.compile(r"^LLMSERVE_WORKER_READY port=(\d+) epoch=(\S+)$", re.M)
+
+
+def parse_ready_line(text: str) -> tuple[int, str] | None:
+    """(port, epoch) from the first READY_LINE in `text` (one line or a whole log), or None."""
+    m = _READY_RE.search(text)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -44,6 +54,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             try:
                 return self.runner.execute(plan)
             except PlanError as e:
+                context.set_trailing_metadata(e.trailing_metadata())
                 context.abort(e.code, str(e))
 
     def _traced_execute(self, plan: pb.StepPlan, context):
@@ -57,6 +68,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 try:
                     return self.runner.execute(plan)
                 except PlanError as e:
+                    context.set_trailing_metadata(e.trailing_metadata())
                     context.abort(e.code, str(e))
 
 
@@ -145,8 +157,7 @@ def serve(args: argparse.Namespace) -> None:
     log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
              _tls_mode(args), config_summary(runner.config), info.dtype, info.device, info.num_blocks,
              info.block_size, info.epoch)
-    # Machine-readable readiness line for launchers and tests.
-    print(f"LLMSERVE_WORKER_READY port={port} epoch={info.epoch}", flush=True)
+    print(READY_LINE.format(port=port, epoch=info.epoch), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

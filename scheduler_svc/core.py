@@ -1,0 +1,240 @@
+"""The scheduler core: every scheduling decision and every post-step change, as plain data in and out.
+
+    core.add(requests)                       a request (its n sequences) joins the queue
+    core.abort(request_id, reason)           ends a request early (client abort, stop string, worker rejection)
+    out = core.schedule(now)                 queue timeouts, then the policy: who runs, how many tokens, which blocks
+    outcome = core.update_from_output(out, worker_output, now)
+                                             progress, sampled tokens, worker finishes, n > 1 forks, prefix-cache
+                                             registration
+    commit = core.take_commit(step_id)       everything that changed since the last commit, for one Redis write
+
+No I/O: the driver owns threads, Redis, gRPC and observers and feeds this class plain data, so unit tests drive it
+exactly as the driver does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.outputs import (
+    WORKER_EOS,
+    WORKER_MAX_TOKENS,
+    WORKER_STOP_TOKEN,
+    SchedulerOutput,
+    StepCommit,
+    StepOutcome,
+    WorkerOutput,
+)
+from scheduler_svc.policy import PolicyConfig, schedule
+from scheduler_svc.request import FINISH_LENGTH, FINISH_STOP, Request, Status
+
+FINISH_TIMEOUT = "timeout"  # queue timeout: the stream ends with DEADLINE_EXCEEDED
+FINISH_REJECTED = "rejected"  # the worker refused this request's plan entry: the stream ends with INVALID_ARGUMENT
+_CLIENT_FINISH = {WORKER_EOS: FINISH_STOP, WORKER_STOP_TOKEN: FINISH_STOP, WORKER_MAX_TOKENS: FINISH_LENGTH}
+
+
+class SchedulerCore:
+    def __init__(self, policy: PolicyConfig, pool: BlockPool, queue_timeout: float = 0.0, arrival_seq: int = 0):
+        self.policy = policy
+        self.pool = pool
+        self.queue_timeout = queue_timeout  # seconds a request may wait before its first step; 0 = forever
+        self.arrival_seq = arrival_seq  # last arrival number handed out (persisted with each commit)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.forks: dict[str, list[Request]] = {}  # first sequence id -> siblings waiting for its prompt KV
+        # What the next plan must tell the worker: forget these ids; or forget everything (reset_batch).
+        self.to_drop: list[str] = []
+        self.reset_worker = True
+        # Changes since the last commit.
+        self._new: list[Request] = []
+        self._updated: list[Request] = []  # state changes made outside a step (requeues, forks, rejections)
+        self._finished: list[Request] = []
+
+    # ---- inputs -------------------------------------------------------------------------------------------------
+
+    def add(self, seqs: list[Request]) -> None:
+        """Queue the sequences of one request; with n > 1 the siblings fork from the first once its prompt is in."""
+        first, *siblings = seqs
+        for req in seqs:
+            self.arrival_seq += 1
+            req.arrival_seq = self.arrival_seq
+            self.requests[req.request_id] = req
+            self._new.append(req)
+        self.waiting.append(first)
+        if siblings:
+            self.forks[first.request_id] = siblings
+
+    def resume(self, requests: list[Request]) -> None:
+        """Requests loaded from Redis by a new leader. The worker holds none of them: running ones requeue (to the
+        front, in order) and recompute; their cached blocks make that cheap."""
+        for req in requests:
+            self.requests[req.request_id] = req
+            (self.running if req.status == Status.RUNNING else self.waiting).append(req)
+        self.requeue_running()
+
+    def abort(self, request_id: str, reason: str, error: str = "") -> Request | None:
+        """End an unfinished request (client abort, stop string, rejection by the worker with `error`)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.error = error
+            self._finish(req, reason)
+        return req
+
+    def requeue_running(self) -> None:
+        """Preempt every running request to the front of the queue, in order (the worker lost or forgot them)."""
+        for req in reversed(self.running):
+            self.pool.release(req.block_ids)
+            req.block_ids = []
+            req.num_computed_tokens = 0
+            req.num_registered_blocks = 0
+            req.status = Status.WAITING
+            req.on_worker = False
+            self.waiting.appendleft(req)
+            self._updated.append(req)
+        self.running.clear()
+
+    def worker_lost(self) -> None:
+        """Whatever the worker did with the last plan is unknown (a failed call, a new epoch, a rejected plan):
+        recompute everything on a reset batch. Blocks in the prefix-cache index came from committed steps and stay
+        valid unless the worker's KV itself is gone (the driver then calls `pool.drop_all_hashes()`)."""
+        self.requeue_running()
+        for req in self.waiting:
+            req.on_worker = False
+        self.to_drop.clear()
+        self.reset_worker = True
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Expire requests that waited too long, then decide the step. Preempted requests are marked for the
+        worker to drop."""
+        if self.queue_timeout > 0:
+            for req in [r for r in self.waiting if r.scheduled_time is None
+                        and now - r.arrival_time > self.queue_timeout]:
+                self._finish(req, FINISH_TIMEOUT)
+        out = schedule(self.waiting, self.running, self.pool, self.policy)
+        for req in out.preempted:
+            self._forget_on_worker(req)
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, result: WorkerOutput, now: float) -> StepOutcome:
+        """Apply an executed step: progress, prefix-cache registration, forks, sampled tokens and worker finishes."""
+        outcome = StepOutcome()
+        for req in out.scheduled:
+            req.num_computed_tokens += out.num_tokens[req.request_id]
+            if self.policy.enable_prefix_caching:
+                self._register_computed_blocks(req)
+            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork(req)
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                outcome.newly_scheduled.append(req)
+        by_id = {r.request_id: r for r in out.scheduled}
+        appended: dict[str, list] = {}
+        for tok in result.tokens:
+            req = by_id.get(tok.request_id)
+            if req is None or req.finished:
+                continue
+            req.output_ids.append(tok.token_id)
+            if tok.request_id not in appended:
+                appended[tok.request_id] = []
+                outcome.appended.append((req, appended[tok.request_id]))
+            appended[tok.request_id].append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                outcome.first_token.append(req)
+            if tok.finish:
+                req.on_worker = False  # the worker forgot it already
+                self._finish(req, _CLIENT_FINISH[tok.finish])
+        return outcome
+
+    def take_commit(self, step_id: int, out: SchedulerOutput | None = None, outcome: StepOutcome | None = None,
+                    check_invariant: bool = False, finished_ttl_s: int = 600) -> StepCommit:
+        """Everything that changed since the last commit (this step's requests included), and reset the record."""
+        finished = self._finished
+        gone = {r.request_id for r in finished}
+        changed = self._updated
+        if out is not None:
+            changed = changed + out.scheduled + out.preempted
+        updated = list({r.request_id: r for r in changed if r.request_id not in gone}.values())
+        commit = StepCommit(
+            step_id=step_id, arrival_seq=self.arrival_seq, new_requests=self._new, updated=updated,
+            appended={r.request_id: [t.token_id for t in toks] for r, toks in (outcome.appended if outcome else [])},
+            finished=finished, block_changes=self.pool.take_changes(), check_invariant=check_invariant,
+            finished_ttl_s=finished_ttl_s)
+        self._new, self._updated, self._finished = [], [], []
+        return commit
+
+    @property
+    def has_uncommitted(self) -> bool:
+        return bool(self._new or self._updated or self._finished)
+
+    def check_invariant(self) -> None:
+        """free + allocated == total, and every block owned by a live request is allocated (raises AssertionError)."""
+        self.pool.check([r.block_ids for r in self.running] + [r.block_ids for r in self.waiting])
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+
+    def _forget_on_worker(self, req: Request) -> None:
+        if req.on_worker:
+            self.to_drop.append(req.request_id)
+            req.on_worker = False
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """The one path that frees a request: finish, abort, timeout, rejection. Idempotent."""
+        if req.finished:
+            return
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        elif req.fork_of in self.forks:
+            self.forks[req.fork_of].remove(req)
+        self._release_forks(req)
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        self._forget_on_worker(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+        self._finished.append(req)
+
+    def _release_forks(self, first: Request) -> None:
+        """Siblings that can no longer fork from `first` queue on their own (the prefix cache still helps)."""
+        siblings = self.forks.pop(first.request_id, None)
+        if siblings:
+            self.waiting.extend(siblings)
+
+    def _fork(self, first: Request) -> None:
+        """n > 1: the first sequence's prompt KV is computed; its siblings share those blocks and each computes
+        only the last prompt token (into a copy-on-write block) to sample its own first token."""
+        siblings = self.forks.pop(first.request_id)
+        if len(self.running) + len(siblings) > self.policy.max_num_seqs:
+            self.waiting.extend(siblings)
+            return
+        table = first.block_ids[: -(-first.num_prompt_tokens // self.policy.block_size)]
+        for sib in siblings:
+            self.pool.take(table)
+            sib.block_ids = list(table)
+            sib.num_computed_tokens = sib.num_prompt_tokens - 1
+            sib.status = Status.RUNNING
+            self.running.append(sib)
+            self._updated.append(sib)
+
+    def _register_computed_blocks(self, req: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix-cache index."""
+        bs = self.policy.block_size
+        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if full <= req.num_registered_blocks:
+            return
+        hashes = req.full_block_hashes(bs)
+        tokens = req.all_token_ids
+        for i in range(req.num_registered_blocks, full):
+            self.pool.register(req.block_ids[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+        req.num_registered_blocks = full

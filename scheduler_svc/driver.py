@@ -1,0 +1,329 @@
+"""The scheduler loop: drain the inbox, schedule, run the step on the worker, commit to Redis, publish, observe.
+
+Threads: gRPC handlers call `submit` / `abort` / `lookup` (they touch only the inbox and the outbox, under one lock);
+everything else runs on the single driver thread. A step's effects reach clients only after its Redis commit, so a
+scheduler killed at any moment loses nothing a client has seen: the next leader reloads the state from Redis and
+resumes the running requests on the worker by recompute (`leadership.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from scheduler_svc import leadership
+from scheduler_svc.core import FINISH_REJECTED, SchedulerCore
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.observers import MetricsObserver, Observer, StepLogObserver, StepTimes, TracingObserver
+from scheduler_svc.outbox import Outbox, Published
+from scheduler_svc.outputs import SchedulerOutput, StepRecord
+from scheduler_svc.policy import PolicyConfig
+from scheduler_svc.request import FINISH_ABORT, Request
+from scheduler_svc.store import LeaseLost, RedisLedger
+from scheduler_svc.worker_client import PlanRejected, WorkerClient, WorkerError, WorkerFenced, encode_plan
+
+log = logging.getLogger("llmserve.scheduler")
+
+
+@dataclass
+class DriverConfig:
+    policy: PolicyConfig
+    worker_address: str
+    max_num_queued_requests: int = 10_000
+    queue_timeout: float = 0.0  # seconds; 0 = wait forever
+    lease_ttl_ms: int = 5000
+    debug_invariants: bool = False
+    step_timeout: float = 600.0
+    finished_ttl_s: int = 600
+    worker_token: str | None = None  # sent as `authorization: Bearer <token>` on every worker call
+    step_log: str | None = None  # JSONL path: one line per executed step (benchmarks, tests)
+    worker_credentials: object = None  # grpc.ChannelCredentials for TLS to the worker (--worker-tls-*); None = plain
+    worker_server_name: str | None = None  # name expected in the worker's certificate (default: the address's host)
+    tokenizer: tuple[str, int] | None = None  # --tokenizer (path, vocabulary size): must fit the model's vocabulary
+
+
+# Inbox commands, from gRPC threads to the driver thread.
+@dataclass
+class AddRequest:
+    seqs: list[Request]  # the n sequences of one request
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+    reason: str
+
+
+class SubmitError(Exception):
+    """A request this scheduler cannot take now; `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Driver:
+    def __init__(self, cfg: DriverConfig, ledger: RedisLedger, metrics: Metrics, holder: str | None = None):
+        self.cfg = cfg
+        self.ledger = ledger
+        self.metrics = metrics
+        self.outbox = Outbox()
+        self.lock, self.changed = self.outbox.lock, self.outbox.changed
+        self.inbox: list[AddRequest | AbortRequest] = []
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.ready = threading.Event()  # leader with a live worker
+        self.draining = threading.Event()  # shutting down: no new requests
+        self.fatal: str | None = None  # settings that cannot work with this worker (the process exits)
+        self.on_ready_change = lambda ready: None
+        self.worker = WorkerClient(cfg.worker_address, cfg.worker_credentials, cfg.worker_server_name,
+                                   cfg.worker_token, cfg.step_timeout)
+        self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms)
+        self.core: SchedulerCore | None = None  # while leading
+        self.step_id = 0
+        self.timings = StepTimes()
+        self.step_stats = self.timings.stats
+        self.tracer = TracingObserver()
+        self.observers: list[Observer] = [MetricsObserver(metrics, cfg.policy.enable_prefix_caching), self.timings,
+                                          self.tracer]
+        if cfg.step_log:
+            self.observers.append(StepLogObserver(cfg.step_log, cfg.policy.scheduling_mode))
+        self.thread = threading.Thread(target=self._run, name="driver", daemon=True)
+
+    @property
+    def worker_info(self):
+        return self.worker.info
+
+    # ---- called from gRPC threads ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+        self.lease.start_heartbeat(self.stopping)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            for obs in self.observers:
+                if isinstance(obs, StepLogObserver):
+                    obs.close()
+
+    def drain(self, timeout: float) -> int:
+        """Stop admitting; let requests in flight finish for up to `timeout` seconds, then abort the rest.
+        Returns how many were aborted. With timeout 0 nothing is aborted: the requests stay in Redis and the next
+        leader resumes them (clients re-attach by request id)."""
+        self.draining.set()
+        self.on_ready_change(False)
+        if timeout <= 0:
+            return 0
+        deadline = time.monotonic() + timeout
+        while self.outbox.unfinished_ids() and time.monotonic() < deadline and self.lease.token is not None:
+            time.sleep(0.1)
+        left = self.outbox.unfinished_ids()
+        for rid in left:
+            self.abort(rid, FINISH_ABORT)
+        end = time.monotonic() + 10
+        while self.outbox.unfinished_ids() and time.monotonic() < end and self.lease.token is not None:
+            time.sleep(0.05)  # the aborts are committed at the next iteration boundary
+        return len(left)
+
+    def lookup(self, rid: str) -> Published | None:
+        pub = self.outbox.get(rid)
+        if pub is not None or not self.ready.is_set():
+            return pub
+        # Not in memory: a request finished before this scheduler started (kept in Redis for a while).
+        req = self.ledger.get_request(rid)
+        if req is None:
+            return None
+        with self.lock:
+            return self.outbox.published.setdefault(rid, Published.of_stored(req, req.finished))
+
+    def submit(self, seqs: list[Request]) -> list[Published]:
+        """Queue the sequences of one request (n > 1: siblings fork from the first), or return the existing ones."""
+        with self.lock:
+            if self.draining.is_set():
+                raise SubmitError("UNAVAILABLE", "this scheduler is shutting down (draining); retry on another "
+                                  "scheduler or after the restart")
+            if not self.ready.is_set():
+                raise SubmitError("UNAVAILABLE", "no worker is registered with this scheduler yet (or it is a "
+                                  "standby); retry shortly")
+            published = self.outbox.published
+            if seqs[0].request_id in published:
+                return [published[r.request_id] for r in seqs if r.request_id in published]
+            queued = (len(self.core.waiting) if self.core else 0) + sum(isinstance(c, AddRequest) for c in self.inbox)
+            if queued >= self.cfg.max_num_queued_requests:
+                raise SubmitError("RESOURCE_EXHAUSTED", f"the waiting queue is full: {queued} requests queued, "
+                                  f"--max-num-queued-requests is {self.cfg.max_num_queued_requests}")
+            pubs = [Published(req) for req in seqs]
+            for pub in pubs:
+                published[pub.request.request_id] = pub
+            self.inbox.append(AddRequest(seqs))
+        self.wake.set()
+        return pubs
+
+    def abort(self, rid: str, reason: str = FINISH_ABORT) -> bool:
+        with self.lock:
+            pub = self.outbox.published.get(rid)
+            if pub is None or pub.finish_reason is not None:
+                return pub is not None
+            self.inbox.append(AbortRequest(rid, reason))
+        self.wake.set()
+        return True
+
+    # ---- the driver thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                if self.core is None:
+                    self._lead()
+                else:
+                    self._iteration()
+            except leadership.ConfigError as e:
+                log.error("%s", e)
+                self.fatal = str(e)
+                self.stopping.set()
+                break
+            except (LeaseLost, WorkerFenced):
+                log.warning("lost the lease on the pool; standing by")
+                self._step_down()
+            except Exception:
+                log.exception("scheduler iteration failed; standing by and retrying")
+                self._step_down()
+                time.sleep(0.5)
+        self._notify("serving_stopped", self.outbox.end_all())  # left in Redis for the next leader
+        self.lease.release()
+
+    def _lead(self) -> None:
+        led = leadership.take_pool(self.ledger, self.lease, self.worker, self.cfg, self.metrics, self.stopping)
+        if led is None:
+            return
+        self.core, self.step_id = led
+        self.tracer.model_name = self.worker.info.model.name
+        self.tracer.token_budget = self.core.policy.max_num_batched_tokens
+        with self.lock:
+            for req in list(self.core.requests.values()):
+                self.outbox.published[req.request_id] = Published.of_stored(req, False)
+        self._commit(self._record(SchedulerOutput()))  # the fence step: the ledger's step id matches the worker's
+        log.info("leading pool %s with token %d: %d running, %d waiting requests resumed", self.ledger.prefix,
+                 self.lease.token, len(self.core.running), len(self.core.waiting))
+        self._set_ready(True)
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready != self.ready.is_set():
+            (self.ready.set if ready else self.ready.clear)()
+            self.on_ready_change(ready and not self.draining.is_set())
+
+    def _step_down(self) -> None:
+        self._set_ready(False)
+        self.core = None
+        self.lease.token = None
+        with self.lock:
+            self.inbox.clear()
+        self._notify("serving_stopped", self.outbox.end_all())
+
+    def _drain_inbox(self) -> None:
+        with self.lock:
+            commands, self.inbox = self.inbox, []
+        for cmd in commands:
+            if isinstance(cmd, AddRequest):
+                self.core.add(cmd.seqs)
+                self._notify("requests_added", cmd.seqs)
+            else:
+                self.core.abort(cmd.request_id, cmd.reason)
+
+    def _iteration(self) -> None:
+        core = self.core
+        self._drain_inbox()
+        if not core.has_work:
+            if core.has_uncommitted:
+                self._commit(self._record(SchedulerOutput()))
+            elif self.wake.wait(self.cfg.lease_ttl_ms / 3000):
+                self.wake.clear()
+            else:
+                self.lease.renew()
+                self._check_worker()
+            return
+        record = self._record(core.schedule(time.time()))
+        if not record.output.scheduled:
+            # Nothing fits this step (e.g. every block is held): commit what changed and wait for work.
+            self._commit(record)
+            self.wake.wait(0.05)
+            self.wake.clear()
+            return
+        self.step_id += 1
+        record.step_id = self.step_id
+        plan = encode_plan(record.output, step_id=self.step_id, token=self.lease.token,
+                           epoch=self.worker.info.epoch, reset=core.reset_worker, dropped=core.to_drop)
+        core.reset_worker, core.to_drop = False, []
+        self._notify("step_started", record)
+        try:
+            with self.lease.long_step():
+                record.worker = self.worker.execute(plan, record.trace)
+        except WorkerError as e:
+            record.worker_error = e.code.name
+            self._notify("step_failed", record)
+            self._worker_failed(e)
+            return
+        record.now = time.time()
+        record.outcome = core.update_from_output(record.output, record.worker, record.now)
+        self._commit(record)
+
+    def _record(self, out: SchedulerOutput) -> StepRecord:
+        return StepRecord(step_id=self.step_id, output=out, start=time.perf_counter(), start_ns=time.time_ns(),
+                          now=time.time())
+
+    def _commit(self, record: StepRecord) -> None:
+        """Write the step to Redis, then let clients see it, then tell the observers."""
+        core, pool = self.core, self.core.pool
+        commit = core.take_commit(self.step_id, record.output, record.outcome, self.cfg.debug_invariants,
+                                  self.cfg.finished_ttl_s)
+        if self.cfg.debug_invariants:
+            core.check_invariant()
+        t0 = time.perf_counter()
+        try:
+            self.ledger.commit_step(self.lease.holder, self.lease.token, self.cfg.lease_ttl_ms, commit)
+        except Exception:
+            self._notify("step_failed", record)
+            raise
+        record.end = time.perf_counter()
+        record.commit_seconds = record.end - t0
+        record.finished = commit.finished
+        self.outbox.publish(record.outcome.appended, commit.finished)
+        record.num_running, record.num_waiting, record.kv_usage = len(core.running), len(core.waiting), pool.usage
+        record.num_free_blocks, record.num_used_blocks = pool.num_free, pool.num_used
+        self._notify("step_committed", record)
+
+    def _worker_failed(self, err: WorkerError) -> None:
+        if isinstance(err, WorkerFenced):
+            raise err
+        if isinstance(err, PlanRejected) and err.request_id in self.core.requests:
+            # One request is at fault and nothing of the plan ran: it fails alone, the others are recomputed on a
+            # fresh batch (their cached blocks make that cheap) and this scheduler keeps its lease.
+            log.warning("the worker rejected request %s: %s", err.request_id, err)
+            self.core.abort(err.request_id, FINISH_REJECTED, str(err))
+            self.core.worker_lost()
+            return
+        log.warning("worker step failed (%s: %s); resuming its requests by recompute", err.code.name, err)
+        self.core.worker_lost()
+        self._set_ready(False)
+        self.step_id = leadership.reconnect_worker(self.ledger, self.lease, self.worker, self.core, self.step_id,
+                                                   self.stopping)
+        self._set_ready(True)
+
+    def _check_worker(self) -> None:
+        """While idle, notice a dead or restarted worker, so health says NOT_SERVING instead of queueing work."""
+        try:
+            info = self.worker.describe(timeout=2)
+        except WorkerError as e:
+            self._worker_failed(e)
+            return
+        if info.epoch != self.worker.info.epoch:
+            leadership.worker_restarted(self.ledger, self.lease, self.worker, self.core, info)
+
+    def _notify(self, hook: str, arg) -> None:
+        for obs in self.observers:
+            getattr(obs, hook)(arg)
