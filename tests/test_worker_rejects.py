@@ -1,0 +1,117 @@
+"""A request the worker refuses fails alone: INVALID_ARGUMENT for it, every other stream goes on unchanged, and the
+scheduler keeps its lease (real worker process, real Redis, in-process scheduler behind its real gRPC server).
+
+Admission already refuses token ids outside the model's vocabulary, so the bad request is handed to the driver below
+admission (`Driver.submit`), as a scheduler whose limits disagree with its worker would send it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+import transformers
+
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
+from scheduler_svc.request import Request
+from scheduler_svc.sampling import SamplingParams
+from tests import cluster
+from tests.redis_fixture import redis_server  # noqa: F401
+
+pytest_plugins = ("tests.cluster",)
+
+PROMPTS = [[100 + 37 * i + j for j in range(12 + 3 * i)] for i in range(8)]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server):  # noqa: F811
+    from llmserve.cli import build_parser
+    from scheduler_svc.server import build_server, check_flags, scheduler_from_args
+
+    worker = cluster.start_worker(["--num-gpu-blocks-override", 256, "--max-model-len", 512])
+    args = build_parser().parse_args(["scheduler", "--redis-url", redis_server, "--worker-address", worker.address,
+                                      "--namespace", cluster.new_namespace("reject"), "--host", "127.0.0.1",
+                                      "--port", "0", "--max-num-batched-tokens", "64", "--debug-invariants"])
+    check_flags(args)
+    engine, ledger = scheduler_from_args(args)
+    server, port, _ = build_server(engine, "127.0.0.1:0")
+    server.start()
+    engine.start()
+    try:
+        assert engine.ready.wait(180), "the scheduler did not take the pool"
+        yield argparse.Namespace(engine=engine, ledger=ledger, address=f"127.0.0.1:{port}", worker=worker)
+    finally:
+        engine.stop()
+        server.stop(grace=1).wait()
+        cluster.stop(worker)
+
+
+def _stream(address: str, prompt: list[int], out: dict, key, first: threading.Event | None = None) -> None:
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                             sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(address) as ch:
+        toks = []
+        for msg in pb_grpc.LLMServeStub(ch).Generate(req, timeout=300):
+            toks += msg.token_ids
+            if first is not None and toks:
+                first.set()
+        out[key] = toks
+
+
+def test_a_request_the_worker_rejects_fails_alone(stack):
+    alone: dict = {}
+    for i, p in enumerate(PROMPTS):  # the reference: each prompt served alone
+        _stream(stack.address, p, alone, i)
+    token_before = stack.engine.lease.token
+    vocab = stack.engine.worker_info.model.vocab_size
+
+    got: dict = {}
+    started = [threading.Event() for _ in PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(stack.address, p, got, i, started[i]))
+               for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(120) for e in started), "the good streams did not start"
+    bad = Request(request_id="bad-1", prompt_ids=[1, 2, vocab + 7], arrival_time=time.time(),
+                  sampling=SamplingParams(temperature=0.0, seed=1, max_tokens=4))
+    stack.engine.submit([bad])
+    with grpc.insecure_channel(stack.address) as ch, pytest.raises(grpc.RpcError) as err:
+        list(pb_grpc.LLMServeStub(ch).Generate(pb.GenerateRequest(request_id="bad-1"), timeout=120))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bad-1" in err.value.details() and f"token id {vocab + 7} is outside the vocabulary" in err.value.details()
+    for t in threads:
+        t.join(300)
+    assert got == alone, "a stream changed because another request was rejected"
+    # The same leadership throughout: no step-down, no new lease, and the ledger is clean.
+    assert stack.engine.lease.token == token_before and stack.engine.ready.is_set()
+    deadline = time.monotonic() + 10
+    while stack.engine.core.has_work and time.monotonic() < deadline:
+        time.sleep(0.05)
+    led = stack.ledger.check_ledger()
+    assert led["allocated"] == 0 and led["active"] == 0 and led["overlap"] == 0
+    assert led["free"] + led["evictable"] == led["total"], "a block leaked"
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_start(redis_server, tmp_path, bundled_model_path):  # noqa: F811
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    worker = cluster.start_worker(["--model", tmp_path, "--num-gpu-blocks-override", 64, "--max-model-len", 256])
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "llmserve.cli", "scheduler", "--redis-url", redis_server, "--worker-address",
+             worker.address, "--namespace", cluster.new_namespace("tok"), "--port", "0", "--tokenizer",
+             bundled_model_path], cwd=cluster.ROOT, capture_output=True, text=True, timeout=180)
+    finally:
+        cluster.stop(worker)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert f"--tokenizer {bundled_model_path} has 49152 tokens" in out and "vocabulary of 256" in out, out[-3000:]
