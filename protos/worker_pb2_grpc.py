@@ -58,6 +58,9 @@ class WorkerServicer:
 
     def ExecuteStep(self, request, context):
         """Run one fused prefill+decode forward pass and sample.
+        A refused plan changes nothing on the worker; the error carries trailing metadata `llmserve-plan-error`
+        (fenced | stale_step | epoch_mismatch | invalid) and, when one request's entry is at fault,
+        `llmserve-plan-request-id` (see common/plan_errors.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -115,3 +115,22 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_start(redis_server, tmp
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-3000:]
     assert f"--tokenizer {bundled_model_path} has 49152 tokens" in out and "vocabulary of 256" in out, out[-3000:]
+
+
+def test_the_worker_says_why_it_refused_a_plan_in_trailing_metadata(stack):
+    """Fencing is told apart from a bad entry by the worker's structured reason, not by its message text."""
+    from protos import worker_pb2 as wpb
+    from scheduler_svc.worker_client import PlanRejected, WorkerClient, WorkerFenced, WorkerLost
+
+    client = WorkerClient(stack.worker.address)
+    info = client.describe()
+    with pytest.raises(WorkerFenced):  # an older fencing token than the leading scheduler's
+        client.execute(wpb.StepPlan(step_id=info.last_step_id + 10_000, fencing_token=0))
+    with pytest.raises(WorkerLost):  # a stale epoch: the KV is gone, not a bad request
+        client.execute(wpb.StepPlan(step_id=info.last_step_id + 10_000, fencing_token=info.fencing_token,
+                                    expected_epoch="not-this-one"))
+    plan = wpb.StepPlan(step_id=info.last_step_id + 10_000, fencing_token=info.fencing_token)
+    plan.cached_requests.add(request_id="nobody", num_scheduled_tokens=1)
+    with pytest.raises(PlanRejected) as err:
+        client.execute(plan)
+    assert err.value.request_id == "nobody" and "unknown request_id" in str(err.value)
