@@ -211,7 +211,7 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id")
+    __slots__ = ("step_id", "tokens", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class StepResult(_message.Message):
     SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     prepare_seconds: float
@@ -226,4 +227,5 @@ class StepResult(_message.Message):
     sample_seconds: float
     num_scheduled_tokens: int
     previous_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ...) -> None: ...
+    idle_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...

@@ -155,13 +155,16 @@ class SchedulerCore:
         return outcome
 
     def take_commit(self, step_id: int, out: SchedulerOutput | None = None, outcome: StepOutcome | None = None,
-                    check_invariant: bool = False, finished_ttl_s: int = 600) -> StepCommit:
-        """Everything that changed since the last commit (this step's requests included), and reset the record."""
+                    check_invariant: bool = False, finished_ttl_s: int = 600,
+                    also_changed: SchedulerOutput | None = None) -> StepCommit:
+        """Everything that changed since the last commit (this step's requests included), and reset the record.
+        `also_changed`: a step scheduled after `out` whose allocations are already in the pool's changes."""
         finished = self._finished
         gone = {r.request_id for r in finished}
         changed = self._updated
-        if out is not None:
-            changed = changed + out.scheduled + out.preempted
+        for o in (out, also_changed):
+            if o is not None:
+                changed = changed + o.scheduled + o.preempted
         updated = list({r.request_id: r for r in changed if r.request_id not in gone}.values())
         commit = StepCommit(
             step_id=step_id, arrival_seq=self.arrival_seq, new_requests=self._new, updated=updated,

@@ -42,6 +42,8 @@ class DriverConfig:
     worker_credentials: object = None  # grpc.ChannelCredentials for TLS to the worker (--worker-tls-*); None = plain
     worker_server_name: str | None = None  # name expected in the worker's certificate (default: the address's host)
     tokenizer: tuple[str, int] | None = None  # --tokenizer (path, vocabulary size): must fit the model's vocabulary
+    # Commit and publish step k while the worker runs step k + 1 (plan k + 1 is still built from k's result).
+    async_scheduling: bool = True
 
 
 # Inbox commands, from gRPC threads to the driver thread.
@@ -83,6 +85,7 @@ class Driver:
         self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms)
         self.core: SchedulerCore | None = None  # while leading
         self.step_id = 0
+        self.uncommitted: StepRecord | None = None  # an executed step whose commit overlaps the next forward
         self.timings = StepTimes()
         self.step_stats = self.timings.stats
         self.tracer = TracingObserver()
@@ -220,6 +223,7 @@ class Driver:
     def _step_down(self) -> None:
         self._set_ready(False)
         self.core = None
+        self.uncommitted = None  # never committed, so never seen: the next leader recomputes it
         self.lease.token = None
         with self.lock:
             self.inbox.clear()
@@ -239,8 +243,8 @@ class Driver:
         core = self.core
         self._drain_inbox()
         if not core.has_work:
-            if core.has_uncommitted:
-                self._commit(self._record(SchedulerOutput()))
+            if self.uncommitted is not None or core.has_uncommitted:
+                self._commit_pending()
             elif self.wake.wait(self.cfg.lease_ttl_ms / 3000):
                 self.wake.clear()
             else:
@@ -250,7 +254,7 @@ class Driver:
         record = self._record(core.schedule(time.time()))
         if not record.output.scheduled:
             # Nothing fits this step (e.g. every block is held): commit what changed and wait for work.
-            self._commit(record)
+            self._commit_pending(record)
             self.wake.wait(0.05)
             self.wake.clear()
             return
@@ -260,9 +264,13 @@ class Driver:
                            epoch=self.worker.info.epoch, reset=core.reset_worker, dropped=core.to_drop)
         core.reset_worker, core.to_drop = False, []
         self._notify("step_started", record)
+        result = self.worker.send(plan, record.trace)
+        if self.uncommitted is not None:  # the previous step's commit and publishing overlap this forward
+            self._commit(self.uncommitted, also_changed=record.output)
+            self.uncommitted = None
         try:
             with self.lease.long_step():
-                record.worker = self.worker.execute(plan, record.trace)
+                record.worker = result()
         except WorkerError as e:
             record.worker_error = e.code.name
             self._notify("step_failed", record)
@@ -270,17 +278,29 @@ class Driver:
             return
         record.now = time.time()
         record.outcome = core.update_from_output(record.output, record.worker, record.now)
-        self._commit(record)
+        if self.cfg.async_scheduling:
+            self.uncommitted = record
+        else:
+            self._commit(record)
+
+    def _commit_pending(self, record: StepRecord | None = None) -> None:
+        """Commit the executed step still waiting for its commit, then `record` (changes made between steps)."""
+        if self.uncommitted is not None:
+            self._commit(self.uncommitted, also_changed=record.output if record is not None else None)
+            self.uncommitted = None
+        if record is not None or self.core.has_uncommitted:
+            self._commit(record or self._record(SchedulerOutput()))
 
     def _record(self, out: SchedulerOutput) -> StepRecord:
         return StepRecord(step_id=self.step_id, output=out, start=time.perf_counter(), start_ns=time.time_ns(),
                           now=time.time())
 
-    def _commit(self, record: StepRecord) -> None:
-        """Write the step to Redis, then let clients see it, then tell the observers."""
+    def _commit(self, record: StepRecord, also_changed: SchedulerOutput | None = None) -> None:
+        """Write the step to Redis, then let clients see it, then tell the observers. `also_changed`: a later step
+        already scheduled (its block allocations are in the pool's changes, so its requests' tables go in too)."""
         core, pool = self.core, self.core.pool
-        commit = core.take_commit(self.step_id, record.output, record.outcome, self.cfg.debug_invariants,
-                                  self.cfg.finished_ttl_s)
+        commit = core.take_commit(record.step_id, record.output, record.outcome, self.cfg.debug_invariants,
+                                  self.cfg.finished_ttl_s, also_changed)
         if self.cfg.debug_invariants:
             core.check_invariant()
         t0 = time.perf_counter()

@@ -50,6 +50,13 @@ class Metrics:
         self.admission_blocked = Counter("llmserve:admission_blocked_steps",
                                          "Steps that left requests waiting, by the limit that stopped admission",
                                          [*L, "limit"], registry=r)
+        # Not in vLLM: where the worker's time goes, from its per-step report.
+        self.worker_forward = Counter("llmserve:worker_forward_seconds", "Time inside the model forward (input "
+                                      "tensors ready to logits ready)", L, registry=r)
+        self.worker_idle = Counter("llmserve:worker_idle_seconds", "Time the worker had no plan to run", L,
+                                   registry=r)
+        self.step_seconds = Histogram("llmserve:step_seconds", "Scheduler step: scheduling to the step's commit", L,
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         self._last_token_time: dict[str, float] = {}
         self._tokens_this_step = 0
         self.set_model_name(model_name)
@@ -65,6 +72,8 @@ class Metrics:
         self.c_ttft, self.c_itl, self.c_e2e, self.c_queue, self.c_iter = (
             h.labels(**m) for h in (self.ttft, self.itl, self.e2e, self.queue, self.iteration_tokens))
         self.c_prefix_q, self.c_prefix_h = self.prefix_queries.labels(**m), self.prefix_hits.labels(**m)
+        self.c_forward, self.c_idle = self.worker_forward.labels(**m), self.worker_idle.labels(**m)
+        self.c_step = self.step_seconds.labels(**m)
         self.c_success: dict[str, Counter] = {}
         # Created up front so a scrape shows 0 rather than nothing for a limit never hit.
         self.c_blocked = {lim: self.admission_blocked.labels(model_name=name, limit=lim) for lim in ADMISSION_LIMITS}
@@ -108,6 +117,11 @@ class Metrics:
         if last is not None:
             self.c_itl.observe(now - last)
         self._last_token_time[req.request_id] = now
+
+    def worker_step(self, forward_seconds: float, idle_seconds: float, step_seconds: float) -> None:
+        self.c_forward.inc(forward_seconds)
+        self.c_idle.inc(idle_seconds)
+        self.c_step.observe(step_seconds)
 
     def request_finished(self, req: Request, now: float) -> None:
         self._last_token_time.pop(req.request_id, None)

@@ -56,6 +56,8 @@ class MetricsObserver(Observer):
             m.request_finished(req, time.time())
         if out.scheduled:
             m.step_done(out, record.num_running, record.num_waiting, record.kv_usage)
+        if record.worker is not None:
+            m.worker_step(record.worker.forward_seconds, record.worker.idle_seconds, record.end - record.start)
 
 
 class TracingObserver(Observer):

@@ -96,8 +96,9 @@ class WorkerOutput:
 
     tokens: list[SampledToken] = field(default_factory=list)
     prepare_seconds: float = 0.0
-    forward_seconds: float = 0.0
+    forward_seconds: float = 0.0  # inside the model forward only (input tensors ready -> logits ready)
     sample_seconds: float = 0.0
+    idle_seconds: float = 0.0  # the worker had no plan to run, before this step
 
     @property
     def seconds(self) -> float:

@@ -227,6 +227,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-mode", choices=SCHEDULING_MODES, default="continuous",
                    help="continuous: iteration-level admission (the product); static: a new batch only when the "
                    "previous one has finished; naive: one request at a time. The last two exist for benchmarks")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="commit and publish each step while the worker already runs the next one (the next plan is "
+                   "built from the previous step's result); --no-async-scheduling commits between the two")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="append one JSON line per step (scheduled/admitted/preempted/finished ids, queue sizes, "
                    "KV usage): for benchmarks and tests")
@@ -312,7 +315,8 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Driver, RedisLedger]:
     tokenizer = None  # an explicit --tokenizer must fit the model's vocabulary (checked once the worker answers)
     if args.tokenizer:
         tokenizer = (args.tokenizer, _tokenizer_for(args.tokenizer).vocab_size)
-    cfg = DriverConfig(policy=policy, tokenizer=tokenizer, worker_address=args.worker_address,
+    cfg = DriverConfig(policy=policy, tokenizer=tokenizer, async_scheduling=args.async_scheduling,
+                       worker_address=args.worker_address,
                        max_num_queued_requests=args.max_num_queued_requests, queue_timeout=args.queue_timeout,
                        lease_ttl_ms=args.lease_ttl_ms, debug_invariants=args.debug_invariants,
                        worker_token=args.worker_token, step_log=args.step_log,

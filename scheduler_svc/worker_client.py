@@ -7,6 +7,8 @@ by the worker's trailing metadata (`common.plan_errors`), never by its message t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from common import plan_errors, tls, tracing
@@ -94,39 +96,54 @@ class WorkerClient:
     def fence(self, step_id: int, token: int) -> int:
         """Reset the worker's batch under our fencing token; returns the last step id it executed before."""
         plan = wpb.StepPlan(step_id=step_id, fencing_token=token, expected_epoch=self.info.epoch, reset_batch=True)
-        return self._call(plan, 30, None).previous_step_id
+        return self._call(plan, 30, None)().previous_step_id
 
     def execute(self, plan: wpb.StepPlan, trace_parent=None) -> WorkerOutput:
-        result = self._call(plan, self.step_timeout, trace_parent)
-        tokens = [SampledToken(t.request_id, t.token_id, _FINISH.get(t.finish_reason),
-                               Logprobs(t.logprob, [(x.token_id, x.logprob) for x in t.top_logprobs])
-                               if t.HasField("logprob") else None)
-                  for t in result.tokens]
-        return WorkerOutput(tokens, result.prepare_seconds, result.forward_seconds, result.sample_seconds)
+        return self.send(plan, trace_parent)()
 
-    def _call(self, plan: wpb.StepPlan, timeout: float, trace_parent) -> wpb.StepResult:
-        if trace_parent is None:
+    def send(self, plan: wpb.StepPlan, trace_parent=None) -> Callable[[], WorkerOutput]:
+        """Send the plan now; the returned function waits for the step's result (the caller works meanwhile)."""
+        return self._call(plan, self.step_timeout, trace_parent, _decode)
+
+    def _call(self, plan: wpb.StepPlan, timeout: float, trace_parent, decode=lambda r: r):
+        span = None
+        metadata = None
+        if trace_parent is not None:
+            from opentelemetry.trace import SpanKind
+
+            span = tracing.tracer.start_span(
+                "llmserve.worker/ExecuteStep", context=tracing.context_with(trace_parent), kind=SpanKind.CLIENT,
+                attributes={"rpc.system": "grpc", "rpc.service": "llmserve.worker.v1.Worker",
+                            "rpc.method": "ExecuteStep", "llmserve.step.id": plan.step_id})
+            metadata = tracing.inject(span)
+        future = self.stub.ExecuteStep.future(plan, timeout=timeout, metadata=metadata)
+
+        def wait():
             try:
-                return self.stub.ExecuteStep(plan, timeout=timeout)
+                result = future.result()
             except grpc.RpcError as e:
+                if span is not None:
+                    span.set_attribute("rpc.grpc.status_code", e.code().value[0])
                 raise _typed_error(e) from None
-        from opentelemetry.trace import SpanKind
+            finally:
+                if span is not None:
+                    span.end()
+            if span is not None:
+                trace_parent.set_attributes({"llmserve.worker.prepare_seconds": result.prepare_seconds,
+                                             "llmserve.worker.forward_seconds": result.forward_seconds,
+                                             "llmserve.worker.sample_seconds": result.sample_seconds})
+            return decode(result)
 
-        span = tracing.tracer.start_span("llmserve.worker/ExecuteStep", context=tracing.context_with(trace_parent),
-                                         kind=SpanKind.CLIENT, attributes={
-                                             "rpc.system": "grpc", "rpc.service": "llmserve.worker.v1.Worker",
-                                             "rpc.method": "ExecuteStep", "llmserve.step.id": plan.step_id})
-        try:
-            result = self.stub.ExecuteStep(plan, timeout=timeout, metadata=tracing.inject(span))
-        except grpc.RpcError as e:
-            span.set_attribute("rpc.grpc.status_code", e.code().value[0])
-            raise _typed_error(e) from None
-        finally:
-            span.end()
-        trace_parent.set_attributes({"llmserve.worker.prepare_seconds": result.prepare_seconds,
-                                     "llmserve.worker.forward_seconds": result.forward_seconds,
-                                     "llmserve.worker.sample_seconds": result.sample_seconds})
-        return result
+        return wait
+
+
+def _decode(result: wpb.StepResult) -> WorkerOutput:
+    tokens = [SampledToken(t.request_id, t.token_id, _FINISH.get(t.finish_reason),
+                           Logprobs(t.logprob, [(x.token_id, x.logprob) for x in t.top_logprobs])
+                           if t.HasField("logprob") else None)
+              for t in result.tokens]
+    return WorkerOutput(tokens, result.prepare_seconds, result.forward_seconds, result.sample_seconds,
+                        result.idle_seconds)
 
 
 def encode_plan(out: SchedulerOutput, *, step_id: int, token: int, epoch: str, reset: bool,

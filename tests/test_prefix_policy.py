@@ -503,9 +503,26 @@ def make_engine(num_blocks: int, *, caching: bool = True, budget: int = 24, max_
     return eng
 
 
+class FakeStub:
+    """The gRPC stub's surface the worker client uses, in front of the fake worker."""
+
+    def __init__(self, worker: FakeWorker):
+        self.Describe = worker.Describe
+        self.ExecuteStep = lambda plan, timeout=None, metadata=None: worker.ExecuteStep(plan)
+        self.ExecuteStep.future = lambda plan, timeout=None, metadata=None: _Done(worker.ExecuteStep(plan))
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 def use_worker(eng: Driver, worker: FakeWorker) -> None:
     """The driver's worker client talks to the fake instead of a gRPC stub (the plan encoding stays real)."""
-    eng.worker.stub, eng.worker.info, eng.fake_worker = worker, worker.info(), worker
+    eng.worker.stub, eng.worker.info, eng.fake_worker = FakeStub(worker), worker.info(), worker
 
 
 def submit(eng: Driver, rid: str, prompt: list[int], *, n: int = 1, temperature: float = 0.0, seed: int = 7,
@@ -528,7 +545,7 @@ def run(eng: Driver, max_iterations: int = 5000, on_step=None) -> int:
             on_step(eng, i)
         with eng.lock:
             inbox = bool(eng.inbox)
-        if not (inbox or eng.core.has_work or eng.core.forks or eng.core.has_uncommitted):
+        if not (inbox or eng.core.has_work or eng.core.forks or eng.core.has_uncommitted or eng.uncommitted):
             return i
         eng._iteration()
     raise AssertionError("the engine did not drain")
@@ -670,7 +687,8 @@ def test_engine_ping_with_a_new_worker_epoch_drops_the_cache():
     submit(eng, "a", p)
     run(eng)
     assert eng.core.pool.index
-    eng.worker.stub = eng.fake_worker = FakeWorker(32, BS, epoch="e2")  # same address, new process: empty KV
+    eng.fake_worker = FakeWorker(32, BS, epoch="e2")  # same address, new process: empty KV
+    eng.worker.stub = FakeStub(eng.fake_worker)
     eng._check_worker()  # the idle loop notices the new epoch
     b = submit(eng, "b", p)[0]
     run(eng)  # the fake worker asserts if a stale block is read

@@ -61,6 +61,7 @@ SCHEDULERS = {
     "apikey": ("main", [*_COMMON, "--api-key", API_KEY]),
     "small": ("small", _COMMON),
     "queue": ("small", [*_COMMON, "--max-num-seqs", 1, "--max-num-queued-requests", 1, "--queue-timeout", 1]),
+    "small-sync": ("small", [*_COMMON, "--no-async-scheduling"]),
 }
 
 
@@ -743,3 +744,21 @@ def test_no_worker_is_unavailable(cl):
     finally:
         cluster.stop(sched)
     assert_clean_log(sched)
+
+
+def test_async_and_sync_scheduling_give_identical_outputs(cl):
+    """The same preempting concurrent run with the commit overlapping the next forward (the default) and with
+    --no-async-scheduling: token for token equal to each request alone, and a clean ledger after each."""
+    for config in ("small", "small-sync"):
+        proc = cl.scheduler(config)
+        stub = cl.stub(proc)
+        refs = [cl.alone(proc, ids, m) for ids, m in PREEMPT]
+        before = metrics(proc.extra["metrics_port"]).get("vllm:num_preemptions_total", 0.0)
+        outs = run_concurrently([lambda ids=ids, m=m: generate(stub, make_request(ids, m)) for ids, m in PREEMPT])
+        for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+            assert out.tokens == ref.tokens and out.finish == ref.finish, f"{config}: request {i} differs"
+        after = metrics(proc.extra["metrics_port"])
+        assert after.get("vllm:num_preemptions_total", 0.0) > before, f"{config}: the run was meant to preempt"
+        assert after["llmserve:worker_forward_seconds_total"] > 0 and after["llmserve:step_seconds_count"] > 0
+        wait_idle_ledger(cl.redis_url, proc.namespace, SMALL_BLOCKS)
+        assert_clean_log(proc)

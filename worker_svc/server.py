@@ -7,6 +7,7 @@ import logging
 import re
 import signal
 import threading
+import time
 from concurrent import futures
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.lock = threading.Lock()  # one step at a time: the batch and KV cache are not shareable
+        self.last_step_end: float | None = None  # perf_counter when the last step's result was ready
 
     def Describe(self, request, context):
         with self.lock:
@@ -51,11 +53,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if tracing.enabled:
             return self._traced_execute(plan, context)
         with self.lock:
-            try:
-                return self.runner.execute(plan)
-            except PlanError as e:
-                context.set_trailing_metadata(e.trailing_metadata())
-                context.abort(e.code, str(e))
+            return self._execute(plan, context)
+
+    def _execute(self, plan: pb.StepPlan, context) -> pb.StepResult:
+        """Under the lock: run the plan, and report how long the worker sat without one before it."""
+        start = time.perf_counter()
+        try:
+            result = self.runner.execute(plan)
+        except PlanError as e:
+            context.set_trailing_metadata(e.trailing_metadata())
+            context.abort(e.code, str(e))
+        if self.last_step_end is not None:
+            result.idle_seconds = start - self.last_step_end
+        self.last_step_end = time.perf_counter()
+        return result
 
     def _traced_execute(self, plan: pb.StepPlan, context):
         """ExecuteStep as a server span continuing the scheduler's trace (W3C context in the metadata)."""
@@ -65,11 +76,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 "llmserve.worker.v1.Worker/ExecuteStep", context=tracing.extract(context.invocation_metadata()),
                 kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "llmserve.step.id": plan.step_id}):
             with self.lock:
-                try:
-                    return self.runner.execute(plan)
-                except PlanError as e:
-                    context.set_trailing_metadata(e.trailing_metadata())
-                    context.abort(e.code, str(e))
+                return self._execute(plan, context)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
