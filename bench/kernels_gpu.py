@@ -3,11 +3,11 @@
 Needs only torch (CUDA build), triton and this repository; installs nothing, downloads nothing. Run from the
 repository root:
 
-    python bench/kernels_gpu.py                      # grid (bf16, fp16, fp32) + figures (a)-(d): table + JSON
-    python bench/kernels_gpu.py --sweep              # also time a few tile configs per figure, report the best
-    python bench/kernels_gpu.py --json results.json  # where the JSON goes (also printed on stdout)
-    python bench/kernels_gpu.py --smoke              # no GPU: tiny grid under TRITON_INTERPRET=1 (~1 min on CPU)
-    python bench/kernels_gpu.py --compile-only       # no GPU: compile the kernels for sm_90a, registers/spills
+    python -m bench.kernels_gpu                      # grid (bf16, fp16, fp32) + figures (a)-(d): table + JSON
+    python -m bench.kernels_gpu --sweep              # also time a few tile configs per figure, report the best
+    python -m bench.kernels_gpu --json results.json  # where the JSON goes (also printed on stdout)
+    python -m bench.kernels_gpu --smoke              # no GPU: tiny grid under TRITON_INTERPRET=1 (~1 min on CPU)
+    python -m bench.kernels_gpu --compile-only       # no GPU: compile the kernels for sm_90a, registers/spills
 
 Figures (bf16, Hq/Hkv = 32/8, head dim 128, block size 16, shuffled block tables):
 
@@ -34,10 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # Figure sizes (a dry run on CPU may shrink them): (a) decodes x context, (b) context, (c) chunk, cached,

@@ -22,9 +22,9 @@ outputs with caching on must equal caching off (reported as "identical for k/N")
 caching (hash the prompt's blocks, look them up, register computed blocks) is also timed in process, without a
 model, per request.
 
-    .venv/bin/python bench/prefix_cache.py                                   # issue 5's sizes (long on a CPU)
-    .venv/bin/python bench/prefix_cache.py --num-requests 16 --repeats 3     # scaled down
-    .venv/bin/python bench/prefix_cache.py --skip-zero-hit --json out.json
+    .venv/bin/python -m bench.prefix_cache                                   # issue 5's sizes (long on a CPU)
+    .venv/bin/python -m bench.prefix_cache --num-requests 16 --repeats 3     # scaled down
+    .venv/bin/python -m bench.prefix_cache --skip-zero-hit --json out.json
 
 Results and commands: bench/PREFIX_CACHE.md.
 """
@@ -35,25 +35,18 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scheduler_overhead import percentile  # noqa: E402
+from llmserve import stack
+from llmserve.bench.metrics import percentile
 
 BLOCK_SIZE = 16
-LISTENING = re.compile(r"LLMSERVE_SCHEDULER_LISTENING port=(\d+)")
 
 
 def median(xs: list[float]) -> float:
@@ -82,29 +75,21 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.workdir = tempfile.mkdtemp(prefix="llmserve-prefix-bench-")
-        self.procs: list[subprocess.Popen] = []
-        self.redis_url = ""
-        self.worker_port = 0
+        self.redis: stack.RedisServer | None = None
+        self.worker: stack.Proc | None = None
         self.runs = 0
 
     def start_worker(self, num_blocks: int) -> None:
         """(Re)start the worker with a pool of `num_blocks` (and redis-server on first use)."""
-        from llmserve.launcher import start_redis, start_worker
-
-        if not self.procs:
-            proc, self.redis_url = start_redis(self.workdir)
-            self.procs.append(proc)
-        else:
-            old = self.procs.pop()
-            old.terminate()
-            old.wait(timeout=30)
+        if self.redis is None:
+            self.redis = stack.start_redis(os.path.join(self.workdir, "redis"))
+        if self.worker is not None:
+            stack.stop(self.worker, timeout=30)
         a = self.args
-        wargs = argparse.Namespace(model=a.model, dtype=a.dtype, device=a.device, block_size=BLOCK_SIZE,
-                                   kv_cache_memory=None, gpu_memory_utilization=None,
-                                   num_gpu_blocks_override=num_blocks, max_model_len=a.max_model_len)
+        argv = ["--block-size", BLOCK_SIZE, "--num-gpu-blocks-override", num_blocks, "--max-model-len",
+                a.max_model_len, "--dtype", a.dtype, "--device", a.device, *(["--model", a.model] if a.model else [])]
         t0 = time.perf_counter()
-        worker, self.worker_port = start_worker(wargs)
-        self.procs.append(worker)
+        self.worker = stack.start_worker(argv, log_dir=self.workdir)
         print(f"worker up in {time.perf_counter() - t0:.1f} s: {num_blocks} KV blocks of {BLOCK_SIZE}", flush=True)
 
     def ledger(self):
@@ -113,68 +98,28 @@ class Bench:
 
         from scheduler_svc.store import RedisLedger
 
-        return RedisLedger(redis.Redis.from_url(self.redis_url), namespace=f"bench-{self.runs}")
+        return RedisLedger(redis.Redis.from_url(self.redis.url), namespace=f"bench-{self.runs}")
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        for p in (self.worker, self.redis):
+            if p is not None:
+                stack.stop(p, timeout=15)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def scheduler(self, caching: bool) -> tuple[subprocess.Popen, str, int]:
-        """A fresh scheduler (own namespace) on the worker; returns (process, address, metrics port)."""
-        from llmserve.launcher import free_port
-
+    def scheduler(self, caching: bool) -> tuple[stack.Proc, str, int]:
+        """A fresh scheduler process (own namespace) on the worker, SERVING; returns it, its address and its metrics
+        port."""
         self.runs += 1
-        mport = free_port()
-        log = open(os.path.join(self.workdir, f"scheduler-{self.runs}.log"), "w")
-        argv = [sys.executable, "-m", "llmserve.cli", "scheduler", "--host", "127.0.0.1", "--port", "0",
-                "--redis-url", self.redis_url, "--worker-address", f"127.0.0.1:{self.worker_port}",
-                "--namespace", f"bench-{self.runs}", "--metrics-port", str(mport),
-                "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
+        mport = stack.free_port()
+        argv = ["--metrics-port", mport, "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
         if self.args.max_num_batched_tokens:
-            argv += ["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)]
+            argv += ["--max-num-batched-tokens", self.args.max_num_batched_tokens]
         if self.args.max_num_seqs:
-            argv += ["--max-num-seqs", str(self.args.max_num_seqs)]
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        log.close()
-        deadline = time.monotonic() + 120
-        port = None
-        while port is None:
-            with open(os.path.join(self.workdir, f"scheduler-{self.runs}.log")) as f:
-                m = LISTENING.search(f.read())
-            if m:
-                port = int(m.group(1))
-            elif proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the scheduler did not start (see {self.workdir}/scheduler-{self.runs}.log)")
-            else:
-                time.sleep(0.05)
-        address = f"127.0.0.1:{port}"
-        wait_serving(address)
-        return proc, address, mport
-
-
-def wait_serving(address: str, timeout: float = 120) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise SystemExit(f"{address} not SERVING within {timeout:.0f} s")
+            argv += ["--max-num-seqs", self.args.max_num_seqs]
+        proc = stack.start_scheduler(self.redis.url, self.worker, argv, namespace=f"bench-{self.runs}",
+                                     log_dir=self.workdir)
+        stack.wait_healthy(proc.address, timeout=120, proc=proc)
+        return proc, proc.address, mport
 
 
 def cpu_s(pid: int) -> float:
@@ -245,7 +190,7 @@ def run(bench: Bench, caching: bool, prompts: list[list[int]], max_tokens: int, 
         ledger = bench.ledger()
         cached_before = ledger.check_ledger()["evictable"]
         before = scrape(mport)
-        pids = {"scheduler": proc.pid, "redis": bench.procs[0].pid, "worker": bench.procs[-1].pid}
+        pids = {"scheduler": proc.pid, "redis": bench.redis.pid, "worker": bench.worker.pid}
         cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
         t0 = time.perf_counter()
         res = stream_all(address, prompts, max_tokens, f"{label}-{bench.runs}")
@@ -254,11 +199,7 @@ def run(bench: Bench, caching: bool, prompts: list[list[int]], max_tokens: int, 
         after = scrape(mport)
         cached_after = ledger.check_ledger()["evictable"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stack.stop(proc, timeout=30)
     bad = [r for r in res if r.get("finish") != "length" or len(r["tokens"]) != max_tokens]
     if bad:
         raise SystemExit(f"{label}: {len(bad)} requests did not finish with {max_tokens} tokens")

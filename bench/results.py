@@ -1,7 +1,8 @@
 """Produce bench/RESULTS.md: every run the benchmark issue asks for, on this machine, in one command.
 
-    .venv/bin/python bench/results.py                 # all sections (about 45 minutes on a 2-core CPU)
-    .venv/bin/python bench/results.py --page-only     # rebuild the page from the JSON files already there
+    .venv/bin/python -m bench.results                 # all sections (about 45 minutes on a 2-core CPU)
+    .venv/bin/python -m bench.results --page-only     # rebuild the page from the JSON files already there
+    .venv/bin/python -m bench.results --smoke --out /tmp/r --page /tmp/r/RESULTS.md   # the pipeline in a minute
 
 Each run is a separate `llmserve bench ...` process (a launched server per llmserve mode, the Hugging Face
 baselines in the bench process itself), so one run's memory or threads never leak into the next. JSON files, the
@@ -20,10 +21,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from llmserve.bench import report
 
-from llmserve.bench import report  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = ("naive", "static", "continuous", "chunked")
 HF = ("hf-naive", "hf-static", "hf-continuous")
@@ -38,8 +38,17 @@ def _bench(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "llmserve.cli", "bench", *args]
 
 
-def plan(out: str, n: int, sweep_n: int) -> list[tuple[str, list[str]]]:
+# --smoke: one short chat run of the default mode and the KV-waste table, to check the whole pipeline in a minute.
+SMOKE_SHAPE = ["--num-requests", "2", "--prompt-len", "16:32", "--output-len", "8", "--warmup", "1",
+               "--server-args=--num-gpu-blocks-override 64", "--max-model-len", "512"]
+
+
+def plan(out: str, n: int, sweep_n: int, smoke: bool = False) -> list[tuple[str, list[str]]]:
     """(section, argv) for every run, in the order they execute."""
+    if smoke:
+        return [("chat", _bench(["serve", "--mode", "chunked", "--workload", "chat", *SMOKE_SHAPE, "--request-rate",
+                                 "inf", "--no-progress", "--result-dir", os.path.join(out, "chat")])),
+                ("kv-waste", _bench(["kv-waste", "--json", os.path.join(out, "kv_waste.json")]))]
     runs = []
     for workload in ("chat", "mixed"):
         for run in MODES + HF:
@@ -125,7 +134,7 @@ def page(out: str) -> str:
     runs_path = os.path.join(out, "runs.json")
     runs = json.load(open(runs_path)) if os.path.exists(runs_path) else []
     lines = ["# llmserve benchmark results", "",
-             "Produced by `.venv/bin/python bench/results.py` (every command it ran is listed at the end). "
+             "Produced by `.venv/bin/python -m bench.results` (every command it ran is listed at the end). "
              f"Raw JSON per run, plots and server logs: `bench/{rel}/`.", "", f"Machine: {_machine()}.", ""]
     sections: dict[str, dict[str, dict]] = {w: _latest(os.path.join(out, w)) for w in ("chat", "mixed")}
     for workload, recs in sections.items():
@@ -221,10 +230,12 @@ def main() -> None:
     ap.add_argument("--skip-baselines", action="store_true",
                     help="run only llmserve (the Hugging Face rows already there are kept on the page)")
     ap.add_argument("--page-only", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="only a 2-request chat run (chunked) and the KV-waste table: "
+                    "checks the pipeline quickly; use with --out and --page elsewhere")
     ap.add_argument("--page", default=os.path.join(ROOT, "bench", "RESULTS.md"))
     args = ap.parse_args()
     if not args.page_only:
-        runs = plan(args.out, args.num_requests, args.sweep_requests)
+        runs = plan(args.out, args.num_requests, args.sweep_requests, args.smoke)
         if args.only:
             keep = set(args.only.split(","))
             runs = [r for r in runs if r[0] in keep]

@@ -2,9 +2,9 @@
 
 Runs the real stack -- a private redis-server, a worker process serving a 2-layer random-weight Llama (so the
 model costs little), and the scheduler (Engine + gRPC server) in this process, built the way
-`llmserve/launcher.py` builds it -- and streams N concurrent requests from a separate client process (so client
-work does not share the scheduler's GIL). Only steady-state decode steps (every request running, one token each)
-are measured, from `engine.step_stats`:
+`llmserve serve` builds it (`llmserve/stack.py`) -- and streams N concurrent requests from a separate client
+process (so client work does not share the scheduler's GIL). Only steady-state decode steps (every request
+running, one token each) are measured, from `engine.step_stats`:
 
     overhead = wall - worker      wall   = schedule + plan + ExecuteStep RPC + token bookkeeping + Redis commit
                                   worker = the worker's prepare + forward + sample seconds
@@ -15,13 +15,15 @@ iteration is reported beside it (steadier than wall time on a shared machine). R
 server's own counters over the measured window: `INFO commandstats` (calls, script time) and `INFO stats` (bytes).
 `--direct` submits straight to the engine with no gRPC streams: the loop without the API layer.
 
-    .venv/bin/python bench/scheduler_overhead.py --repeats 3              # N = 16, 64, 256, median of 3 runs
-    .venv/bin/python bench/scheduler_overhead.py --repeats 3 --direct     # the loop alone
-    .venv/bin/python bench/scheduler_overhead.py --running 256 --profile  # + cProfile (CPU time) of the engine thread
+    .venv/bin/python -m bench.scheduler_overhead --repeats 3              # N = 16, 64, 256, median of 3 runs
+    .venv/bin/python -m bench.scheduler_overhead --repeats 3 --direct     # the loop alone
+    .venv/bin/python -m bench.scheduler_overhead --running 256 --profile  # + cProfile (CPU time) of the engine thread
+    .venv/bin/python -m bench.scheduler_overhead --running 2 --warmup 2 --measure 5 --tail-tokens 16  # smoke
 
 Results and how to read them: bench/SCHEDULER.md.
 
-The module also holds the pieces `bench/serve_throughput.py` reuses: `Stack` and the streaming client.
+Run it from the repository root (`python -m bench.NAME`: bench/ is a package). The module also holds the pieces
+`bench/serve_throughput.py` and `bench/tracing_overhead.py` reuse: `Stack` and the streaming client.
 """
 
 from __future__ import annotations
@@ -42,22 +44,12 @@ import tempfile
 import threading
 import time
 
+from llmserve import stack
+from llmserve.bench.metrics import percentile
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); nan for an empty list."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def make_tiny_llama(path: str, *, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 2,
@@ -81,89 +73,40 @@ def make_tiny_llama(path: str, *, vocab_size: int = 1024, hidden_size: int = 64,
     return path
 
 
-class Stack:
-    """redis-server + worker process + in-process scheduler (Engine + gRPC server), like `llmserve serve`."""
+class Stack(stack.Stack):
+    """redis-server + worker process + in-process scheduler (Engine + gRPC server), like `llmserve serve`
+    (`llmserve.stack.Stack`), with the attributes the instrumentation below reads."""
 
     def __init__(self, model: str, *, max_num_seqs: int | None, max_num_batched_tokens: int | None,
                  num_blocks: int | None,
                  max_model_len: int | None, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", block_size: int = 16, extra_scheduler_args: list[str] | None = None,
                  worker_otlp_endpoint: str | None = None):
-        self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, dtype, device
-        self.worker_otlp_endpoint = worker_otlp_endpoint  # the worker traces to this collector (None: off)
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.num_blocks, self.max_model_len, self.block_size = num_blocks, max_model_len, block_size
-        self.extra = extra_scheduler_args or []
-        self.procs: list[subprocess.Popen] = []
-        self.workdir = ""
-        self.engine = None
-        self.server = None
+        worker = ["--model", model, "--dtype", dtype, "--device", device, "--block-size", str(block_size)]
+        if num_blocks is not None:
+            worker += ["--num-gpu-blocks-override", str(num_blocks)]
+        if max_model_len is not None:
+            worker += ["--max-model-len", str(max_model_len)]
+        if worker_otlp_endpoint:  # the worker traces to this collector (None: off)
+            worker += ["--otlp-traces-endpoint", worker_otlp_endpoint]
+        scheduler = list(extra_scheduler_args or [])
+        # None: the scheduler's own default, sized for the worker's device (as `llmserve serve` does).
+        if max_num_seqs is not None:
+            scheduler += ["--max-num-seqs", str(max_num_seqs)]
+        if max_num_batched_tokens is not None:
+            scheduler += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if tokenizer:
+            scheduler += ["--tokenizer", tokenizer]
+        super().__init__(worker, scheduler)
 
-    def __enter__(self) -> Stack:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> None:
+    def start(self) -> Stack:
         import redis
 
-        from llmserve.cli import build_parser
-        from llmserve.launcher import start_redis, start_worker
-        from scheduler_svc.server import build_server, check_flags, scheduler_from_args
-
-        self.workdir = tempfile.mkdtemp(prefix="llmserve-bench-")
-        proc, self.redis_url = start_redis(self.workdir)
-        self.procs.append(proc)
+        super().start()
+        self.procs = [self.redis_server, self.worker]
         self.redis = redis.Redis.from_url(self.redis_url)
-        wargs = argparse.Namespace(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
-                                   kv_cache_memory=None, gpu_memory_utilization=None,
-                                   num_gpu_blocks_override=self.num_blocks, max_model_len=self.max_model_len,
-                                   worker_token=None, otlp_traces_endpoint=self.worker_otlp_endpoint)
-        t0 = time.perf_counter()
-        worker, wport = start_worker(wargs)
-        self.procs.append(worker)
-        self.worker_pid = worker.pid
-        self.worker_start_s = time.perf_counter() - t0
-        argv = ["scheduler", "--redis-url", self.redis_url, "--worker-address", f"127.0.0.1:{wport}",
-                "--host", "127.0.0.1", "--port", "0", *self.extra]
-        # None: the scheduler's own default, sized for the worker's device (as `llmserve serve` does).
-        if self.max_num_seqs is not None:
-            argv += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.max_num_batched_tokens is not None:
-            argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        if self.tokenizer:
-            argv += ["--tokenizer", self.tokenizer]
-        args = build_parser().parse_args(argv)
-        check_flags(args)
-        self.engine, self.ledger = scheduler_from_args(args)
-        self.server, self.port, _ = build_server(self.engine, "127.0.0.1:0", None, args.tokenizer)
-        self.address = f"127.0.0.1:{self.port}"
-        self.server.start()
-        self.engine.start()
-        if not self.engine.ready.wait(timeout=180):
-            raise RuntimeError("the scheduler did not take the pool within 180 s")
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
-        if self.server is not None:
-            self.server.stop(grace=1).wait()
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        self.procs.clear()
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.ledger, self.server, self.port = self.scheduler.ledger, self.scheduler.server, self.scheduler.port
+        return self
 
     def wait_idle(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -173,7 +116,7 @@ class Stack:
 
 # --------------------------------------------------------------------------------------- streaming client
 #
-# Runs in its own process (`python bench/scheduler_overhead.py --client SPEC OUT`): N concurrent Generate streams
+# Runs in its own process (`python -m bench.scheduler_overhead --client SPEC OUT`): N concurrent Generate streams
 # over one grpc.aio channel. Records, per request, the submit time and each streamed message's arrival time and
 # token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
 
@@ -225,7 +168,7 @@ def start_clients(address: str, prompts: list[list[int]], max_tokens: int, tag: 
     out_path = os.path.join(workdir, f"client-{tag}.out.json")
     with open(spec_path, "w") as f:
         json.dump({"address": address, "prompts": prompts, "max_tokens": max_tokens, "tag": tag}, f)
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client", spec_path, out_path],
+    proc = subprocess.Popen([sys.executable, "-m", "bench.scheduler_overhead", "--client", spec_path, out_path],
                             cwd=REPO)
     return proc, out_path
 

@@ -1,6 +1,6 @@
 """End-to-end greedy throughput: the `llmserve serve` stack vs Hugging Face transformers, same requests, same run.
 
-llmserve: a private redis-server, a worker process and the scheduler (built as `llmserve/launcher.py` builds them,
+llmserve: a private redis-server, a worker process and the scheduler (built as `llmserve serve` builds them,
 with the same defaults unless a flag below says otherwise) serving the bundled SmolLM2-135M GGUF; all requests
 are submitted at once from a separate client process (token-id prompts, temperature 0, `ignore_eos`) and streamed
 back. Throughput = output tokens / (first submit -> last stream end), client side; TTFT and ITL are client side
@@ -11,9 +11,9 @@ one at a time with `generate(do_sample=False, max_new_tokens=M, min_new_tokens=M
 `ignore_eos`). With `--hf-requests K < N` only K of them (evenly spaced, so their prompt lengths span the range)
 are timed and the wall for all N is extrapolated from the measured output tokens/s (the report says so).
 
-    .venv/bin/python bench/serve_throughput.py                    # 32 requests, prompts 32-256, 64 new; HF on 8
-    .venv/bin/python bench/serve_throughput.py --hf-requests 32   # HF timed on all 32 (~8 minutes here)
-    .venv/bin/python bench/serve_throughput.py --num-requests 8 --hf-requests 2   # quick
+    .venv/bin/python -m bench.serve_throughput                    # 32 requests, prompts 32-256, 64 new; HF on 8
+    .venv/bin/python -m bench.serve_throughput --hf-requests 32   # HF timed on all 32 (~8 minutes here)
+    .venv/bin/python -m bench.serve_throughput --num-requests 8 --hf-requests 2   # quick
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scheduler_overhead import REPO, Stack, client_latencies, finish_clients, percentile, start_clients  # noqa: E402
+from bench.scheduler_overhead import REPO, Stack, client_latencies, finish_clients, start_clients
+from llmserve.bench.metrics import percentile
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -34,6 +33,10 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     rng = random.Random(seed)
     lengths = [rng.randint(lo, hi) for _ in range(n)]
     return [[rng.randrange(100, vocab) for _ in range(k)] for k in lengths]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -82,7 +85,7 @@ def run_llmserve(args, model: str, prompts: list[list[int]]) -> dict:
         "wall_s": wall, "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall, "steps": len(stats),
         "tokens_per_cpu_s": out_tokens / sum(cpu),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
+        "itl_p50_ms": _ms(percentile(itl, 50)), "itl_p99_ms": _ms(percentile(itl, 99)),
         "worker_s": sum(s.worker for s in stats), "step_wall_s": sum(s.wall for s in stats),
         "cpu_s": sum(cpu), "cpu_redis_s": cpu[0], "cpu_worker_s": cpu[1], "cpu_scheduler_s": cpu[2],
         # Steps whose tokens are one per running request are pure decode; the rest carry prefill chunks.

@@ -1,30 +1,29 @@
 """Single worker steps on the bundled model (the profile in bench/RESULTS.md): 56 decodes; a 1,536-token prompt
 whole vs in chunks, alone and next to the decodes; and the Hugging Face forward of the same prompt.
 
-    .venv/bin/python bench/step_profile.py
+    .venv/bin/python -m bench.step_profile
+    .venv/bin/python -m bench.step_profile --smoke    # 4 decodes, a 96-token prompt: the same steps in seconds
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from protos import worker_pb2 as pb
+from worker_svc.loader import default_model_path
+from worker_svc.runner import ModelRunner, RunnerOptions
 
-from protos import worker_pb2 as pb  # noqa: E402
-from worker_svc.loader import default_model_path  # noqa: E402
-from worker_svc.runner import ModelRunner, RunnerOptions  # noqa: E402
-
-NUM_BLOCKS, BLOCK, DECODES, LONG = 4096, 16, 56, 1536
+BLOCK = 16
 
 
 class Steps:
-    def __init__(self) -> None:
-        self.runner = ModelRunner(RunnerOptions(model=default_model_path(), num_gpu_blocks_override=NUM_BLOCKS))
-        self.free = list(range(NUM_BLOCKS))
+    def __init__(self, num_blocks: int) -> None:
+        self.runner = ModelRunner(RunnerOptions(model=default_model_path(), num_gpu_blocks_override=num_blocks))
+        self.free = list(range(num_blocks))
         self.step_id = 0
         self.sampling = pb.SamplingParams(max_tokens=1000, temperature=0)
 
@@ -42,9 +41,9 @@ class Steps:
         plan.new_requests.add(request_id=rid, prompt_token_ids=prompt, sampling=self.sampling,
                               block_ids=self.blocks(-(-(len(prompt) + 64) // BLOCK)), num_scheduled_tokens=n)
 
-    def decodes(self) -> pb.StepPlan:
+    def decodes(self, n: int) -> pb.StepPlan:
         plan = pb.StepPlan()
-        for i in range(DECODES):
+        for i in range(n):
             plan.cached_requests.add(request_id=f"d{i}", num_scheduled_tokens=1)
         return plan
 
@@ -55,31 +54,36 @@ class Steps:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="4 decodes of 32-token contexts and a 96-token prompt")
+    args = ap.parse_args()
+    decodes, context, long = (4, 32, 96) if args.smoke else (56, 200, 1536)
+    chunk, mixed = -(-long // 3), long * 19 // 64  # 512 and 456 for the 1,536-token prompt
     torch.set_num_threads(2)
-    s = Steps()
+    s = Steps(128 if args.smoke else 4096)
     plan = pb.StepPlan()
-    for i in range(DECODES):
-        s.new(plan, f"d{i}", [(i * 7 + j) % 900 + 20 for j in range(200)], 200)
-    s.run(f"prefill {DECODES} x 200 (warm-up)", plan)
+    for i in range(decodes):
+        s.new(plan, f"d{i}", [(i * 7 + j) % 900 + 20 for j in range(context)], context)
+    s.run(f"prefill {decodes} x {context} (warm-up)", plan)
     for _ in range(2):
-        s.run(f"{DECODES} decodes, 200-token contexts", s.decodes())
-    prompt = [(j * 13) % 900 + 20 for j in range(LONG)]
+        s.run(f"{decodes} decodes, {context}-token contexts", s.decodes(decodes))
+    prompt = [(j * 13) % 900 + 20 for j in range(long)]
     plan = pb.StepPlan()
-    s.new(plan, "whole", prompt, LONG)
-    s.run(f"{LONG}-token prompt alone, whole", plan)
+    s.new(plan, "whole", prompt, long)
+    s.run(f"{long}-token prompt alone, whole", plan)
     plan = pb.StepPlan()
-    s.new(plan, "chunks", prompt, 512)
-    s.run("  alone, chunk 1 of 512", plan)
-    s.run("  alone, chunk 2 of 512", s.more(pb.StepPlan(), "chunks", 512))
-    s.run("  alone, chunk 3 of 512", s.more(pb.StepPlan(), "chunks", 512))
-    plan = s.decodes()
-    s.new(plan, "mixed", prompt, 456)
-    s.run(f"{DECODES} decodes + chunk 1 of 456", plan)
-    s.run(f"{DECODES} decodes + chunk 2 of 456", s.more(s.decodes(), "mixed", 456))
-    s.run(f"{DECODES} decodes + chunk 3 of 456", s.more(s.decodes(), "mixed", 456))
-    plan = s.decodes()
-    s.new(plan, "stall", prompt, LONG)
-    s.run(f"{DECODES} decodes + the whole prompt", plan)
+    s.new(plan, "chunks", prompt, chunk)
+    s.run(f"  alone, chunk 1 of {chunk}", plan)
+    s.run(f"  alone, chunk 2 of {chunk}", s.more(pb.StepPlan(), "chunks", chunk))
+    s.run(f"  alone, chunk 3 of {chunk}", s.more(pb.StepPlan(), "chunks", long - 2 * chunk))
+    plan = s.decodes(decodes)
+    s.new(plan, "mixed", prompt, mixed)
+    s.run(f"{decodes} decodes + chunk 1 of {mixed}", plan)
+    s.run(f"{decodes} decodes + chunk 2 of {mixed}", s.more(s.decodes(decodes), "mixed", mixed))
+    s.run(f"{decodes} decodes + chunk 3 of {mixed}", s.more(s.decodes(decodes), "mixed", mixed))
+    plan = s.decodes(decodes)
+    s.new(plan, "stall", prompt, long)
+    s.run(f"{decodes} decodes + the whole prompt", plan)
 
     from transformers import AutoModelForCausalLM
 

@@ -16,8 +16,8 @@ alike. Runs interleave (the mode order rotates each repeat) because this 2-core 
 per mode and N, the median over repeats of each run's p50/p99 overhead and the ratio to `off`. Spans created in
 this process are counted (a wrapper on the SDK's `Tracer.start_span`) to show that `off` builds none.
 
-    .venv/bin/python bench/tracing_overhead.py                         # N = 16, 64; 5 repeats (~2 minutes)
-    .venv/bin/python bench/tracing_overhead.py --modes off otlp --repeats 5 --json /tmp/tracing.json
+    .venv/bin/python -m bench.tracing_overhead                         # N = 16, 64; 5 repeats (~2 minutes)
+    .venv/bin/python -m bench.tracing_overhead --modes off otlp --repeats 5 --json /tmp/tracing.json
 
 Results: bench/TRACING.md.
 """
@@ -34,8 +34,8 @@ import tempfile
 import threading
 import timeit
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scheduler_overhead import REPO, Probe, Stack, make_tiny_llama, percentile, run_level  # noqa: E402
+from bench.scheduler_overhead import REPO, Probe, Stack, make_tiny_llama, run_level
+from llmserve.bench.metrics import percentile
 
 MODES = ("off", "otlp", "sdk")
 
@@ -79,7 +79,7 @@ def receiver_main() -> None:
 
 class ReceiverProc:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver"], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.tracing_overhead", "--receiver"], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("PORT "):

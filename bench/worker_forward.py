@@ -19,9 +19,9 @@ Cases (one sequence = one row of the batch):
 Runs of ours and HF are interleaved (the order rotates each repetition) and the table shows medians, because a
 shared machine is noisy. tokens/s = tokens produced (decode: B; prefill: N) / median seconds.
 
-    .venv/bin/python bench/worker_forward.py                      # all cores, B = 1 8 32 64, C = 256
-    .venv/bin/python bench/worker_forward.py --threads 1 --repeats 9 --json /tmp/wf.json
-    .venv/bin/python bench/worker_forward.py --profile 32,64       # + where our decode step spends its time
+    .venv/bin/python -m bench.worker_forward                      # all cores, B = 1 8 32 64, C = 256
+    .venv/bin/python -m bench.worker_forward --threads 1 --repeats 9 --json /tmp/wf.json
+    .venv/bin/python -m bench.worker_forward --profile 32,64       # + where our decode step spends its time
 """
 
 from __future__ import annotations
@@ -44,17 +44,13 @@ from collections.abc import Callable
 # affects ours and HF alike. Set OMP_WAIT_POLICY=ACTIVE to measure the default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from protos import worker_pb2 as pb  # noqa: E402
-from worker_svc import runner as runner_mod  # noqa: E402
-from worker_svc.loader import default_model_path  # noqa: E402
-from worker_svc.runner import ModelRunner, RunnerOptions  # noqa: E402
+import kernels
+from protos import worker_pb2 as pb
+from worker_svc import runner as runner_mod
+from worker_svc.loader import default_model_path
+from worker_svc.runner import ModelRunner, RunnerOptions
 
 BLOCK_SIZE = 16
 PREFILL_STEP_TOKENS = 2048  # setup prefill: sequences per step so that a step holds at most this many tokens

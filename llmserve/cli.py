@@ -19,7 +19,7 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from llmserve.launcher import serve
+    from llmserve.stack import serve
 
     serve(args)
 
@@ -66,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # conflict_handler: the scheduler's and the worker's groups both define --worker-token.
     s = sub.add_parser("serve", conflict_handler="resolve",
-                       help="redis-server + worker + scheduler in one command (bundled model by default)")
+                       help="redis-server + worker + scheduler in one command (bundled model by default); "
+                            "restarts redis-server and the worker when they die")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--log-dir", default=None,
+                   help="the worker's and redis-server's logs (default: a temporary directory, removed at exit)")
     add_scheduler_args(s)
     add_worker_args(s)
     s.set_defaults(func=_serve)

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -67,48 +69,82 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return req
 
 
+@dataclass
+class Result:
+    """What a Generate call delivered, per sequence index, across every re-attach."""
+
+    token_ids: list[list[int]]
+    text: list[list[str]]
+    finish: list[str | None]
+    usage: list[pb.Usage | None]
+    reattaches: int = 0  # times the stream was re-opened after UNAVAILABLE
+
+
+def stream(req: pb.GenerateRequest, channel: Callable[[], grpc.Channel], *, metadata=None,
+           retry_seconds: float = 60.0, on_message: Callable[[pb.GenerateResponse], None] | None = None,
+           on_unavailable: Callable[[grpc.RpcError], None] | None = None) -> Result:
+    """Run `req` to the end, re-attaching by its request id (`req.request_id` must be set) from the tokens already
+    received whenever the server answers UNAVAILABLE (a scheduler restart, fail-over, a Redis or worker restart
+    behind it), for up to `retry_seconds` without a message. `channel()` opens a channel per attempt. Raises the
+    grpc.RpcError of any other failure, or of UNAVAILABLE lasting past `retry_seconds`."""
+    n = max(1, req.sampling.n)
+    res = Result([[] for _ in range(n)], [[] for _ in range(n)], [None] * n, [None] * n)
+    deadline = None
+    while None in res.finish:
+        if n > 1:  # several sequences: re-attach from the start and rebuild them all
+            res.token_ids, res.text = [[] for _ in range(n)], [[] for _ in range(n)]
+        req.resume_from_token = len(res.token_ids[0]) if n == 1 else 0
+        try:
+            with channel() as ch:
+                for msg in pb_grpc.LLMServeStub(ch).Generate(req, metadata=metadata):
+                    deadline = None
+                    i = msg.index
+                    res.token_ids[i].extend(msg.token_ids)
+                    res.text[i].append(msg.text)
+                    if on_message is not None:
+                        on_message(msg)
+                    if msg.finish_reason:
+                        res.finish[i] = msg.finish_reason
+                        res.usage[i] = msg.usage
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            if deadline is None:
+                deadline = time.monotonic() + retry_seconds
+                if on_unavailable is not None:
+                    on_unavailable(e)
+            if time.monotonic() >= deadline:
+                raise
+            res.reattaches += 1
+            time.sleep(0.5)
+    return res
+
+
 def generate(args: argparse.Namespace) -> int:
     req = build_request(args)
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
     n = max(1, args.n)
-    token_ids: list[list[int]] = [[] for _ in range(n)]
-    text: list[list[str]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    usage: list[pb.Usage | None] = [None] * n
-    deadline = None
-    while None in finish:
-        if n > 1:  # several sequences: re-attach from the start and rebuild them all
-            token_ids, text = [[] for _ in range(n)], [[] for _ in range(n)]
-        req.resume_from_token = len(token_ids[0]) if n == 1 else 0
-        try:
-            with client_channel(args, args.server) as channel:
-                for msg in pb_grpc.LLMServeStub(channel).Generate(req, metadata=metadata):
-                    deadline = None
-                    i = msg.index
-                    token_ids[i].extend(msg.token_ids)
-                    text[i].append(msg.text)
-                    if args.json:
-                        print(json.dumps(_as_dict(msg)), flush=True)
-                    elif n == 1:
-                        sys.stdout.write(msg.text)
-                        sys.stdout.flush()
-                    if msg.finish_reason:
-                        finish[i] = msg.finish_reason
-                        usage[i] = msg.usage
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                # The scheduler restarted or is failing over: re-attach by request id, from where we are.
-                if deadline is None:
-                    deadline = time.monotonic() + args.retry_seconds
-                    print(f"[server unavailable ({e.details()}); re-attaching to {req.request_id} for up to "
-                          f"{args.retry_seconds:g}s]", file=sys.stderr)
-                if time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    continue
-            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    summaries = [{"index": i, "token_ids": token_ids[i], "text": "".join(text[i]), "finish_reason": finish[i],
-                  "usage": {"prompt_tokens": usage[i].prompt_tokens, "completion_tokens": usage[i].completion_tokens}}
+
+    def show(msg: pb.GenerateResponse) -> None:
+        if args.json:
+            print(json.dumps(_as_dict(msg)), flush=True)
+        elif n == 1:
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+
+    def note(e: grpc.RpcError) -> None:
+        print(f"[server unavailable ({e.details()}); re-attaching to {req.request_id} for up to "
+              f"{args.retry_seconds:g}s]", file=sys.stderr)
+
+    try:
+        res = stream(req, lambda: client_channel(args, args.server), metadata=metadata,
+                     retry_seconds=args.retry_seconds, on_message=show, on_unavailable=note)
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    summaries = [{"index": i, "token_ids": res.token_ids[i], "text": "".join(res.text[i]),
+                  "finish_reason": res.finish[i], "usage": {"prompt_tokens": res.usage[i].prompt_tokens,
+                                                            "completion_tokens": res.usage[i].completion_tokens}}
                  for i in range(n)]
     if args.json:
         final = {k: v for k, v in summaries[0].items() if k != "index"} if n == 1 else {"choices": summaries}

@@ -4,12 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-log=$(mktemp)
-.venv/bin/llmserve serve --port 50051 "$@" > >(tee "$log") 2>&1 &
+.venv/bin/llmserve serve --port 50051 "$@" &
 pid=$!
 trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT INT TERM
 for _ in $(seq 1 300); do
-  grep -q "llmserve ready" "$log" && break
+  .venv/bin/llmserve health --address 127.0.0.1:50051 >/dev/null 2>&1 && break
   kill -0 $pid 2>/dev/null || { echo "llmserve serve exited"; exit 1; }
   sleep 1
 done

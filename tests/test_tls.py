@@ -17,8 +17,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +32,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import tls
+from llmserve import stack
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests import cluster
@@ -136,47 +135,30 @@ def generate(address: str, credentials) -> list[int]:
         return [t for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=120) for t in msg.token_ids]
 
 
-def start_redis(tmp: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    """A redis-server with extra flags (password, TLS) on a free loopback port; returns once it listens."""
-    binary = os.environ.get("LLMSERVE_REDIS_SERVER") or shutil.which("redis-server")
-    if not binary:
-        pytest.fail("redis-server not found (apt-get install redis-server)", pytrace=False)
-    port = cluster.free_port()
-    argv = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp), *args]
-    argv = [a.replace("{port}", str(port)) for a in argv]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, port
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"redis-server {' '.join(args)} did not start", pytrace=False)
-            time.sleep(0.05)
+def redis_with(tmp: Path, *args: str) -> stack.RedisServer:
+    """A redis-server with extra flags (password, TLS ports; "{port}" is its port) on a free loopback port."""
+    try:
+        return stack.start_redis(str(tmp), extra_args=args)
+    except stack.ProcError as e:
+        pytest.fail(f"redis-server {' '.join(args)} did not start: {e}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
 def redis_pw(tmp_path_factory):
     """Plaintext Redis that requires REDIS_PASSWORD; yields its port."""
-    proc, port = start_redis(tmp_path_factory.mktemp("redis-pw"), "--port", "{port}", "--requirepass",
-                             REDIS_PASSWORD)
-    yield port
-    proc.kill()
-    proc.wait()
+    proc = redis_with(tmp_path_factory.mktemp("redis-pw"), "--requirepass", REDIS_PASSWORD)
+    yield proc.port
+    stack.kill(proc)
 
 
 @pytest.fixture(scope="module")
 def redis_tls(tmp_path_factory, pki):
     """TLS-only Redis (no plaintext port) that also requires REDIS_PASSWORD; yields its port."""
-    proc, port = start_redis(tmp_path_factory.mktemp("redis-tls"), "--port", "0", "--tls-port", "{port}",
-                             "--tls-cert-file", pki["server_cert"], "--tls-key-file", pki["server_key"],
-                             "--tls-ca-cert-file", pki["ca"], "--tls-auth-clients", "no",
-                             "--requirepass", REDIS_PASSWORD)
-    yield port
-    proc.kill()
-    proc.wait()
+    proc = redis_with(tmp_path_factory.mktemp("redis-tls"), "--port", "0", "--tls-port", "{port}",
+                       "--tls-cert-file", pki["server_cert"], "--tls-key-file", pki["server_key"],
+                       "--tls-ca-cert-file", pki["ca"], "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD)
+    yield proc.port
+    stack.kill(proc)
 
 
 @pytest.fixture(scope="module")
@@ -336,13 +318,12 @@ def test_serve_parses_the_tls_flags_and_keeps_its_worker_plaintext():
     """`llmserve serve` has the scheduler's and the worker's flags on one parser: --tls-* secure its public server;
     its loopback worker gets none of them."""
     from llmserve.cli import build_parser
-    from llmserve.launcher import worker_argv
 
     args = build_parser().parse_args(["serve", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
                                       "--worker-token", "t"])
     assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.worker_tls_ca) == ("c.pem", "k.pem", "ca.pem", None)
-    argv = worker_argv(args, 50061)
-    assert not any(a.startswith("--tls") for a in argv) and "--worker-token" in argv
+    argv = stack.worker_argv(args, 50061)
+    assert not any(a.startswith("--tls") for a in argv) and argv[argv.index("--worker-token") + 1] == "t"
 
 
 def test_redact_url_hides_every_password():

@@ -11,12 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,10 +22,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from tests import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVICE = "llmserve.worker.v1.Worker"
-READY = re.compile(r"^LLMSERVE_WORKER_READY port=(\d+) epoch=(\S+)$")
 START_TIMEOUT_S = 120
 RPC_TIMEOUT_S = 60
 
@@ -211,49 +205,16 @@ def assert_status(err: grpc.RpcError, code: grpc.StatusCode, *needles: str) -> N
 
 @pytest.fixture(scope="module")
 def worker():
-    cmd = [sys.executable, "-m", "llmserve.cli", "worker", "--port", "0", "--num-gpu-blocks-override",
-           str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--device", "cpu"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    ready: dict[str, str] = {}
-    seen_ready = threading.Event()
-
-    def pump() -> None:  # keep draining the pipe for the whole run so the worker never blocks on its output
-        for line in proc.stdout:
-            lines.append(line)
-            m = READY.match(line.strip())
-            if m and not seen_ready.is_set():
-                ready.update(port=m.group(1), epoch=m.group(2))
-                seen_ready.set()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    channel = None
+    proc = cluster.start_worker(["--num-gpu-blocks-override", NUM_BLOCKS, "--block-size", BLOCK_SIZE,
+                                 "--device", "cpu"], timeout=START_TIMEOUT_S)
+    channel = grpc.insecure_channel(proc.address)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not seen_ready.wait(0.2):
-            if proc.poll() is not None:
-                reader.join(5)
-                pytest.fail(f"worker exited with {proc.returncode} before READY:\n{''.join(lines)[-6000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"worker not READY within {START_TIMEOUT_S}s:\n{''.join(lines)[-6000:]}")
-        channel = grpc.insecure_channel(f"127.0.0.1:{ready['port']}")
         grpc.channel_ready_future(channel).result(timeout=30)
-        yield Worker(channel, ready["epoch"])
+        yield Worker(channel, proc.epoch)
     finally:
-        if channel is not None:
-            channel.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                pytest.fail(f"worker ignored SIGTERM for 30 s:\n{''.join(lines)[-6000:]}")
-        reader.join(5)
-    assert proc.returncode == 0, f"worker exited with {proc.returncode} after SIGTERM:\n{''.join(lines)[-6000:]}"
+        channel.close()
+        rc = cluster.stop(proc, timeout=30)
+    assert rc == 0, f"worker exited with {rc} after SIGTERM (SIGKILL after 30 s):\n{proc.log_tail()}"
 
 
 # -- handshake ----------------------------------------------------------------------------------------
@@ -269,7 +230,7 @@ def test_describe_health_and_reflection(worker):
     assert (info.dtype, info.device) == ("float32", "cpu")
     assert (info.block_size, info.num_blocks, info.max_model_len) == (BLOCK_SIZE, NUM_BLOCKS, 8192)
     assert info.kv_bytes_per_block == 2 * 30 * 3 * 64 * BLOCK_SIZE * 4  # K and V, float32
-    assert info.epoch and info.epoch == worker.epoch  # Describe agrees with the READY line
+    assert info.epoch and info.epoch == worker.epoch  # Describe agrees with the ready line
 
     health = health_pb2_grpc.HealthStub(worker.channel)
     for service in ("", SERVICE):

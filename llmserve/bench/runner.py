@@ -17,19 +17,15 @@ import datetime
 import math
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import threading
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from llmserve import stack
 from llmserve.bench import loadgen, metrics, workloads
 from llmserve.bench.common import RequestResult, RequestSpec
-from llmserve.launcher import free_port
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 
@@ -39,7 +35,6 @@ MODE_FLAGS: dict[str, list[str]] = {
     "continuous": ["--scheduling-mode", "continuous", "--no-enable-chunked-prefill"],
     "chunked": ["--scheduling-mode", "continuous"],
 }
-READY_PREFIX = "llmserve ready on "
 
 
 def server_flags(mode: str, max_model_len: int, extra: list[str]) -> list[str]:
@@ -55,18 +50,18 @@ def _has_flag(argv: list[str], flag: str) -> bool:
 
 
 class LocalServer:
-    """`python -m llmserve.cli serve` in a subprocess: started on free ports, ready when it prints its ready line,
-    stopped with SIGTERM. Its stderr (scheduler and worker logs) goes to `log_path`."""
+    """`python -m llmserve.cli serve` in a subprocess (`llmserve.stack.start_serve`): started on free ports, ready
+    when it prints its ready line, stopped with SIGTERM. Its output (scheduler, worker and redis-server logs) goes
+    to `log_path`."""
 
     def __init__(self, mode: str, max_model_len: int, extra: list[str], log_path: str, timeout_s: float = 300):
         self.mode = mode
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = stack.free_port(), stack.free_port()
         self.flags = server_flags(mode, max_model_len, extra)
-        self.argv = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), "--metrics-port",
-                     str(self.metrics_port), *self.flags]
+        self.server_args = ["--metrics-port", str(self.metrics_port), *self.flags]
+        self.argv = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), *self.server_args]
         self.log_path, self.timeout_s = log_path, timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.ready_line = ""
+        self.proc: stack.Proc | None = None
 
     @property
     def address(self) -> str:
@@ -77,38 +72,18 @@ class LocalServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def __enter__(self) -> LocalServer:
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True)
-        ready = threading.Event()
-
-        def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
-            for line in self.proc.stdout:
-                if line.startswith(READY_PREFIX) and not ready.is_set():
-                    self.ready_line = line.strip()
-                    ready.set()
-
-        threading.Thread(target=read_stdout, daemon=True).start()
-        deadline = time.monotonic() + self.timeout_s
-        while not ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"`{' '.join(self.argv)}` did not get ready (exit code {self.proc.returncode}); "
-                                   f"log {self.log_path}:\n{_tail(self.log_path)}")
+        if os.path.exists(self.log_path):
+            os.remove(self.log_path)  # one run per log file
+        try:
+            self.proc = stack.start_serve(self.server_args, port=self.port, timeout=self.timeout_s,
+                                          log_path=self.log_path)
+        except stack.ProcError as e:
+            raise RuntimeError(f"`{' '.join(self.argv)}` did not get ready; {e}") from None
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _tail(path: str, chars: int = 3000) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-chars:]
+        if self.proc is not None:
+            stack.stop(self.proc, timeout=60)
 
 
 def model_info(address: str, api_key: str | None = None) -> dict:

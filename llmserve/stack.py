@@ -1,0 +1,658 @@
+"""Starting llmserve's processes, in one place: `llmserve serve`, `llmserve bench`, the bench/ scripts and the tests
+all come through here.
+
+- `free_port()`; `start_redis(data_dir, ...)`: a private redis-server (fixed or free port, append-only file, extra
+  flags such as --requirepass or TLS ports).
+- `start_worker(...)`, `start_scheduler(...)`, `start_serve(...)`: `python -m llmserve.cli worker|scheduler|serve` in
+  their own session (process group), stdout+stderr appended to a log file; with `wait` they return once the ready
+  line the server prints is in the log (`worker_svc.server.READY_LINE`, `scheduler_svc.server.LISTENING_LINE`,
+  `SERVE_READY_LINE` below). Every one returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
+- `health(address)`, `wait_healthy(address)`: grpc.health.v1.
+- `InProcessScheduler` / `start_scheduler_in_process(...)`: the scheduler (engine + gRPC server) inside this
+  process, built by the same public functions `llmserve scheduler` uses; `Stack`: redis-server + a worker process +
+  that scheduler, for benchmarks that look inside the engine.
+- `worker_argv(args, port)`: the worker command line of `llmserve serve`, from the worker's own argument parser.
+- `serve(args)`: `llmserve serve`, which supervises its children: a redis-server or worker that dies is restarted
+  on the same port (redis-server on the same append-only file) and the scheduler in this process resumes; a child
+  that exits MAX_RESTARTS + 1 times within RESTART_WINDOW_S ends `serve` with exit code 1 and the end of its log.
+
+Services never import this module (common <- services <- llmserve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("llmserve.serve")
+
+START_TIMEOUT_S = 120.0
+LOG_TAIL_CHARS = 6000
+MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before `serve` gives up
+RESTART_WINDOW_S = 60.0
+REDIS_INSTALL_HINT = ("redis-server was not found: install it (Debian/Ubuntu: `apt-get install redis-server`, "
+                      "macOS: `brew install redis`), point LLMSERVE_REDIS_SERVER at the binary, or pass --redis-url "
+                      "to an existing Redis")
+REDIS_READY = "Ready to accept connections"  # redis-server logs it once it listens and has loaded its data
+# Printed by `llmserve serve` once the scheduler leads its pool and sees the worker.
+SERVE_READY_LINE = "llmserve ready on {host}:{port}: {details}"
+_SERVE_READY_RE = re.compile(r"^llmserve ready on (\S+):(\d+): ", re.M)
+
+
+def parse_serve_ready_line(text: str) -> tuple[str, int] | None:
+    """(host, port) from the first SERVE_READY_LINE in `text` (one line or a whole log), or None."""
+    m = _SERVE_READY_RE.search(text)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port (for flags that cannot take 0, or a port to restart a process on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- processes --------------------------------------------------------------------------------------------------
+
+
+class ProcError(RuntimeError):
+    """A process did not start, did not become ready, or exited early; the message has the end of its log."""
+
+
+@dataclass(eq=False)
+class Proc:
+    """One started process. `port` is its (gRPC or Redis) port, 0 until it is ready."""
+
+    name: str  # e.g. "worker-1", "scheduler-2"
+    kind: str  # "worker", "scheduler", "serve" or "redis": which ready line `wait_ready` waits for
+    popen: subprocess.Popen
+    log_path: str
+    argv: list[str]
+    port: int = 0
+    epoch: str | None = None  # workers: the epoch of their ready line
+    namespace: str | None = None  # schedulers: their --namespace
+    extra: dict = field(default_factory=dict)  # for callers' own bookkeeping
+    log_start: int = 0  # offset of this run's output in `log_path` (a restarted process appends to the same file)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        text = self.log_text()
+        return text if len(text) <= chars else "..." + text[-chars:]
+
+    def describe(self) -> str:
+        state = "running" if self.alive() else f"exited with {self.popen.returncode}"
+        return f"{self.name} (pid {self.pid}, {state}, port {self.port}, log {self.log_path})"
+
+
+@dataclass(eq=False)
+class RedisServer(Proc):
+    data_dir: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+_counter = itertools.count(1)
+_live: list[Proc] = []
+_live_lock = threading.Lock()
+
+
+def _default_log_dir() -> str:
+    return os.environ.get("LLMSERVE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "llmserve-logs")
+
+
+def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: str | None = None,
+          env: dict[str, str] | None = None, cwd: str | None = None, cls: type[Proc] = Proc, **fields) -> Proc:
+    """Start `argv` in its own session with stdout+stderr appended to `log_path` (default: a new file in `log_dir`)
+    and register it in `live()` until `stop` or `kill`."""
+    name = f"{kind}-{next(_counter)}"
+    if log_path is None:
+        log_dir = log_dir or _default_log_dir()
+        os.makedirs(log_dir, exist_ok=True)
+        fd, log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=log_dir)
+        os.close(fd)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "ab") as log_file:
+        start = log_file.tell()
+        popen = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    proc = cls(name=name, kind=kind, popen=popen, log_path=log_path, argv=argv, log_start=start, **fields)
+    with _live_lock:
+        _live.append(proc)
+    return proc
+
+
+def _ready(proc: Proc, text: str) -> bool:
+    """Fill in port/epoch from the ready line in `text` (complete lines of this run's log); True once it is there."""
+    from scheduler_svc.server import parse_listening_line
+    from worker_svc.server import parse_ready_line
+
+    if proc.kind == "worker":
+        found = parse_ready_line(text)
+        if found:
+            proc.port, proc.epoch = found
+        return found is not None
+    if proc.kind == "scheduler":
+        port = parse_listening_line(text)
+        if port is not None:
+            proc.port = port
+        return port is not None
+    if proc.kind == "serve":
+        found = parse_serve_ready_line(text)
+        if found:
+            proc.port = found[1]
+        return found is not None
+    return REDIS_READY in text  # redis: the port was chosen before it started
+
+
+def wait_ready(proc: Proc, timeout: float | None = START_TIMEOUT_S, abort: threading.Event | None = None) -> Proc:
+    """Wait for the process's ready line; fills in `port` (and a worker's `epoch`). Raises ProcError, after
+    stopping it, if it exits first or is not ready within `timeout` (None: no limit) or `abort` is set."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        text = proc.log_text()[proc.log_start:]
+        if _ready(proc, text[: text.rfind("\n") + 1]):
+            return proc
+        if not proc.alive():
+            _unregister(proc)
+            raise ProcError(f"{proc.describe()} exited before it was ready:\n{proc.log_tail()}")
+        if abort is not None and abort.is_set():
+            stop(proc)
+            raise ProcError(f"{proc.describe()} stopped before it was ready")
+        if deadline is not None and time.monotonic() > deadline:
+            stop(proc)
+            raise ProcError(f"{proc.describe()} not ready within {timeout:.0f}s:\n{proc.log_tail()}")
+        time.sleep(0.05)
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "llmserve.cli", *map(str, args)]
+
+
+def start_worker(extra_args: Iterable = (), *, port: int = 0, wait: bool = True,
+                 timeout: float | None = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                 log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
+    """`llmserve worker --host 127.0.0.1 --port PORT *extra_args` (0: a free port; the bundled model unless --model).
+    `env` adds variables; extra args come last, so they may override the defaults."""
+    argv = _cli("worker", "--host", "127.0.0.1", "--port", port, *extra_args)
+    proc = spawn("worker", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
+    return wait_ready(proc, timeout) if wait else proc
+
+
+def new_namespace(prefix: str = "t") -> str:
+    """A Redis key namespace nobody else uses."""
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _address(worker) -> str:
+    if isinstance(worker, Proc):
+        return worker.address
+    if isinstance(worker, int):
+        return f"127.0.0.1:{worker}"
+    return str(worker)
+
+
+def start_scheduler(redis_url: str, worker, extra_args: Iterable = (), *, namespace: str | None = None,
+                    port: int = 0, wait: bool = True, timeout: float | None = START_TIMEOUT_S,
+                    env: dict[str, str] | None = None, log_dir: str | None = None, log_path: str | None = None,
+                    cwd: str | None = None) -> Proc:
+    """`llmserve scheduler --host 127.0.0.1 --port PORT --redis-url ... --worker-address ... --namespace ...`.
+
+    `worker`: a worker Proc, its port (int) or "host:port"; the namespace defaults to a fresh `new_namespace()`.
+    Returns once it listens, which is not SERVING yet: `wait_healthy` for that."""
+    namespace = namespace or new_namespace("sched")
+    argv = _cli("scheduler", "--host", "127.0.0.1", "--port", port, "--redis-url", redis_url, "--worker-address",
+                _address(worker), "--namespace", namespace, *extra_args)
+    proc = spawn("scheduler", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd, namespace=namespace)
+    return wait_ready(proc, timeout) if wait else proc
+
+
+def start_serve(extra_args: Iterable = (), *, port: int | None = None, wait: bool = True,
+                timeout: float | None = 300.0, env: dict[str, str] | None = None, log_dir: str | None = None,
+                log_path: str | None = None, cwd: str | None = None) -> Proc:
+    """`llmserve serve --port PORT *extra_args` (a free port by default); with `wait`, returns once it printed
+    SERVE_READY_LINE (its scheduler leads the pool and sees the worker)."""
+    argv = _cli("serve", "--port", port or free_port(), *extra_args)
+    proc = spawn("serve", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
+    return wait_ready(proc, timeout) if wait else proc
+
+
+def start_redis(data_dir: str, *, port: int | None = None, appendonly: bool = False, extra_args: Iterable = (),
+                wait: bool = True, timeout: float = 10.0, log_path: str | None = None) -> RedisServer:
+    """redis-server on 127.0.0.1 with its files in `data_dir`: on `port` (None: a free one, retried if another
+    process takes it first), RDB snapshots off, an append-only file with `appendonly`. `extra_args` come last and
+    may say "{port}" for the port (e.g. `--port 0 --tls-port {port}` for TLS only, `--requirepass PW`). With `wait`
+    it returns once redis-server has loaded its data and listens. LLMSERVE_REDIS_SERVER overrides the binary."""
+    binary = os.environ.get("LLMSERVE_REDIS_SERVER") or shutil.which("redis-server")
+    if not binary or not os.path.exists(binary):
+        raise ProcError(REDIS_INSTALL_HINT)
+    os.makedirs(data_dir, exist_ok=True)
+    for attempt in range(1 if port is not None or not wait else 3):
+        chosen = port or free_port()
+        argv = [binary, "--port", "{port}", "--bind", "127.0.0.1", "--save", "", "--dir", data_dir,
+                "--appendonly", "yes" if appendonly else "no", *map(str, extra_args)]
+        argv = [a.replace("{port}", str(chosen)) for a in argv]
+        proc = spawn("redis", argv, log_path=log_path or os.path.join(data_dir, "redis.log"), cls=RedisServer,
+                     port=chosen, data_dir=data_dir)
+        if not wait:
+            return proc
+        try:
+            return wait_ready(proc, timeout)
+        except ProcError:
+            if port is not None or attempt == 2 or "Address already in use" not in proc.log_text()[proc.log_start:]:
+                raise
+    raise AssertionError("unreachable")
+
+
+def health(address: str, service: str = "", timeout: float = 5.0, metadata=None) -> str:
+    """The grpc.health.v1 status name ("SERVING", "NOT_SERVING", ...), or the gRPC error code name of the check."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_healthy(address: str, timeout: float = 60.0, service: str = "", proc: Proc | None = None) -> None:
+    """Poll grpc.health.v1 until SERVING; `proc` (optional) is checked for an early exit and shown on failure."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        last = health(address, service, timeout=2.0)
+        if last == "SERVING":
+            return
+        if proc is not None and not proc.alive():
+            raise ProcError(f"{proc.describe()} exited while waiting for SERVING:\n{proc.log_tail()}")
+        time.sleep(0.1)
+    shown = f"\n{proc.describe()}:\n{proc.log_tail()}" if proc is not None else ""
+    raise ProcError(f"{address} not SERVING within {timeout:.0f}s (last: {last}){shown}")
+
+
+def _unregister(proc: Proc) -> None:
+    with _live_lock:
+        if proc in _live:
+            _live.remove(proc)
+
+
+def stop(proc: Proc, timeout: float = 10.0) -> int | None:
+    """SIGTERM, then SIGKILL after `timeout`; returns the exit code. Safe to call twice."""
+    if proc.alive():
+        try:
+            proc.popen.send_signal(signal.SIGTERM)
+            proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait(timeout=10)
+    _unregister(proc)
+    return proc.popen.returncode
+
+
+def kill(proc: Proc) -> int | None:
+    """SIGKILL at once (a crash), and reap it."""
+    if proc.alive():
+        proc.popen.kill()
+        proc.popen.wait(timeout=10)
+    _unregister(proc)
+    return proc.popen.returncode
+
+
+def live() -> list[Proc]:
+    """Every process started here and not yet stopped or killed (or found dead by `wait_ready`)."""
+    with _live_lock:
+        return list(_live)
+
+
+def stop_all() -> None:
+    """Stop every process in `live()`: schedulers and serve first, redis-servers last."""
+    order = {"serve": 0, "scheduler": 1, "worker": 2, "redis": 3}
+    for proc in sorted(live(), key=lambda p: order.get(p.kind, 2)):
+        stop(proc)
+
+
+# ---- the scheduler in this process ------------------------------------------------------------------------------
+
+
+class InProcessScheduler:
+    """The scheduler (engine + public gRPC server) inside this process, assembled from `llmserve scheduler` flags by
+    the same public functions `llmserve scheduler` runs: `check_flags`, `scheduler_from_args`, `build_server`,
+    `shutdown`. `engine` offers `.ready`, `.fatal`, `.worker_info`, `.metrics`."""
+
+    def __init__(self, args: argparse.Namespace):
+        from scheduler_svc.server import check_flags, scheduler_from_args
+
+        check_flags(args)
+        self.args = args
+        self.engine, self.ledger = scheduler_from_args(args)
+        self.server = None
+        self.health = None
+        self.host, self.port = "127.0.0.1", 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> InProcessScheduler:
+        from common import tls
+        from scheduler_svc.server import build_server
+
+        a = self.args
+        self.server, self.port, self.health = build_server(
+            self.engine, f"{host}:{port}", a.api_key, a.tokenizer,
+            tls.server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca))
+        self.host = host
+        if a.metrics_port is not None:
+            self.engine.metrics.serve(a.metrics_port)
+        self.server.start()
+        self.engine.start()
+        return self
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Wait until the engine leads its pool and sees the worker; ProcError on a fatal error or the timeout."""
+        deadline = time.monotonic() + timeout
+        while not self.engine.ready.wait(timeout=0.5):
+            if self.engine.fatal:
+                raise ProcError(f"scheduler: {self.engine.fatal}")
+            if time.monotonic() > deadline:
+                raise ProcError(f"the scheduler did not take the pool within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Drain (up to `timeout` seconds; 0 leaves requests in Redis for a next leader) and stop."""
+        from scheduler_svc.server import shutdown
+
+        if self.server is None:
+            self.engine.stop()
+        else:
+            shutdown(self.engine, self.server, timeout)
+            self.server = None
+
+
+def start_scheduler_in_process(redis_url: str, worker, extra_args: Iterable = (), *, host: str = "127.0.0.1",
+                               port: int = 0, ready_timeout: float | None = 180.0) -> InProcessScheduler:
+    """An InProcessScheduler from `llmserve scheduler` flags (`extra_args`) on `worker` (a Proc, port or address);
+    started, and with `ready_timeout` (None: don't wait) once it leads its pool."""
+    from llmserve.cli import build_parser
+
+    argv = ["scheduler", "--redis-url", redis_url, "--worker-address", _address(worker), *extra_args]
+    args = build_parser().parse_args([str(a) for a in argv])
+    sched = InProcessScheduler(args).start(host, port)
+    if ready_timeout is not None:
+        try:
+            sched.wait_ready(ready_timeout)
+        except BaseException:
+            sched.stop()
+            raise
+    return sched
+
+
+class Stack:
+    """A private redis-server, one worker process and the scheduler in this process (what `llmserve serve` runs,
+    without restarts), for benchmarks that look inside the engine. Files and logs go to `workdir` (a new temporary
+    directory by default, removed by `stop`)."""
+
+    def __init__(self, worker_args: Iterable = (), scheduler_args: Iterable = (), *,
+                 worker_env: dict[str, str] | None = None, ready_timeout: float = 180.0):
+        self.worker_args, self.scheduler_args = list(worker_args), list(scheduler_args)
+        self.worker_env, self.ready_timeout = worker_env, ready_timeout
+        self.workdir = ""
+        self.redis_server: RedisServer | None = None
+        self.worker: Proc | None = None
+        self.scheduler: InProcessScheduler | None = None
+
+    @property
+    def redis_url(self) -> str:
+        return self.redis_server.url
+
+    @property
+    def engine(self):
+        return self.scheduler.engine if self.scheduler is not None else None
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def start(self) -> Stack:
+        try:
+            self.workdir = tempfile.mkdtemp(prefix="llmserve-stack-")
+            self.redis_server = start_redis(os.path.join(self.workdir, "redis"), wait=False)
+            self.worker = start_worker(self.worker_args, env=self.worker_env, log_dir=self.workdir, wait=False)
+            wait_ready(self.redis_server)  # the two start side by side; the worker takes longer
+            wait_ready(self.worker, timeout=self.ready_timeout)
+            self.scheduler = start_scheduler_in_process(self.redis_url, self.worker, self.scheduler_args,
+                                                        ready_timeout=self.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+            self.scheduler = None
+        for proc in (self.worker, self.redis_server):
+            if proc is not None:
+                stop(proc, timeout=15)
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = ""
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---- `llmserve serve` -------------------------------------------------------------------------------------------
+
+# Flags of the worker's parser that `serve` keeps for its public server: its worker is a private loopback process.
+SERVE_ONLY = frozenset({"tls_cert", "tls_key", "tls_client_ca"})
+
+
+def worker_argv(args: argparse.Namespace, port: int) -> list[str]:
+    """The `llmserve worker` command line for `serve`'s worker: every flag of `worker_svc.server.add_worker_args`
+    whose value in `args` differs from its default, plus loopback host and `port` (TLS flags excepted)."""
+    from worker_svc.server import add_worker_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_worker_args(parser)
+    argv = _cli("worker", "--host", "127.0.0.1", "--port", port)
+    for action in parser._actions:  # argparse has no public list of a parser's options
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest in SERVE_ONLY or value == action.default:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        elif type(action) is argparse._StoreAction and action.nargs is None:
+            argv += [flag, str(value)]
+        else:  # a new kind of worker option: teach this function to forward it
+            raise TypeError(f"cannot forward {flag} ({type(action).__name__}) to the worker")
+    return argv
+
+
+class _Child:
+    """One supervised process: started by `start` (which must not wait), restarted whenever it exits."""
+
+    def __init__(self, name: str, start: Callable[[], Proc], ready_timeout: float | None):
+        self.name, self.start, self.ready_timeout = name, start, ready_timeout
+        self.proc: Proc | None = None
+        self.ready = threading.Event()  # the first run is ready
+        self.exits: collections.deque[float] = collections.deque()
+        self.restarts = 0
+
+
+class Supervisor:
+    """Keeps `serve`'s children running: each has a thread that starts it, waits for its ready line, waits for it to
+    exit and starts it again (the caller's `start` reuses the port and data directory). More than MAX_RESTARTS
+    exits of one child within RESTART_WINDOW_S (counting runs that never got ready) sets `failure`."""
+
+    def __init__(self):
+        self.children: list[_Child] = []
+        self.stopping = threading.Event()
+        self.failure: str | None = None  # set once, by the thread of a child that keeps failing
+
+    def add(self, name: str, start: Callable[[], Proc], ready_timeout: float | None = None) -> _Child:
+        child = _Child(name, start, ready_timeout)
+        self.children.append(child)
+        threading.Thread(target=self._keep_running, args=(child,), name=f"supervise-{name}", daemon=True).start()
+        return child
+
+    def _keep_running(self, child: _Child) -> None:
+        while not self.stopping.is_set():
+            try:
+                child.proc = child.start()
+            except (OSError, ProcError) as e:
+                self.failure = f"llmserve serve: cannot start the {child.name}: {e}"
+                return
+            try:
+                wait_ready(child.proc, child.ready_timeout, abort=self.stopping)
+                if child.restarts:
+                    log.info("%s is back (pid %d)", child.name, child.proc.pid)
+                child.ready.set()
+                child.proc.popen.wait()
+            except ProcError:
+                pass  # exited (or was stopped) before it was ready: an exit like any other
+            _unregister(child.proc)
+            if self.stopping.is_set():
+                return
+            now = time.monotonic()
+            child.exits.append(now)
+            while child.exits[0] < now - RESTART_WINDOW_S:
+                child.exits.popleft()
+            code = child.proc.popen.returncode
+            if len(child.exits) > MAX_RESTARTS:
+                tail = "\n".join(child.proc.log_text()[child.proc.log_start:].splitlines()[-30:])
+                self.failure = (f"llmserve serve: the {child.name} exited {len(child.exits)} times within "
+                                f"{RESTART_WINDOW_S:.0f} s (last exit code {code}); giving up. Last lines of its log "
+                                f"{child.proc.log_path}:\n{tail}")
+                return
+            child.restarts += 1
+            log.warning("the %s exited with code %s; restarting it (restart %d of at most %d within %.0f s)",
+                        child.name, code, len(child.exits), MAX_RESTARTS, RESTART_WINDOW_S)
+
+    def stop(self) -> None:
+        """Stop the children, last added first, and let no thread restart them."""
+        self.stopping.set()
+        for child in reversed(self.children):
+            if child.proc is not None:
+                stop(child.proc, timeout=15)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """`llmserve serve`: a private redis-server (unless --redis-url), a worker process and the scheduler in this
+    process, until SIGTERM / Ctrl-C; the children are supervised (module docstring)."""
+    from common import tracing
+    from scheduler_svc.server import check_flags, redact_url
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The worker of `serve` is a private process on loopback and stays plaintext; --tls-* secure the public server.
+    for flag in ("worker_tls_ca", "worker_tls_cert", "worker_tls_key", "worker_tls_server_name"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"--{flag.replace('_', '-')} is for a scheduler talking to a separate worker "
+                             "(`llmserve scheduler`); `llmserve serve` runs its own worker on loopback without TLS")
+    check_flags(args)
+    tracing.setup("llmserve-scheduler", args.otlp_traces_endpoint)
+    workdir = tempfile.mkdtemp(prefix="llmserve-")
+    log_dir = args.log_dir or workdir
+    os.makedirs(log_dir, exist_ok=True)
+    sup = Supervisor()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sup.stopping.set())
+    sched: InProcessScheduler | None = None
+    keep_logs = False  # a failed serve keeps the logs its message points to
+
+    def trouble() -> str | None:
+        if sup.failure:
+            return sup.failure
+        if sched is not None and sched.engine.fatal:
+            return f"scheduler: {sched.engine.fatal}"
+        return None
+
+    try:
+        children = []
+        if not args.redis_url:
+            redis_dir, redis_port = os.path.join(workdir, "redis"), free_port()
+            redis_log = os.path.join(log_dir, "redis.log")
+            children.append(sup.add("redis-server", lambda: start_redis(
+                redis_dir, port=redis_port, appendonly=True, wait=False, log_path=redis_log)))
+            args.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        worker_port = free_port()
+        wargv, worker_log = worker_argv(args, worker_port), os.path.join(log_dir, "worker.log")
+        children.append(sup.add("worker", lambda: spawn("worker", wargv, log_path=worker_log)))
+        args.worker_address = f"127.0.0.1:{worker_port}"
+        for child in children:  # both start at once; the worker (loading the model) takes longer
+            while not child.ready.wait(0.2) and not sup.stopping.is_set():
+                if trouble():
+                    raise SystemExit(trouble())
+        if sup.stopping.is_set():
+            return
+        sched = InProcessScheduler(args).start(args.host, args.port)
+        deadline = time.monotonic() + 120
+        while not sched.engine.ready.wait(0.5) and not sup.stopping.is_set():
+            if trouble():
+                raise SystemExit(trouble())
+            if time.monotonic() > deadline:
+                raise SystemExit("the scheduler did not take the pool within 120 s")
+        if sup.stopping.is_set():
+            return
+        info = sched.engine.worker_info
+        print(SERVE_READY_LINE.format(host=args.host, port=sched.port, details=(
+            f"{info.model.name} on {info.device} ({info.dtype}), {info.num_blocks} KV blocks of {info.block_size}, "
+            f"redis {redact_url(args.redis_url)}; logs in {log_dir}")), flush=True)
+        while not sup.stopping.wait(0.5):
+            if trouble():
+                raise SystemExit(trouble())
+    except BaseException:
+        keep_logs = log_dir == workdir
+        raise
+    finally:
+        if sched is not None:
+            sched.stop(args.shutdown_timeout)
+        sup.stop()
+        tracing.shutdown()
+        if keep_logs:
+            shutil.rmtree(os.path.join(workdir, "redis"), ignore_errors=True)
+            print(f"llmserve serve: logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)

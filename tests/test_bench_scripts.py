@@ -1,0 +1,97 @@
+"""Every script in bench/ runs in a smoke size, as `python -m bench.NAME` from the repository root, starts what it
+benchmarks (its stack: redis-server, worker, scheduler; or the worker's runner; or the kernels) and writes its
+results. `llmserve bench` itself is exercised by tests/test_bench_harness.py (a real sweep) and, through
+`bench.results --smoke`, by a `llmserve bench serve` run here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(name: str, *args, timeout: float = 240) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"bench.{name} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_scheduler_overhead(tmp_path):
+    out = tmp_path / "so.json"
+    run_bench("scheduler_overhead", "--running", 2, "--warmup", 2, "--measure", 5, "--tail-tokens", 16,
+              "--json", out)
+    [row] = json.loads(out.read_text())
+    assert row["running"] == 2 and row["steady_steps"] >= 5
+    assert row["evalsha_per_step"] == pytest.approx(1.0, abs=0.2)  # one Redis round trip per step
+    assert 0 < row["worker_p50_ms"] < row["wall_p50_ms"] and row["overhead_p50_ms"] > 0
+
+
+def test_tracing_overhead(tmp_path):
+    out = tmp_path / "to.json"
+    run_bench("tracing_overhead", "--running", 2, "--repeats", 1, "--warmup", 2, "--measure", 5, "--tail-tokens", 16,
+              "--modes", "off", "otlp", "--json", out)
+    res = json.loads(out.read_text())
+    assert {r["mode"] for r in res["rows"]} == {"off", "otlp"}
+    assert all(r["spans_created"] == 0 for r in res["runs"]["2/off"])
+    assert res["received"]["spans"].get("llmserve-scheduler", 0) > 0
+    assert res["received"]["spans"].get("llmserve-worker", 0) > 0
+
+
+def test_serve_throughput(tmp_path):
+    out = tmp_path / "st.json"
+    stdout = run_bench("serve_throughput", "--num-requests", 2, "--max-tokens", 4, "--min-prompt", 8,
+                       "--max-prompt", 16, "--skip-hf", "--json", out)
+    ours = json.loads(out.read_text())["llmserve"]
+    assert ours["output_tokens"] == 8 and ours["tokens_per_s"] > 0 and ours["ttft_p50_s"] > 0
+    assert "llmserve: 8 tokens in" in stdout
+
+
+def test_prefix_cache(tmp_path):
+    out = tmp_path / "pc.json"
+    run_bench("prefix_cache", "--num-requests", 2, "--prefix-len", 32, "--question-len", 16, "--max-tokens", 4,
+              "--max-model-len", 256, "--json", out)
+    res = json.loads(out.read_text())
+    assert [(r["workload"], r["caching"]) for r in res["rows"]] == [
+        ("rag", False), ("rag", True), ("zero-hit", False), ("zero-hit", True)]
+    assert all(r["requests"] == 2 and r["preemptions"] == 0 for r in res["rows"])
+    assert res["bookkeeping_us"]["miss"] > 0
+
+
+def test_worker_forward(tmp_path):
+    out = tmp_path / "wf.json"
+    run_bench("worker_forward", "--batch-sizes", 1, "--repeats", 1, "--warmup", 0, "--context", 16,
+              "--prefill-tokens", 16, "--threads", 2, "--json", out)
+    cases = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(cases) == {"decode B=1, ctx 16", "prefill 16 tokens"}
+    assert all(r["argmax_agreement"] == 1.0 and r["ours_execute"]["tokens_per_s"] > 0 for r in cases.values())
+
+
+def test_step_profile():
+    stdout = run_bench("step_profile", "--smoke")
+    assert "4 decodes + the whole prompt" in stdout and "Hugging Face forward of the prompt" in stdout
+
+
+def test_kernels_gpu_smoke(tmp_path):
+    out = tmp_path / "kg.json"
+    run_bench("kernels_gpu", "--smoke", "--json", out)
+    grid = json.loads(out.read_text())["grid"]
+    assert grid["cases"] > 0 and grid["failed"] == 0
+
+
+def test_results_page(tmp_path):
+    page = tmp_path / "RESULTS.md"
+    run_bench("results", "--smoke", "--out", tmp_path / "out", "--page", page)
+    text = page.read_text()
+    assert "| chunked | chat | inf | 2/0 |" in text  # a launched `llmserve serve`, 2 requests, none failed
+    assert "## KV waste" in text
+    runs = json.loads((tmp_path / "out" / "runs.json").read_text())
+    assert [(r["section"], r["rc"]) for r in runs] == [("chat", 0), ("kv-waste", 0)]
