@@ -167,7 +167,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids", "reset_batch", "copy_blocks")
+    __slots__ = ("step_id", "fencing_token", "expected_epoch", "new_requests", "resumed_requests", "cached_requests", "dropped_request_ids", "reset_batch", "copy_blocks", "after_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class StepPlan(_message.Message):
     DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_BATCH_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     fencing_token: int
     expected_epoch: str
@@ -186,7 +187,8 @@ class StepPlan(_message.Message):
     dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
     reset_batch: bool
     copy_blocks: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., reset_batch: _Optional[bool] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    after_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., reset_batch: _Optional[bool] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

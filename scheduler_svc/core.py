@@ -83,7 +83,10 @@ class SchedulerCore:
         return req
 
     def requeue_running(self) -> None:
-        """Preempt every running request to the front of the queue, in order (the worker lost or forgot them)."""
+        """Preempt every running request to the front of the queue, in order (the worker lost or forgot them).
+        Tokens a lost step was sampling will not come: they are recomputed."""
+        for req in self.requests.values():
+            req.num_pending_tokens = 0
         for req in reversed(self.running):
             self.pool.release(req.block_ids)
             req.block_ids = []
@@ -121,17 +124,28 @@ class SchedulerCore:
         out = schedule(self.waiting, self.running, self.pool, self.policy)
         for req in out.preempted:
             self._forget_on_worker(req)
+        # Advance now, as if the step had run: the next step can then be planned while this one executes. A chunk
+        # that reaches the end of the known tokens samples one: it is pending until the result brings it.
+        for req in out.scheduled:
+            out.num_computed_before[req.request_id] = req.num_computed_tokens
+            req.num_computed_tokens += out.num_tokens[req.request_id]
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_pending_tokens += 1
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: WorkerOutput, now: float) -> StepOutcome:
         """Apply an executed step: progress, prefix-cache registration, forks, sampled tokens and worker finishes."""
         outcome = StepOutcome()
         for req in out.scheduled:
-            req.num_computed_tokens += out.num_tokens[req.request_id]
-            if self.policy.enable_prefix_caching:
-                self._register_computed_blocks(req)
-            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._fork(req)
+            if req.finished:
+                continue  # finished (or aborted) while this step ran
+            # The KV this step computed is now confirmed; a request preempted since holds no blocks to offer.
+            confirmed = out.num_computed_before[req.request_id] + out.num_tokens[req.request_id]
+            if req.status == Status.RUNNING:
+                if self.policy.enable_prefix_caching:
+                    self._register_computed_blocks(req, confirmed)
+                if req.request_id in self.forks and confirmed >= req.num_prompt_tokens:
+                    self._fork(req)
             if req.scheduled_time is None:
                 req.scheduled_time = now
                 outcome.newly_scheduled.append(req)
@@ -142,6 +156,7 @@ class SchedulerCore:
             if req is None or req.finished:
                 continue
             req.output_ids.append(tok.token_id)
+            req.num_pending_tokens = max(0, req.num_pending_tokens - 1)
             if tok.request_id not in appended:
                 appended[tok.request_id] = []
                 outcome.appended.append((req, appended[tok.request_id]))
@@ -230,10 +245,10 @@ class SchedulerCore:
             self.running.append(sib)
             self._updated.append(sib)
 
-    def _register_computed_blocks(self, req: Request) -> None:
-        """Offer the request's newly computed full blocks to the prefix-cache index."""
+    def _register_computed_blocks(self, req: Request, computed: int) -> None:
+        """Offer the request's full blocks computed by an executed step (`computed` tokens) to the prefix cache."""
         bs = self.policy.block_size
-        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        full = min(computed // bs, len(req.block_ids), len(req.all_token_ids) // bs)
         if full <= req.num_registered_blocks:
             return
         hashes = req.full_block_hashes(bs)

@@ -8,6 +8,7 @@ resumes the running requests on the worker by recompute (`leadership.py`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -42,7 +43,7 @@ class DriverConfig:
     worker_credentials: object = None  # grpc.ChannelCredentials for TLS to the worker (--worker-tls-*); None = plain
     worker_server_name: str | None = None  # name expected in the worker's certificate (default: the address's host)
     tokenizer: tuple[str, int] | None = None  # --tokenizer (path, vocabulary size): must fit the model's vocabulary
-    # Commit and publish step k while the worker runs step k + 1 (plan k + 1 is still built from k's result).
+    # Plan step k + 1 while step k runs, and commit and publish k while k + 1 runs (vLLM's async scheduling).
     async_scheduling: bool = True
 
 
@@ -85,11 +86,11 @@ class Driver:
         self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms)
         self.core: SchedulerCore | None = None  # while leading
         self.step_id = 0
-        self.uncommitted: StepRecord | None = None  # an executed step whose commit overlaps the next forward
+        self.in_flight: StepRecord | None = None  # pipelined: the step sent last, whose result is not applied yet
         self.timings = StepTimes()
         self.step_stats = self.timings.stats
         self.tracer = TracingObserver()
-        self.observers: list[Observer] = [MetricsObserver(metrics, cfg.policy.enable_prefix_caching), self.timings,
+        self.observers: list[Observer] = [MetricsObserver(metrics), self.timings,
                                           self.tracer]
         if cfg.step_log:
             self.observers.append(StepLogObserver(cfg.step_log, cfg.policy.scheduling_mode))
@@ -223,7 +224,7 @@ class Driver:
     def _step_down(self) -> None:
         self._set_ready(False)
         self.core = None
-        self.uncommitted = None  # never committed, so never seen: the next leader recomputes it
+        self.in_flight = None  # never committed, so never seen: the next leader recomputes it
         self.lease.token = None
         with self.lock:
             self.inbox.clear()
@@ -240,56 +241,66 @@ class Driver:
                 self.core.abort(cmd.request_id, cmd.reason)
 
     def _iteration(self) -> None:
+        """One step. Pipelined (--async-scheduling): plan k + 1 is built and sent while step k runs (each request
+        assumed to get its token in k); then k's result is applied, committed and published while k + 1 runs."""
         core = self.core
         self._drain_inbox()
-        if not core.has_work:
-            if self.uncommitted is not None or core.has_uncommitted:
-                self._commit_pending()
+        if not core.has_work and self.in_flight is None:
+            if core.has_uncommitted:
+                self._commit(self._record(SchedulerOutput()))
             elif self.wake.wait(self.cfg.lease_ttl_ms / 3000):
                 self.wake.clear()
             else:
                 self.lease.renew()
                 self._check_worker()
             return
-        record = self._record(core.schedule(time.time()))
-        if not record.output.scheduled:
+        record = self._send(core.schedule(time.time())) if core.has_work else None
+        if record is None and self.in_flight is None:
             # Nothing fits this step (e.g. every block is held): commit what changed and wait for work.
-            self._commit_pending(record)
+            self._commit(self._record(SchedulerOutput()))
             self.wake.wait(0.05)
             self.wake.clear()
             return
+        if self.cfg.async_scheduling:
+            done, self.in_flight = self.in_flight, record
+        else:
+            done = record
+        if done is not None:
+            self._finish_step(done, also_changed=self.in_flight)
+
+    def _send(self, out: SchedulerOutput) -> StepRecord | None:
+        """Encode and send a scheduled step; None when it schedules nothing (its changes go with the next commit)."""
+        if not out.scheduled:
+            return None
+        core = self.core
         self.step_id += 1
-        record.step_id = self.step_id
-        plan = encode_plan(record.output, step_id=self.step_id, token=self.lease.token,
-                           epoch=self.worker.info.epoch, reset=core.reset_worker, dropped=core.to_drop)
+        record = self._record(out)
+        plan = encode_plan(out, step_id=self.step_id, token=self.lease.token, epoch=self.worker.info.epoch,
+                           reset=core.reset_worker, dropped=core.to_drop,
+                           after_step_id=self.in_flight.step_id if self.in_flight else 0)
         core.reset_worker, core.to_drop = False, []
         self._notify("step_started", record)
-        result = self.worker.send(plan, record.trace)
-        if self.uncommitted is not None:  # the previous step's commit and publishing overlap this forward
-            self._commit(self.uncommitted, also_changed=record.output)
-            self.uncommitted = None
+        record.wait = self.worker.send(plan, record.trace)
+        return record
+
+    def _finish_step(self, record: StepRecord, also_changed: StepRecord | None) -> None:
+        """Wait for an executed step, apply it, commit it, publish it. `also_changed`: the step sent after it."""
         try:
             with self.lease.long_step():
-                record.worker = result()
+                record.worker = record.wait()
         except WorkerError as e:
             record.worker_error = e.code.name
             self._notify("step_failed", record)
+            if also_changed is not None:  # planned on top of the failed step: its outcome means nothing now
+                self.in_flight = None
+                self._notify("step_failed", also_changed)
+                with contextlib.suppress(WorkerError):
+                    also_changed.wait()
             self._worker_failed(e)
             return
         record.now = time.time()
-        record.outcome = core.update_from_output(record.output, record.worker, record.now)
-        if self.cfg.async_scheduling:
-            self.uncommitted = record
-        else:
-            self._commit(record)
-
-    def _commit_pending(self, record: StepRecord | None = None) -> None:
-        """Commit the executed step still waiting for its commit, then `record` (changes made between steps)."""
-        if self.uncommitted is not None:
-            self._commit(self.uncommitted, also_changed=record.output if record is not None else None)
-            self.uncommitted = None
-        if record is not None or self.core.has_uncommitted:
-            self._commit(record or self._record(SchedulerOutput()))
+        record.outcome = self.core.update_from_output(record.output, record.worker, record.now)
+        self._commit(record, also_changed.output if also_changed is not None else None)
 
     def _record(self, out: SchedulerOutput) -> StepRecord:
         return StepRecord(step_id=self.step_id, output=out, start=time.perf_counter(), start_ns=time.time_ns(),

@@ -37,15 +37,13 @@ class Observer:
 
 
 class MetricsObserver(Observer):
-    def __init__(self, metrics: Metrics, prefix_caching: bool):
+    def __init__(self, metrics: Metrics):
         self.metrics = metrics
-        self.prefix_caching = prefix_caching
 
     def step_committed(self, record: StepRecord) -> None:
         m, out, outcome = self.metrics, record.output, record.outcome
         m.preempted(len(out.preempted))
-        if self.prefix_caching and out.admitted:
-            m.prefix_cache(sum(r.num_tokens for r in out.admitted), sum(r.num_cached_tokens for r in out.admitted))
+        m.prefix_cache(out.prefix_cache_queries, out.prefix_cache_hits)
         for req in outcome.newly_scheduled:
             m.request_scheduled(req, record.now)
         for req in outcome.first_token:
@@ -176,6 +174,10 @@ class StepStats:
     commit: float  # the Redis commit
     running: int
     tokens: int
+    forward: float = 0.0  # the worker's report, in parts: the model forward only
+    prepare: float = 0.0  # plan handling and input building
+    sample: float = 0.0
+    idle: float = 0.0  # no plan to run, before this step
 
 
 class StepTimes(Observer):
@@ -185,6 +187,8 @@ class StepTimes(Observer):
         self.stats: deque[StepStats] = deque(maxlen=100_000)
 
     def step_committed(self, record: StepRecord) -> None:
-        if record.output.scheduled:
-            self.stats.append(StepStats(record.end - record.start, record.worker.seconds if record.worker else 0.0,
-                                        record.commit_seconds, record.num_running, record.output.total_tokens))
+        w = record.worker
+        if record.output.scheduled and w is not None:
+            self.stats.append(StepStats(record.end - record.start, w.seconds, record.commit_seconds,
+                                        record.num_running, record.output.total_tokens, w.forward_seconds,
+                                        w.prepare_seconds, w.sample_seconds, w.idle_seconds))

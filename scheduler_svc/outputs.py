@@ -6,6 +6,7 @@ Nothing here does I/O. The worker client turns `SchedulerOutput` into the worker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import BlockState
@@ -33,6 +34,10 @@ class SchedulerOutput:
     num_tokens: dict[str, int] = field(default_factory=dict)
     # request id -> blocks allocated this step: the only part of a held request's table the worker is sent.
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> tokens whose KV was computed before this step: a new or resumed plan entry starts there, and
+    # `update_from_output` confirms progress up to this plus the chunk (the request itself advanced already, when
+    # the step was scheduled, so that the next step can be planned while this one runs).
+    num_computed_before: dict[str, int] = field(default_factory=dict)
     # Running requests evicted to the queue's front (recompute): the worker must drop them; metrics count them.
     preempted: list[Request] = field(default_factory=list)
     # Waiting requests that joined the batch this step (tracing events, prefix-cache hit metrics).
@@ -50,6 +55,9 @@ class SchedulerOutput:
     num_prompt_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    # Prefix caching, over the admitted requests: tokens looked up and tokens found (vllm:prefix_cache_*).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -61,6 +69,7 @@ class SchedulerOutput:
             return 0
         self.scheduled.remove(req)
         self.new_blocks.pop(req.request_id, None)
+        self.num_computed_before.pop(req.request_id, None)
         if req.request_id in self.replaced_tables:
             self.replaced_tables.discard(req.request_id)
             mine = set(req.block_ids)
@@ -158,3 +167,4 @@ class StepRecord:
     num_free_blocks: int = 0
     num_used_blocks: int = 0
     trace: object = None  # the tracing observer's iteration span, parent of the worker call
+    wait: Callable[[], WorkerOutput] | None = field(default=None, repr=False)  # the worker call in flight

@@ -62,6 +62,8 @@ def _preempt(victim: Request, running: list[Request], waiting: deque[Request], p
 
 
 def _chunk(req: Request, budget: int, cfg: PolicyConfig) -> int:
+    if len(req.output_ids) + req.num_pending_tokens >= req.max_tokens:
+        return 0  # a step in flight samples its last token: nothing left to compute (pipelined scheduling)
     n = req.num_tokens - req.num_computed_tokens
     if cfg.long_prefill_token_threshold > 0:
         n = min(n, cfg.long_prefill_token_threshold)
@@ -161,6 +163,9 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         waiting.popleft()
         pool.take(hits)
         req.num_cached_tokens = len(hits) * cfg.block_size
+        if cfg.enable_prefix_caching:
+            out.prefix_cache_queries += req.num_tokens
+            out.prefix_cache_hits += req.num_cached_tokens
         req.num_registered_blocks = len(hits)
         new = pool.allocate(need) if need > 0 else []
         req.block_ids.extend(hits + new)
@@ -195,7 +200,7 @@ def _count_tokens(out: SchedulerOutput) -> None:
         n = out.num_tokens[req.request_id]
         computed = req.num_computed_tokens
         out.num_prompt_tokens += max(0, min(computed + n, req.num_prompt_tokens) - computed)
-        if n == 1 and computed == req.num_tokens - 1 and req.output_ids:
+        if n == 1 and computed == req.num_tokens - 1 and (req.output_ids or req.num_pending_tokens):
             out.num_decode_seqs += 1
         else:
             out.num_prefill_tokens += n

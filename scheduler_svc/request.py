@@ -52,6 +52,8 @@ class Request:
     # Worker protocol bookkeeping (not persisted: a new scheduler resumes everything anyway).
     on_worker: bool = False  # the worker holds this request's state
     needs_resume: bool = False  # the worker must rebuild it from the full token list
+    # Pipelined scheduling (not persisted): tokens a step in flight samples for this request, not yet received.
+    num_pending_tokens: int = 0
     # Tracing (never persisted): the caller's W3C context from Generate, and this request's open span.
     trace_context: Any = field(default=None, repr=False, compare=False)
     span: Any = field(default=None, repr=False, compare=False)
@@ -62,7 +64,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens known, counting those a step in flight is sampling (their KV is computed by the next step)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending_tokens
 
     @property
     def max_tokens(self) -> int:

@@ -147,10 +147,10 @@ def _decode(result: wpb.StepResult) -> WorkerOutput:
 
 
 def encode_plan(out: SchedulerOutput, *, step_id: int, token: int, epoch: str, reset: bool,
-                dropped: list[str]) -> wpb.StepPlan:
+                dropped: list[str], after_step_id: int = 0) -> wpb.StepPlan:
     """The step as a delta plan. Marks every scheduled request as held by the worker from now on."""
     plan = wpb.StepPlan(step_id=step_id, fencing_token=token, expected_epoch=epoch, reset_batch=reset,
-                        dropped_request_ids=dropped)
+                        dropped_request_ids=dropped, after_step_id=after_step_id)
     plan.copy_blocks.extend(wpb.BlockCopy(src=src, dst=dst) for src, dst in out.copies)
     for req in out.scheduled:
         rid, n = req.request_id, out.num_tokens[req.request_id]
@@ -162,10 +162,10 @@ def encode_plan(out: SchedulerOutput, *, step_id: int, token: int, epoch: str, r
             plan.resumed_requests.add(
                 request_id=rid, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                 sampling=sampling_to_wire(req.sampling), block_ids=req.block_ids,
-                num_computed_tokens=req.num_computed_tokens, num_scheduled_tokens=n)
+                num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
         else:
             plan.new_requests.add(
                 request_id=rid, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
-                block_ids=req.block_ids, num_computed_tokens=req.num_computed_tokens, num_scheduled_tokens=n)
+                block_ids=req.block_ids, num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
         req.on_worker = True
     return plan

@@ -79,9 +79,8 @@ class Engine:
         # The worker's part: a token for each chunk that reaches the end of the known tokens; max_tokens ends it.
         tokens = []
         for req in out.scheduled:
-            end = req.num_computed_tokens + out.num_tokens[req.request_id]
-            assert end <= req.num_tokens
-            if end == req.num_tokens:
+            assert req.num_computed_tokens <= req.num_tokens
+            if req.num_pending_tokens:  # the chunk reached the end of the known tokens: the worker samples one
                 done = len(req.output_ids) + 1 >= req.max_tokens
                 tokens.append(SampledToken(req.request_id, fake_token(req), WORKER_MAX_TOKENS if done else None))
         self.core.update_from_output(out, WorkerOutput(tokens), now=0.0)
@@ -130,7 +129,8 @@ class Engine:
         for req in out.scheduled:
             n = out.num_tokens[req.request_id]
             base = computed_before.get(req.request_id, 0)
-            assert base == req.num_computed_tokens
+            # The core advances a scheduled request at once (so the next step can be planned while this one runs).
+            assert base == out.num_computed_before[req.request_id] and req.num_computed_tokens == base + n
             assert len(req.block_ids) == blocks_for(base + n, cfg.block_size)
             new = out.new_blocks[req.request_id]
             assert req.block_ids[len(req.block_ids) - len(new) :] == new

@@ -28,6 +28,7 @@ from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 from worker_svc.batch import BatchLimits, PersistentBatch
+from worker_svc.server import skip_finished_requests
 
 BS = 4
 VOCAB = 500
@@ -412,6 +413,8 @@ class FakeWorker:
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.copies = 0
         self.tokens_computed = 0
+        self.finished: set[str] = set()  # finished by the last step (a pipelined plan may still name them)
+        self.finished_in_step = 0
 
     def info(self) -> wpb.WorkerInfo:
         return wpb.WorkerInfo(epoch=self.epoch, block_size=self.bs, num_blocks=self.num_blocks, device="cpu",
@@ -421,6 +424,8 @@ class FakeWorker:
         return self.info()
 
     def ExecuteStep(self, plan: wpb.StepPlan, timeout=None) -> wpb.StepResult:
+        if plan.after_step_id and plan.after_step_id == self.finished_in_step:  # as the worker's server does
+            skip_finished_requests(plan, self.finished)
         self.batch.check_plan(plan, self.epoch)
         previous = self.batch.last_step_id
         chunks = self.batch.apply_plan(plan)
@@ -448,11 +453,14 @@ class FakeWorker:
             if c.samples:
                 tok = fake_model(s.sampling.seed, s.sampling.greedy, s.token_ids)
                 s.token_ids.append(tok)
-                done = len(s.output_ids) >= s.sampling.max_tokens
-                result.tokens.add(request_id=s.request_id, token_id=tok,
-                                  finish_reason=wpb.FINISH_REASON_MAX_TOKENS if done else 0)
+                stop = tok in s.sampling.stop_token_ids
+                done = stop or len(s.output_ids) >= s.sampling.max_tokens
+                reason = wpb.FINISH_REASON_STOP_TOKEN if stop else wpb.FINISH_REASON_MAX_TOKENS
+                result.tokens.add(request_id=s.request_id, token_id=tok, finish_reason=reason if done else 0)
                 if done:
                     del self.batch.requests[s.request_id]
+        self.finished = {t.request_id for t in result.tokens if t.finish_reason}
+        self.finished_in_step = plan.step_id
         return result
 
 
@@ -526,10 +534,10 @@ def use_worker(eng: Driver, worker: FakeWorker) -> None:
 
 
 def submit(eng: Driver, rid: str, prompt: list[int], *, n: int = 1, temperature: float = 0.0, seed: int = 7,
-           max_tokens: int = 6, salt: str = "") -> list[Request]:
+           max_tokens: int = 6, salt: str = "", stop_token_ids: tuple[int, ...] = ()) -> list[Request]:
     g = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=prompt), cache_salt=salt,
                            sampling=pb.SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                                      ignore_eos=True, n=n))
+                                                      ignore_eos=True, n=n, stop_token_ids=stop_token_ids))
     pol = eng.cfg.policy
     limits = Limits(max_model_len=1 << 20, vocab_size=VOCAB, kv_pool_tokens=eng.core.pool.num_blocks * pol.block_size,
                     block_size=pol.block_size)
@@ -545,7 +553,7 @@ def run(eng: Driver, max_iterations: int = 5000, on_step=None) -> int:
             on_step(eng, i)
         with eng.lock:
             inbox = bool(eng.inbox)
-        if not (inbox or eng.core.has_work or eng.core.forks or eng.core.has_uncommitted or eng.uncommitted):
+        if not (inbox or eng.core.has_work or eng.core.forks or eng.core.has_uncommitted or eng.in_flight):
             return i
         eng._iteration()
     raise AssertionError("the engine did not drain")
@@ -770,3 +778,22 @@ def test_engine_randomized_shared_prefixes_forks_aborts_and_preemption(caching, 
     assert_idle_and_clean(eng)
     if caching:
         assert hit_tokens(eng) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_engine_stop_token_finishes_with_the_next_step_already_planned(async_scheduling):
+    """A stop token ends a request the pipelined scheduler has already planned for the next step: the worker skips
+    that entry, the extra slot is released, no token after the stop is published, and no block leaks."""
+    eng = make_engine(24, budget=16)
+    eng.cfg.async_scheduling = async_scheduling
+    want = {}
+    for i in range(6):
+        prompt = toks(5 + i, 40 + i)
+        full = expected_output(prompt, SamplingParams(temperature=0.0, max_tokens=12))
+        stop_at = 2 + i % 4
+        want[f"s{i}"] = full[: stop_at + 1]
+        submit(eng, f"s{i}", prompt, max_tokens=12, stop_token_ids=(full[stop_at],))
+    run(eng)
+    for rid, tokens in want.items():
+        assert output(eng, rid) == tokens and eng.outbox.published[rid].finish_reason == "stop"
+    assert_idle_and_clean(eng)

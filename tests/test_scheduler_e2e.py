@@ -754,7 +754,8 @@ def test_async_and_sync_scheduling_give_identical_outputs(cl):
         stub = cl.stub(proc)
         refs = [cl.alone(proc, ids, m) for ids, m in PREEMPT]
         before = metrics(proc.extra["metrics_port"]).get("vllm:num_preemptions_total", 0.0)
-        outs = run_concurrently([lambda ids=ids, m=m: generate(stub, make_request(ids, m)) for ids, m in PREEMPT])
+        outs = run_concurrently([lambda ids=ids, m=m, stub=stub: generate(stub, make_request(ids, m))
+                                 for ids, m in PREEMPT])
         for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
             assert out.tokens == ref.tokens and out.finish == ref.finish, f"{config}: request {i} differs"
         after = metrics(proc.extra["metrics_port"])

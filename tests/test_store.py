@@ -180,7 +180,7 @@ class MiniEngine:
         out = self.core.schedule(0.0)
         tokens = []
         for r in out.scheduled:
-            if r.num_computed_tokens + out.num_tokens[r.request_id] == r.num_tokens:
+            if r.num_pending_tokens:  # the chunk reached the end of the known tokens: the worker samples one
                 tok = (sum(map(ord, r.request_id)) * 31 + r.num_tokens) % 50_000
                 finish = WORKER_MAX_TOKENS if len(r.output_ids) + 1 >= r.max_tokens else None
                 tokens.append(SampledToken(r.request_id, tok, finish))

@@ -39,34 +39,55 @@ def parse_ready_line(text: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+ORDER_WAIT_S = 60.0  # how long a pipelined plan waits for the plan before it (then it is checked as it is)
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.lock = threading.Lock()  # one step at a time: the batch and KV cache are not shareable
+        # One step at a time (the batch and KV cache are not shareable), in the order the scheduler planned them.
+        self.turn = threading.Condition()
+        self.last_handled_step = 0  # the last plan executed or refused
+        self.finished_last_step: set[str] = set()  # requests the last executed step finished (and forgot)
+        self.finished_in_step = 0  # that step's id: only a plan sent right behind it may still name them
         self.last_step_end: float | None = None  # perf_counter when the last step's result was ready
 
     def Describe(self, request, context):
-        with self.lock:
+        with self.turn:
             return self.runner.describe()
 
     def ExecuteStep(self, plan: pb.StepPlan, context):
         if tracing.enabled:
             return self._traced_execute(plan, context)
-        with self.lock:
+        return self._execute_in_turn(plan, context)
+
+    def _execute_in_turn(self, plan: pb.StepPlan, context) -> pb.StepResult:
+        with self.turn:
+            self.turn.wait_for(lambda: plan.after_step_id <= self.last_handled_step, timeout=ORDER_WAIT_S)
             return self._execute(plan, context)
 
     def _execute(self, plan: pb.StepPlan, context) -> pb.StepResult:
-        """Under the lock: run the plan, and report how long the worker sat without one before it."""
+        """Run the plan, and report how long the worker sat without one before it."""
         start = time.perf_counter()
+        if plan.after_step_id and plan.after_step_id == self.finished_in_step:
+            skip_finished_requests(plan, self.finished_last_step)
         try:
             result = self.runner.execute(plan)
         except PlanError as e:
+            self._handled(plan)
             context.set_trailing_metadata(e.trailing_metadata())
             context.abort(e.code, str(e))
+        self.finished_last_step = {t.request_id for t in result.tokens if t.finish_reason}
+        self.finished_in_step = plan.step_id
+        self._handled(plan)
         if self.last_step_end is not None:
             result.idle_seconds = start - self.last_step_end
         self.last_step_end = time.perf_counter()
         return result
+
+    def _handled(self, plan: pb.StepPlan) -> None:
+        self.last_handled_step = max(self.last_handled_step, plan.step_id)
+        self.turn.notify_all()
 
     def _traced_execute(self, plan: pb.StepPlan, context):
         """ExecuteStep as a server span continuing the scheduler's trace (W3C context in the metadata)."""
@@ -75,8 +96,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         with tracing.tracer.start_as_current_span(
                 "llmserve.worker.v1.Worker/ExecuteStep", context=tracing.extract(context.invocation_metadata()),
                 kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "llmserve.step.id": plan.step_id}):
-            with self.lock:
-                return self._execute(plan, context)
+            return self._execute_in_turn(plan, context)
+
+
+def skip_finished_requests(plan: pb.StepPlan, finished: set[str]) -> None:
+    """A pipelined plan may hold a request the step before it finished: the scheduler learns of the finish only
+    from that step's result. Such an entry is dropped here instead of failing the whole plan as unknown."""
+    if not finished or not plan.cached_requests:
+        return
+    kept = [r for r in plan.cached_requests if r.request_id not in finished]
+    if len(kept) < len(plan.cached_requests):
+        del plan.cached_requests[:]
+        plan.cached_requests.extend(kept)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
