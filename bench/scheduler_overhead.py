@@ -70,7 +70,19 @@ def make_tiny_llama(path: str, *, vocab_size: int = 1024, hidden_size: int = 64,
             if "norm" not in name:
                 p.normal_(0.0, 0.1)
     model.eval().save_pretrained(path, safe_serialization=True)
+    save_word_tokenizer(path, vocab_size)
     return path
+
+
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A tokenizer.json whose vocabulary is exactly the model's ("t0" .. "tN-1", one word each), so the scheduler
+    can detokenize every id the random model emits (a larger one is refused at start: ids it cannot embed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(os.path.join(path, "tokenizer.json"))
 
 
 class Stack(stack.Stack):
@@ -110,7 +122,8 @@ class Stack(stack.Stack):
 
     def wait_idle(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
-        while (self.engine.running or self.engine.waiting) and time.monotonic() < deadline:
+        while self.engine.core is not None and (self.engine.core.has_work or self.engine.in_flight is not None) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -201,18 +214,19 @@ class Probe:
     """Timing wrappers around the engine's pieces; one record per ExecuteStep call, in step order."""
 
     def __init__(self, engine):
-        import scheduler_svc.engine as engine_mod
+        import scheduler_svc.core as core_mod
+        import scheduler_svc.driver as driver_mod
 
         self.engine = engine
         self.records: list[dict] = []
-        self.iterations: list[tuple[float, float, float]] = []  # (start, end, engine-thread CPU) per _iteration
+        self.iterations: list[tuple[float, float, float]] = []  # (start, end, driver-thread CPU) per _iteration
         self.payloads: dict[int, int] = {}  # step id -> bytes of its commit payload
         self._last: dict = {}
         self.profiler: cProfile.Profile | None = None
         self.profile_window = threading.Event()  # set: profile the iterations that start while set
         self._profiling = False
 
-        orig_schedule = engine_mod.schedule
+        orig_schedule, orig_encode = core_mod.schedule, driver_mod.encode_plan
 
         def schedule(*a, **kw):
             t = time.perf_counter()
@@ -220,19 +234,18 @@ class Probe:
             self._last = {"schedule": time.perf_counter() - t}
             return out
 
-        engine_mod.schedule = schedule
-        self._restore = lambda: setattr(engine_mod, "schedule", orig_schedule)
-
-        orig_plan = engine._build_plan
-
-        def build_plan(sched):
+        def encode_plan(*a, **kw):
             t = time.perf_counter()
-            plan = orig_plan(sched)
+            plan = orig_encode(*a, **kw)
             self._last["plan"] = time.perf_counter() - t
             return plan
 
-        engine._build_plan = build_plan
+        core_mod.schedule, driver_mod.encode_plan = schedule, encode_plan
 
+        def restore() -> None:
+            core_mod.schedule, driver_mod.encode_plan = orig_schedule, orig_encode
+
+        self._restore = restore
         orig_iteration = engine._iteration
 
         def iteration():
@@ -259,22 +272,29 @@ class Probe:
         ledger._commit = commit_script
 
     def wrap_worker(self) -> None:
-        """Call once the engine holds its worker stub (after `ready`)."""
-        stub = self.engine.worker
-        orig = stub.ExecuteStep
+        """Call once the driver holds its worker stub (after `ready`): time each ExecuteStep from send to result."""
+        stub = self.engine.worker.stub
+        probe, orig = self, stub.ExecuteStep
 
-        def execute(plan, **kw):
-            t, c = time.perf_counter(), time.thread_time()
-            result = orig(plan, **kw)
-            rpc = time.perf_counter() - t
-            rec = dict(self._last)
-            worker = result.prepare_seconds + result.forward_seconds + result.sample_seconds
-            rec.update(rpc=rpc, rpc_cpu=time.thread_time() - c, worker=worker,
-                       plan_bytes=plan.ByteSize(), result_bytes=result.ByteSize(), step_id=plan.step_id)
-            self.records.append(rec)
-            return result
+        class Timed:
+            def future(self, plan, **kw):
+                t, c = time.perf_counter(), time.thread_time()
+                fut = orig.future(plan, **kw)
+                rec = dict(probe._last)
+                rec.update(send_cpu=time.thread_time() - c, plan_bytes=plan.ByteSize(), step_id=plan.step_id)
 
-        stub.ExecuteStep = execute
+                class Result:
+                    def result(self):
+                        result = fut.result()
+                        worker = result.prepare_seconds + result.forward_seconds + result.sample_seconds
+                        rec.update(rpc=time.perf_counter() - t, rpc_cpu=rec["send_cpu"], worker=worker,
+                                   result_bytes=result.ByteSize())
+                        probe.records.append(rec)
+                        return result
+
+                return Result()
+
+        stub.ExecuteStep = Timed()
 
     def close(self) -> None:
         self._restore()
@@ -378,6 +398,9 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     proc.wait(timeout=30)
     stack.wait_idle()
 
+    deadline = time.monotonic() + 5  # pipelined: the last step's commit may still be under way
+    while len(probe.records) - base_rec != len(engine.step_stats) - base_stats and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = list(engine.step_stats)
     recs = probe.records[base_rec:]
     if len(recs) != len(stats) - base_stats:
@@ -428,6 +451,16 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
         "plan_bytes_p50": percentile([r["plan_bytes"] for _, r in window], 50),
         "result_bytes_p50": percentile([r["result_bytes"] for _, r in window], 50),
         "steps_per_s": steps / (t_b - t_a),
+        # The pipeline view (issue: the worker never waits). Gap = the worker's time between the end of one forward
+        # and the start of the next: the previous step's sampling + idle (no plan yet) + this step's input building.
+        "worker_gap_p50_ms": percentile([(stats[i - 1].sample + s.idle + s.prepare) * 1e3
+                                         for i, s in enumerate(stats[a_idx:b_idx], start=a_idx) if i > 0], 50),
+        "worker_idle_p50_ms": percentile([s.idle * 1e3 for s in stats[a_idx:b_idx]], 50),
+        "worker_prepare_p50_ms": percentile([s.prepare * 1e3 for s in stats[a_idx:b_idx]], 50),
+        "worker_sample_p50_ms": percentile([s.sample * 1e3 for s in stats[a_idx:b_idx]], 50),
+        "forward_p50_ms": percentile([s.forward * 1e3 for s in stats[a_idx:b_idx]], 50),
+        "forward_share": sum(s.forward for s in stats[a_idx:b_idx]) / (t_b - t_a),
+        "tokens_per_s": sum(s.tokens for s in stats[a_idx:b_idx]) / (t_b - t_a),
     }
     if profile and probe.profiler is not None:
         buf = io.StringIO()
@@ -440,19 +473,72 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| running | steady steps | overhead p50 (ms) | overhead p99 (ms) | step wall p50 | worker p50 | "
-          "engine CPU / iteration p50 | policy | plan | RPC - worker | commit | other | round trips / step | "
-          "Redis cmds / step (in the script) | Redis script time (ms) | Redis bytes in / step | "
-          "Redis bytes out / step |")
-    print("|" + "---|" * 17)
+    print("\n| scheduling | running | steady steps | tokens/s | forward share | worker gap p50 (ms) | idle p50 | "
+          "prepare p50 | sample p50 | forward p50 | step wall p50 | wall - worker p50 | driver CPU / iteration p50 | "
+          "round trips / step | Redis cmds / step | Redis script time (ms) | Redis bytes in / step | plan bytes | "
+          "result bytes |")
+    print("|" + "---|" * 19)
     for r in rows:
-        s = r["split_p50_ms"]
-        print(f"| {r['running']} | {r['steady_steps']} | {r['overhead_p50_ms']:.2f} | {r['overhead_p99_ms']:.2f} | "
-              f"{r['wall_p50_ms']:.2f} | {r['worker_p50_ms']:.2f} | {r['engine_cpu_p50_ms']:.2f} | "
-              f"{s['policy']:.2f} | {s['plan']:.2f} | {s['rpc_minus_worker']:.2f} | {s['commit']:.2f} | "
-              f"{s['other']:.2f} | {r['evalsha_per_step']:.2f} | {r['redis_cmds_per_step']:.0f} | "
-              f"{r['redis_evalsha_ms']:.2f} | {r['redis_in_bytes_per_step']:.0f} | "
-              f"{r['redis_out_bytes_per_step']:.0f} |")
+        print(f"| {r.get('scheduling', 'async')} | {r['running']} | {r['steady_steps']} | {r['tokens_per_s']:.0f} | "
+              f"{r['forward_share']:.0%} | {r['worker_gap_p50_ms']:.2f} | {r['worker_idle_p50_ms']:.2f} | "
+              f"{r['worker_prepare_p50_ms']:.2f} | {r['worker_sample_p50_ms']:.2f} | {r['forward_p50_ms']:.2f} | "
+              f"{r['wall_p50_ms']:.2f} | {r['overhead_p50_ms']:.2f} | {r['engine_cpu_p50_ms']:.2f} | "
+              f"{r['evalsha_per_step']:.2f} | {r['redis_cmds_per_step']:.0f} | {r['redis_evalsha_ms']:.2f} | "
+              f"{r['redis_in_bytes_per_step']:.0f} | {r['plan_bytes_p50']:.0f} | {r['result_bytes_p50']:.0f} |")
+    by = {(r.get("scheduling", "async"), r["running"]): r for r in rows}
+    for n in sorted({r["running"] for r in rows}):
+        a, b = by.get(("async", n)), by.get(("sync", n))
+        if a and b:
+            print(f"N={n}: async / sync tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.2f}x, worker gap "
+                  f"{a['worker_gap_p50_ms']:.2f} vs {b['worker_gap_p50_ms']:.2f} ms, worker idle "
+                  f"{a['worker_idle_p50_ms']:.2f} vs {b['worker_idle_p50_ms']:.2f} ms")
+
+
+def run_mode(args, mode: str, model_dir: str, blocks: int, max_model_len: int) -> list[dict]:
+    """Every N on one stack whose scheduler runs `mode` (async: pipelined; sync: --no-async-scheduling)."""
+    rows: list[dict] = []
+    # The scheduler detokenizes every stream with the tiny model's own word-level tokenizer.
+    flags = [] if mode == "async" else ["--no-async-scheduling"]
+    with Stack(model_dir, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               num_blocks=blocks, max_model_len=max_model_len, dtype="float32", device=args.device,
+               extra_scheduler_args=flags) as stack:
+        info = stack.engine.worker_info
+        print(f"stack up: worker {info.model.num_layers} layers hidden {info.model.hidden_size} vocab "
+              f"{info.model.vocab_size} on {info.device}, {info.num_blocks} KV blocks of {info.block_size}; "
+              f"policy {stack.engine.cfg.policy}", flush=True)
+        probe = Probe(stack.engine)
+        probe.wrap_worker()
+        # Warm every path once (tokenizer load, first plans, gRPC channels).
+        run_level(stack, probe, 4, prompt_len=args.prompt_len, warmup=2, measure=5, vocab=args.vocab,
+                  seed=args.seed, profile=False, tail_tokens=args.tail_tokens, direct=args.direct)
+        for n in args.running:
+            runs = []
+            for rep in range(args.repeats):
+                r = run_level(stack, probe, n, prompt_len=args.prompt_len, warmup=args.warmup,
+                              measure=args.measure, vocab=args.vocab, seed=args.seed + rep,
+                              profile=args.profile and rep == 0, tail_tokens=args.tail_tokens,
+                              direct=args.direct)
+                prof = r.pop("profile", None)
+                r["scheduling"] = mode
+                runs.append(r)
+                print(f"N={n} run {rep + 1}: overhead p50 {r['overhead_p50_ms']:.2f} ms, p99 "
+                      f"{r['overhead_p99_ms']:.2f} ms, wall p50 {r['wall_p50_ms']:.2f} ms, worker p50 "
+                      f"{r['worker_p50_ms']:.2f} ms, split {json.dumps(r['split_p50_ms'])}, "
+                      f"{r['evalsha_per_step']:.2f} EVALSHA/step, {r['redis_cmds_per_step']:.2f} cmds/step, "
+                      f"in {r['redis_in_bytes_per_step']:.0f} B/step, out {r['redis_out_bytes_per_step']:.0f} "
+                      f"B/step, commit payload {r['commit_payload_bytes']:.0f} B, engine CPU/iteration "
+                      f"{r['engine_cpu_p50_ms']:.2f} ms (RPC part {r['rpc_cpu_p50_ms']:.2f}), Redis script time "
+                      f"{r['redis_evalsha_ms']:.2f} ms, iteration p50 {r['loop_period_ms']:.2f} ms, "
+                      f"plan {r['plan_bytes_p50']:.0f} B, "
+                      f"result {r['result_bytes_p50']:.0f} B, {r['steps_per_s']:.1f} steps/s", flush=True)
+                if prof:
+                    print(prof, flush=True)
+            runs.sort(key=lambda r: r["overhead_p50_ms"])
+            median = runs[len(runs) // 2]
+            median["runs_overhead_p50_ms"] = [round(r["overhead_p50_ms"], 3) for r in runs]
+            rows.append(median)
+        probe.close()
+    return rows
 
 
 def main() -> None:
@@ -478,9 +564,10 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the engine thread over the measured window")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling", nargs="+", choices=["async", "sync"], default=["async", "sync"],
+                   help="pipelined (--async-scheduling, the default) and/or --no-async-scheduling, side by side")
     args = p.parse_args()
 
-    from worker_svc.loader import default_model_path
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -495,56 +582,14 @@ def main() -> None:
     try:
         model_dir = make_tiny_llama(os.path.join(tmp, "tiny-llama"), vocab_size=args.vocab, hidden_size=args.hidden,
                                     max_position_embeddings=max(4096, max_model_len))
-        # The scheduler detokenizes every stream; the tiny model has no tokenizer of its own, so it borrows the
-        # bundled SmolLM2 one (49152 ids, a superset of the tiny vocabulary).
-        with Stack(model_dir, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_blocks=blocks, max_model_len=max_model_len, tokenizer=default_model_path(),
-                   dtype="float32", device=args.device) as stack:
-            info = stack.engine.worker_info
-            print(f"stack up: worker {info.model.num_layers} layers hidden {info.model.hidden_size} vocab "
-                  f"{info.model.vocab_size} on {info.device}, {info.num_blocks} KV blocks of {info.block_size}; "
-                  f"policy {stack.engine.cfg.policy}", flush=True)
-            probe = Probe(stack.engine)
-            probe.wrap_worker()
-            # Warm every path once (tokenizer load, first plans, gRPC channels).
-            run_level(stack, probe, 4, prompt_len=args.prompt_len, warmup=2, measure=5, vocab=args.vocab,
-                      seed=args.seed, profile=False, tail_tokens=args.tail_tokens, direct=args.direct)
-            for n in args.running:
-                runs = []
-                for rep in range(args.repeats):
-                    r = run_level(stack, probe, n, prompt_len=args.prompt_len, warmup=args.warmup,
-                                  measure=args.measure, vocab=args.vocab, seed=args.seed + rep,
-                                  profile=args.profile and rep == 0, tail_tokens=args.tail_tokens,
-                                  direct=args.direct)
-                    prof = r.pop("profile", None)
-                    runs.append(r)
-                    print(f"N={n} run {rep + 1}: overhead p50 {r['overhead_p50_ms']:.2f} ms, p99 "
-                          f"{r['overhead_p99_ms']:.2f} ms, wall p50 {r['wall_p50_ms']:.2f} ms, worker p50 "
-                          f"{r['worker_p50_ms']:.2f} ms, split {json.dumps(r['split_p50_ms'])}, "
-                          f"{r['evalsha_per_step']:.2f} EVALSHA/step, {r['redis_cmds_per_step']:.2f} cmds/step, "
-                          f"in {r['redis_in_bytes_per_step']:.0f} B/step, out {r['redis_out_bytes_per_step']:.0f} "
-                          f"B/step, commit payload {r['commit_payload_bytes']:.0f} B, engine CPU/iteration "
-                          f"{r['engine_cpu_p50_ms']:.2f} ms (RPC part {r['rpc_cpu_p50_ms']:.2f}), Redis script time "
-                          f"{r['redis_evalsha_ms']:.2f} ms, iteration p50 {r['loop_period_ms']:.2f} ms, "
-                          f"plan {r['plan_bytes_p50']:.0f} B, "
-                          f"result {r['result_bytes_p50']:.0f} B, {r['steps_per_s']:.1f} steps/s", flush=True)
-                    if prof:
-                        print(prof, flush=True)
-                runs.sort(key=lambda r: r["overhead_p50_ms"])
-                median = runs[len(runs) // 2]
-                median["runs_overhead_p50_ms"] = [round(r["overhead_p50_ms"], 3) for r in runs]
-                rows.append(median)
-            probe.close()
+        for mode in args.scheduling:
+            rows += run_mode(args, mode, model_dir, blocks, max_model_len)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
     if args.repeats > 1:
         for r in rows:
             print(f"N={r['running']}: overhead p50 of each run (ms): {r['runs_overhead_p50_ms']}")
-    target = next((r for r in rows if r["running"] == 256), None)
-    if target is not None:
-        verdict = "met" if target["overhead_p50_ms"] <= 2.0 else "MISSED"
-        print(f"\ntarget p50 <= 2 ms at 256 running: {verdict} ({target['overhead_p50_ms']:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -178,7 +178,6 @@ def main() -> None:
     from opentelemetry.sdk.trace import TracerProvider
 
     from common import tracing
-    from worker_svc.loader import default_model_path
 
     n_max = max(args.running)
     max_tokens = args.warmup + args.measure + args.tail_tokens
@@ -198,7 +197,7 @@ def main() -> None:
 
         def start(name: str, worker_otlp: str | None) -> None:
             s = Stack(model_dir, max_num_seqs=256, max_num_batched_tokens=4096, num_blocks=blocks,
-                      max_model_len=max_model_len, tokenizer=default_model_path(), dtype="float32", device="cpu",
+                      max_model_len=max_model_len, dtype="float32", device="cpu",
                       worker_otlp_endpoint=worker_otlp)
             stacks[name] = (s, None)
             s.start()

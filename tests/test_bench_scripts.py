@@ -27,7 +27,7 @@ def run_bench(name: str, *args, timeout: float = 240) -> str:
 
 def test_scheduler_overhead(tmp_path):
     out = tmp_path / "so.json"
-    run_bench("scheduler_overhead", "--running", 2, "--warmup", 2, "--measure", 5, "--tail-tokens", 16,
+    run_bench("scheduler_overhead", "--running", 2, "--warmup", 2, "--measure", 20, "--tail-tokens", 16,
               "--json", out)
     [row] = json.loads(out.read_text())
     assert row["running"] == 2 and row["steady_steps"] >= 5
