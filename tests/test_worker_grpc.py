@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -537,3 +538,30 @@ def test_finished_request_is_forgotten(worker):
     assert [t.request_id for t in res.tokens] == [h.rid]
     worker.finish(h)
     assert h.output == worker.alone(PROMPT_H)
+
+
+def test_pipelined_plans_run_in_order_and_skip_a_request_the_step_before_finished(worker):
+    """Plan k+1 (after_step_id = k) that reaches the worker before plan k waits for k and runs after it, and its
+    entry for a request k finished (the scheduler planned it before it knew) is skipped, not an error."""
+    want = worker.alone(PROMPT_H)
+    short, long = Req(worker.fresh_id("S"), PROMPT_F, max_tokens=1), Req(worker.fresh_id("L"), PROMPT_H)
+    plan_k = worker.plan(new_requests=[worker.new(short), worker.new(long)])
+    # What a pipelined scheduler sends next: one more token for both, before knowing that `short` is done.
+    plan_k1 = worker.plan(cached_requests=[worker.cached(short, 1), worker.cached(long, 1)],
+                          after_step_id=plan_k.step_id)
+    last = worker.describe().last_step_id
+    second = worker.stub.ExecuteStep.future(plan_k1, timeout=RPC_TIMEOUT_S)
+    time.sleep(0.5)  # k+1 is there first, and must wait
+    first = worker.stub.ExecuteStep.future(plan_k, timeout=RPC_TIMEOUT_S)
+    res_k, res_k1 = first.result(), second.result()
+    assert res_k.previous_step_id == last and res_k1.previous_step_id == plan_k.step_id
+    assert [t.request_id for t in res_k.tokens] == [short.rid, long.rid]
+    assert res_k.tokens[0].finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert [t.request_id for t in res_k1.tokens] == [long.rid] and res_k1.num_scheduled_tokens == 1
+    long.tokens += [res_k.tokens[1].token_id, res_k1.tokens[0].token_id]
+    worker.release(short)
+    worker.finish(long)
+    assert long.output == want, "the pipelined decode changed the text"
+    # Without after_step_id (or naming another step) the same stale entry is refused as before.
+    err = worker.reject(worker.plan(cached_requests=[pb.CachedRequest(request_id=short.rid, num_scheduled_tokens=1)]))
+    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, short.rid, "unknown")
