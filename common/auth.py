@@ -29,15 +29,16 @@ def with_worker_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
     return grpc.intercept_channel(channel, WorkerTokenClientInterceptor(token)) if token else channel
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
-    """Every call except health checks needs `authorization: Bearer <key>`."""
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Every call except health checks needs `authorization: Bearer <token>`; others end UNAUTHENTICATED with
+    `message`. Streaming methods (`stream_methods`, by name suffix) get a streaming handler to fail with."""
 
-    def __init__(self, api_key: str):
-        self.expected = f"Bearer {api_key}"
+    def __init__(self, token: str, message: str, stream_methods: tuple[str, ...] = ()):
+        self.expected = f"Bearer {token}"
+        self.stream_methods = stream_methods
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         self.deny = grpc.unary_unary_rpc_method_handler(deny)
         self.deny_stream = grpc.unary_stream_rpc_method_handler(deny)
@@ -47,27 +48,19 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
             return continuation(details)
         if dict(details.invocation_metadata).get("authorization") == self.expected:
             return continuation(details)
-        return self.deny_stream if details.method.endswith("/Generate") else self.deny
+        return self.deny_stream if details.method.endswith(self.stream_methods) else self.deny
 
 
-class WorkerTokenInterceptor(grpc.ServerInterceptor):
-    """Every call except health checks needs `authorization: Bearer <--worker-token>` (the scheduler sends it)."""
+def api_key_interceptor(api_key: str) -> BearerTokenInterceptor:
+    """The scheduler's public API with --api-key."""
+    return BearerTokenInterceptor(api_key, "missing or wrong API key: send metadata 'authorization: Bearer <key>'",
+                                  stream_methods=("/Generate",))
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}"
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token: the scheduler must be "
-                          "started with the same --worker-token as this worker")
-
-        self.deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, details):
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
-        if dict(details.invocation_metadata).get("authorization") == self.expected:
-            return continuation(details)
-        return self.deny
+def worker_token_interceptor(token: str) -> BearerTokenInterceptor:
+    """The worker with --worker-token (the scheduler sends it on every call)."""
+    return BearerTokenInterceptor(token, "missing or wrong worker token: the scheduler must be started with the "
+                                  "same --worker-token as this worker")
 
 
 def add_worker_token_arg(g) -> None:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import tls, tracing
-from common.auth import ApiKeyInterceptor, add_worker_token_arg
+from common.auth import add_worker_token_arg, api_key_interceptor
 from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
@@ -327,7 +327,7 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Driver, RedisLedger]:
 def build_server(engine: Driver, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
     """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
-    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    interceptors = [api_key_interceptor(api_key)] if api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=512), interceptors=interceptors,
                          options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])

@@ -32,24 +32,15 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def stack(redis_server):  # noqa: F811
-    from llmserve.cli import build_parser
-    from scheduler_svc.server import build_server, check_flags, scheduler_from_args
+    from llmserve.stack import start_scheduler_in_process
 
     worker = cluster.start_worker(["--num-gpu-blocks-override", 256, "--max-model-len", 512])
-    args = build_parser().parse_args(["scheduler", "--redis-url", redis_server, "--worker-address", worker.address,
-                                      "--namespace", cluster.new_namespace("reject"), "--host", "127.0.0.1",
-                                      "--port", "0", "--max-num-batched-tokens", "64", "--debug-invariants"])
-    check_flags(args)
-    engine, ledger = scheduler_from_args(args)
-    server, port, _ = build_server(engine, "127.0.0.1:0")
-    server.start()
-    engine.start()
+    sched = start_scheduler_in_process(redis_server, worker, ["--namespace", cluster.new_namespace("reject"),
+                                                              "--max-num-batched-tokens", 64, "--debug-invariants"])
     try:
-        assert engine.ready.wait(180), "the scheduler did not take the pool"
-        yield argparse.Namespace(engine=engine, ledger=ledger, address=f"127.0.0.1:{port}", worker=worker)
+        yield argparse.Namespace(engine=sched.engine, ledger=sched.ledger, address=sched.address, worker=worker)
     finally:
-        engine.stop()
-        server.stop(grace=1).wait()
+        sched.stop()
         cluster.stop(worker)
 
 

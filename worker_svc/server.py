@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import tls, tracing
-from common.auth import WorkerTokenInterceptor, add_worker_token_arg
+from common.auth import add_worker_token_arg, worker_token_interceptor
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
@@ -148,7 +148,7 @@ def build_server(runner: ModelRunner, address: str, token: str | None = None,
                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
     """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8), interceptors=[WorkerTokenInterceptor(token)] if token else [],
+        futures.ThreadPoolExecutor(max_workers=8), interceptors=[worker_token_interceptor(token)] if token else [],
         options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
