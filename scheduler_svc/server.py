@@ -32,7 +32,8 @@ from scheduler_svc.admission import (
 )
 from scheduler_svc.core import FINISH_REJECTED, FINISH_TIMEOUT
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.driver import Driver, DriverConfig, SubmitError
+from scheduler_svc.driver import Driver, DriverConfig
+from scheduler_svc.frontend import SubmitError
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.outbox import UNAVAILABLE, Published
 from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
