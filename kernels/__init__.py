@@ -9,6 +9,7 @@ from types import ModuleType
 from kernels.reference import (
     AttentionMetadata,
     ReferencePlan,
+    attention_metadata_from_arrays,
     build_attention_metadata,
     build_reference_plan,
     paged_attention,
@@ -42,6 +43,7 @@ __all__ = [
     "BACKENDS",
     "AttentionMetadata",
     "ReferencePlan",
+    "attention_metadata_from_arrays",
     "build_attention_metadata",
     "build_reference_plan",
     "get_backend",

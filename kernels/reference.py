@@ -16,9 +16,10 @@ one page fault per 4 KiB, which cost as much as the gather itself). No Python lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -74,48 +75,96 @@ class ReferencePlan:
     scratch: list[Tensor | None] = field(default_factory=lambda: [None, None], repr=False)
 
 
-def build_reference_plan(block_tables: Tensor, query_lens: list[int], seq_lens: list[int],
-                         block_size: int, device: torch.device | str | None = None) -> ReferencePlan:
-    """Precompute gather indices and masks; see `paged_attention` for the meaning of the arguments."""
-    device = block_tables.device if device is None else torch.device(device)
-    tables = block_tables.to("cpu", torch.int64)
-    starts = [0, *accumulate(query_lens)][:-1]
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence[int] | np.ndarray,
+                         seq_lens: Sequence[int] | np.ndarray, block_size: int,
+                         device: torch.device | str | None = None) -> ReferencePlan:
+    """Precompute gather indices and masks; see `paged_attention` for the meaning of the arguments.
+
+    Built with numpy on the host (a numpy call costs about a microsecond, a torch one several), then moved to
+    `device` (default: block_tables' device, CPU for an array).
+    """
+    if isinstance(block_tables, Tensor):
+        device = block_tables.device if device is None else device
+        tables = block_tables.to("cpu", torch.int64).numpy()
+    else:
+        tables = np.asarray(block_tables, dtype=np.int64)
+    device = torch.device("cpu" if device is None else device)
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    starts = np.cumsum(q) - q
     # On CPU, slices small enough for a slice's gathered K/V to stay in cache; on CUDA, fewer launches.
     max_rows = DECODE_GROUP_ROWS if device.type == "cpu" else float("inf")
-    batches = _split_decodes(decodes, seq_lens, block_size, max_rows)
-    groups, empty = [], []
-    for ids in (*batches, *_split_prefills(prefills, query_lens, seq_lens)):
-        if ids:
-            group, group_empty = _build_group(ids, tables, starts, query_lens, seq_lens, block_size, device)
-            groups.append(group)
-            empty.append(group_empty)
-    empty_rows = torch.cat(empty) if empty else torch.empty(0, dtype=torch.int64)
+    order, ends = _split_decodes(np.flatnonzero(q == 1), s, block_size, max_rows)
+    groups, empty = _build_decode_groups(order, ends, tables, starts, s, block_size, device)
+    for ids in _split_prefills(np.flatnonzero(q > 1), q, s):
+        group, group_empty = _build_group(ids, tables, starts, q, s, block_size, device)
+        groups.append(group)
+        empty.append(group_empty)
+    empty_rows = np.concatenate(empty)
     return ReferencePlan(
-        num_tokens=sum(query_lens),
+        num_tokens=int(q.sum()),
         groups=groups,
-        empty_rows=empty_rows.to(device) if len(empty_rows) else None,
+        empty_rows=_to(empty_rows, device) if len(empty_rows) else None,
     )
 
 
-def _split_decodes(decodes: list[int], seq_lens: list[int], block_size: int, max_rows: float) -> list[list[int]]:
+def _split_decodes(decodes: np.ndarray, seq_lens: np.ndarray, block_size: int,
+                   max_rows: float) -> tuple[np.ndarray, list[int]]:
     """Decodes by increasing context, in groups of at most `max_rows` gathered rows where possible (a sequence is
     never split) whose padding to the group's longest context stays within PADDING_LIMIT: one 2k-token context
-    among 200-token ones would otherwise make every member of its group gather and attend 2k rows."""
-    groups: list[list[int]] = []
-    real = 0
-    for i in sorted(decodes, key=lambda i: seq_lens[i]):
-        rows = max(1, -(-seq_lens[i] // block_size)) * block_size
-        if groups:
-            padded = (len(groups[-1]) + 1) * rows  # sorted: this one is the group's longest
-            if padded <= max_rows and padded <= PADDING_LIMIT * (real + rows):
-                groups[-1].append(i)
-                real += rows
-                continue
-        groups.append([i])
-        real = rows
-    return groups
+    among 200-token ones would otherwise make every member of its group gather and attend 2k rows.
+
+    Returns the decodes sorted by context and where each group ends in that order. Greedy, like a loop that adds
+    each decode to the last group while both bounds hold; vectorized per group: for each later decode j (the
+    group's longest, as they are sorted), whether first .. j would still be within bounds.
+    """
+    order = decodes[np.argsort(seq_lens[decodes], kind="stable")]
+    rows = np.maximum(1, -(-seq_lens[order] // block_size)) * block_size
+    ends: list[int] = []
+    first, n = 0, len(order)
+    while first < n:
+        # Each member gathers at least rows[first] rows: no group outgrows max_rows // rows[first] members.
+        last = n if max_rows == float("inf") else min(n, first + max(1, int(max_rows // rows[first])))
+        members = np.arange(2, last - first + 1)  # group size if it ran up to decode first + members - 1
+        padded = members * rows[first + 1:last]
+        real = np.cumsum(rows[first:last])[1:]
+        fits = (padded <= max_rows) & (padded <= PADDING_LIMIT * real)
+        first += 1 + (int(np.argmin(fits)) if not fits.all() else len(fits))
+        ends.append(first)
+    return order, ends
+
+
+def _build_decode_groups(order: np.ndarray, ends: list[int], tables: np.ndarray, starts: np.ndarray,
+                         seq_lens: np.ndarray, block_size: int, device: torch.device) -> tuple[list[_Group], list]:
+    """The decode groups (consecutive runs of `order`, by increasing context): what `_build_group` computes for
+    query length 1, with the per-decode arrays gathered once for all groups. A decode's one query row sits at
+    seq_len - 1 and sees its whole sequence, so the mask is the length mask and the query rows are the tokens."""
+    k, start = seq_lens[order], starts[order]
+    used = (k + block_size - 1) // block_size
+    sorted_tables = tables[order]
+    groups: list[_Group] = []
+    for a, b in zip([0, *ends], ends, strict=False):  # consecutive (start, end) pairs
+        kv_len = max(1, int(k[b - 1]))
+        num_blocks = max(1, -(-kv_len // block_size))
+        if tables.shape[1] < num_blocks:
+            raise ValueError(f"block_tables has {tables.shape[1]} columns, a sequence of {kv_len} tokens "
+                             f"needs {num_blocks} blocks of {block_size}")
+        # Entries past a sequence's last block may be garbage or -1: never index with them.
+        blocks = np.where(np.arange(num_blocks) < used[a:b, None], sorted_tables[a:b, :num_blocks], 0)
+        kv_pad = mask = None
+        if k[a] != kv_len:  # not all of one length (the shortest is first): zero and mask past each seq_len
+            in_seq = np.arange(kv_len) < k[a:b, None]
+            seq, pos_k = np.nonzero(~in_seq)
+            kv_pad = _to(seq * (num_blocks * block_size) + pos_k, device)
+            mask = _to(in_seq[:, None, None], device)
+        rows = start[a:b]
+        rows_t = _to(rows, device)
+        groups.append(_Group(
+            num_seqs=b - a, max_q=1, kv_len=kv_len, num_blocks=num_blocks, blocks=_to(blocks.ravel(), device),
+            kv_pad=kv_pad, mask=mask, causal=False, q_index=rows_t, real_pos=None, rows=rows_t,
+            span=(int(rows[0]), int(rows[0]) + b - a) if bool((np.diff(rows) == 1).all()) else None,
+        ))
+    return groups, [start[k < 1]]  # rows that see no key: a decode of an empty sequence (invalid input)
 
 
 # A group pads every member to its longest query and context; a sequence joins only while the padded work stays
@@ -124,28 +173,28 @@ def _split_decodes(decodes: list[int], seq_lens: list[int], block_size: int, max
 PADDING_LIMIT = 1.25
 
 
-def _split_prefills(prefills: list[int], query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Prefill chunks in groups of similar shape, by increasing context length."""
+def _split_prefills(prefills: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:
+    """Prefill chunks in groups of similar shape, by increasing context length (a loop: a step has few chunks)."""
+    order = prefills[np.lexsort((query_lens[prefills], seq_lens[prefills]))]
     groups: list[list[int]] = []
-    real = 0
-    for i in sorted(prefills, key=lambda i: (seq_lens[i], query_lens[i])):
+    real = max_q = 0
+    for i, q, s in zip(order.tolist(), query_lens[order].tolist(), seq_lens[order].tolist(), strict=True):
         if groups:
-            g = groups[-1] + [i]
-            padded = len(g) * max(query_lens[j] for j in g) * max(seq_lens[j] for j in g)
-            if padded <= PADDING_LIMIT * (real + query_lens[i] * seq_lens[i]):
+            # sorted by context: this one has the group's longest (max_q is the longest query so far)
+            padded = (len(groups[-1]) + 1) * max(max_q, q) * s
+            if padded <= PADDING_LIMIT * (real + q * s):
                 groups[-1].append(i)
-                real += query_lens[i] * seq_lens[i]
+                real += q * s
+                max_q = max(max_q, q)
                 continue
         groups.append([i])
-        real = query_lens[i] * seq_lens[i]
-    return groups
+        real, max_q = q * s, q
+    return [np.array(g, dtype=np.int64) for g in groups]
 
 
-def _build_group(ids: list[int], tables: Tensor, starts: list[int], query_lens: list[int],
-                 seq_lens: list[int], block_size: int, device: torch.device) -> tuple[_Group, Tensor]:
-    q = torch.tensor([query_lens[i] for i in ids])
-    k = torch.tensor([seq_lens[i] for i in ids])
-    start = torch.tensor([starts[i] for i in ids])
+def _build_group(ids: np.ndarray, tables: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
+                 seq_lens: np.ndarray, block_size: int, device: torch.device) -> tuple[_Group, np.ndarray]:
+    q, k, start = query_lens[ids], seq_lens[ids], starts[ids]
     num_seqs, max_q, kv_len = len(ids), int(q.max()), max(1, int(k.max()))
     num_blocks = max(1, -(-kv_len // block_size))
     if tables.shape[1] < num_blocks:
@@ -154,47 +203,48 @@ def _build_group(ids: list[int], tables: Tensor, starts: list[int], query_lens: 
 
     # Entries past a sequence's last block may be garbage or -1: never index with them.
     used = (k + block_size - 1) // block_size
-    blocks = tables[torch.tensor(ids), :num_blocks]
-    blocks = torch.where(torch.arange(num_blocks) < used[:, None], blocks, 0)
+    blocks = np.where(np.arange(num_blocks) < used[:, None], tables[ids, :num_blocks], 0)
 
     # Gathered rows at/after seq_len are unwritten (maybe NaN): zero them, masking scores is not enough
     # because softmax weight 0 * NaN = NaN.
-    t = torch.arange(kv_len)
-    seq, pos_k = (t[None] >= k[:, None]).nonzero(as_tuple=True)
+    t = np.arange(kv_len)
+    seq, pos_k = np.nonzero(t[None] >= k[:, None])
     kv_pad = seq * (num_blocks * block_size) + pos_k
 
     # Bottom-right causal: query row j sits at absolute position seq_len - query_len + j. Padded rows
     # copy the last real row so they are never fully masked; their output is dropped.
-    j = torch.arange(max_q)
+    j = np.arange(max_q)
     real = j[None] < q[:, None]
-    q_pos = torch.where(real, (k - q)[:, None] + j, (k - 1)[:, None])
+    q_pos = np.where(real, (k - q)[:, None] + j, (k - 1)[:, None])
     mask = t[None, None] <= q_pos[:, :, None]  # implies t < seq_len, so no separate length mask
-
     token = start[:, None] + j
     rows = token[real]
-    q_index = torch.where(real, token, start[:, None]).flatten()
+    q_index = np.where(real, token, start[:, None]).ravel()
     empty_rows = token[real & (q_pos < 0)]
-    real_pos = None if bool(real.all()) else real.flatten().nonzero().squeeze(1)
-    first = int(rows[0])
+    all_real = bool(real.all())
     # Whole prompts of one length: the mask is plain causal, which SDPA skips blocks for.
-    causal = max_q > 1 and bool(real.all()) and torch.equal(q, k)
-    span = (first, first + len(rows)) if torch.equal(rows, torch.arange(first, first + len(rows))) else None
-
+    causal = max_q > 1 and all_real and bool(np.array_equal(q, k))
+    first = int(rows[0])
     group = _Group(
         num_seqs=num_seqs,
         max_q=max_q,
         kv_len=kv_len,
         num_blocks=num_blocks,
-        blocks=blocks.flatten().to(device),
-        kv_pad=kv_pad.to(device) if len(kv_pad) else None,
-        mask=None if causal or bool(mask.all()) else mask[:, None].to(device),
+        blocks=_to(blocks.ravel(), device),
+        kv_pad=_to(kv_pad, device) if len(kv_pad) else None,
+        mask=None if causal or bool(mask.all()) else _to(mask[:, None], device),
         causal=causal,
-        q_index=q_index.to(device),
-        real_pos=None if real_pos is None else real_pos.to(device),
-        rows=rows.to(device),
-        span=span,
+        q_index=_to(q_index, device),
+        real_pos=None if all_real else _to(np.flatnonzero(real), device),
+        rows=_to(rows, device),
+        span=(first, first + len(rows)) if bool((np.diff(rows) == 1).all()) else None,  # rows == first, first + 1..
     )
     return group, empty_rows
+
+
+def _to(a: np.ndarray, device: torch.device) -> Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
 
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
@@ -293,8 +343,8 @@ class AttentionMetadata:
     plan: ReferencePlan | None = None  # for the reference backend; None for kernels that need none
 
 
-def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device | str, *,
+def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
+                             block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device | str, *,
                              build_plan: bool = True) -> AttentionMetadata:
     """Metadata for one step. The new tokens of sequence i are its last query_lens[i] positions."""
     if not len(query_lens) == len(seq_lens) == len(block_tables):
@@ -306,28 +356,36 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         if len(table) * block_size < s:
             raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold seq_len {s}")
 
-    num_seqs = len(query_lens)
     max_blocks = max((len(t) for t in block_tables), default=0) or 1
-    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    tables = np.zeros((len(block_tables), max_blocks), dtype=np.int64)
     for i, table in enumerate(block_tables):
-        tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
+        tables[i, :len(table)] = table
+    return attention_metadata_from_arrays(np.asarray(query_lens, dtype=np.int64).reshape(-1),
+                                          np.asarray(seq_lens, dtype=np.int64).reshape(-1), tables, block_size,
+                                          device, build_plan=build_plan)
 
-    q = torch.tensor(query_lens, dtype=torch.int64)
-    s = torch.tensor(seq_lens, dtype=torch.int64)
-    cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(q, 0, out=cu[1:])
-    seq = torch.repeat_interleave(torch.arange(num_seqs), q)
-    pos = (s - q)[seq] + torch.arange(int(cu[-1])) - cu[seq]
-    slot_mapping = tables[seq, pos // block_size] * block_size + pos % block_size
+
+def attention_metadata_from_arrays(query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                                   block_size: int, device: torch.device | str, *,
+                                   build_plan: bool = True) -> AttentionMetadata:
+    """`build_attention_metadata` from int64 arrays, unchecked: the caller (the worker's persistent batch) has
+    validated them. block_tables: [num_seqs, max_blocks] int64, 0 past each sequence's blocks. No Python loop
+    over sequences or tokens."""
+    num_seqs = len(query_lens)
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    seq = np.repeat(np.arange(num_seqs), query_lens)
+    pos = (seq_lens - query_lens)[seq] + np.arange(cu[-1]) - cu[seq]
+    slot_mapping = block_tables[seq, pos // block_size] * block_size + pos % block_size
 
     device = torch.device(device)
     return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=tables.to(device, torch.int32),
-        cu_seqlens_q=cu.to(device, torch.int32),
-        seq_lens=s.to(device, torch.int32),
-        max_seqlen_q=max(query_lens, default=0),
-        max_seqlen_k=max(seq_lens, default=0),
+        slot_mapping=_to(slot_mapping, device),
+        block_tables=_to(block_tables.astype(np.int32), device),
+        cu_seqlens_q=_to(cu.astype(np.int32), device),
+        seq_lens=_to(seq_lens.astype(np.int32), device),
+        max_seqlen_q=int(query_lens.max()) if num_seqs else 0,
+        max_seqlen_k=int(seq_lens.max()) if num_seqs else 0,
         block_size=block_size,
-        plan=build_reference_plan(tables, query_lens, seq_lens, block_size, device) if build_plan else None,
+        plan=build_reference_plan(block_tables, query_lens, seq_lens, block_size, device) if build_plan else None,
     )
