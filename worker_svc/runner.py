@@ -8,17 +8,19 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
 from common import tracing
 from protos import worker_pb2 as pb
 from worker_svc import kv_cache
-from worker_svc.batch import BatchLimits, PersistentBatch, RequestState, ScheduledChunk
+from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.config import ModelConfig
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
-from worker_svc.sampler import SampleRow, sample
+from worker_svc.model_inputs import build_model_inputs
+from worker_svc.sampler import greedy_batch, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +75,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-_FINISH = {"eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP_TOKEN, "length": pb.FINISH_REASON_MAX_TOKENS}
-
-
 class ModelRunner:
     def __init__(self, opts: RunnerOptions):
         self.opts = opts
@@ -95,6 +94,7 @@ class ModelRunner:
                         self.max_model_len)
         self.kv = kv_cache.allocate(cfg, self.num_blocks, self.block_size, self.dtype, self.device)
         self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.eos_token_ids = np.array(sorted(self.eos_ids), dtype=np.int64)
         self.epoch = secrets.token_hex(8)
         self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
                                                  cfg.vocab_size))
@@ -148,93 +148,66 @@ class ModelRunner:
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
         """Check (raises PlanError, changes nothing), apply, run, sample."""
         t0 = time.perf_counter()
-        self.batch.check_plan(plan, self.epoch)
+        cached = self.batch.check_plan(plan, self.epoch)
         previous = self.batch.last_step_id
-        chunks = self.batch.apply_plan(plan)
+        sched = self.batch.apply_plan(plan, cached)
         if plan.copy_blocks:
             # Copy-on-write before anything writes: every layer, K and V.
             src = torch.tensor([c.src for c in plan.copy_blocks], device=self.device)
             dst = torch.tensor([c.dst for c in plan.copy_blocks], device=self.device)
             self.kv[:, :, dst] = self.kv[:, :, src]
-        result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sum(c.length for c in chunks),
+        result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sched.num_tokens,
                                previous_step_id=previous)
-        if not chunks:
+        if not len(sched):
             return result
-        ids, pos, meta, logits_idx, samplers = self._prepare(chunks)
+        inputs = build_model_inputs(sched, self.block_size, self.device,
+                                    build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         t1 = time.perf_counter()
-        logits = self.model.forward(ids, pos, self.kv, meta, logits_idx)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv, inputs.attn_metadata,
+                                    inputs.logits_indices)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        for c in chunks:
-            c.state.num_computed_tokens += c.length
-        if samplers:
-            result.tokens.extend(self._sample(logits, samplers))
+        self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
+        if len(inputs.sample_rows):
+            self._sample(logits, inputs.sample_rows, result)
         t3 = time.perf_counter()
         result.prepare_seconds, result.forward_seconds, result.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
-            _trace_phases(plan, chunks, len(samplers), t0, t1, t2, t3)
+            _trace_phases(plan, sched, len(inputs.sample_rows), t0, t1, t2, t3)
         return result
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
-        ids: list[int] = []
-        pos: list[int] = []
-        logits_idx: list[int] = []
-        samplers: list[RequestState] = []
-        for c in chunks:
-            ids.extend(c.state.token_ids[c.start : c.start + c.length])
-            pos.extend(range(c.start, c.start + c.length))
-            if c.samples:
-                logits_idx.append(len(ids) - 1)
-                samplers.append(c.state)
-        meta = kernels.build_attention_metadata(
-            [c.length for c in chunks], [c.start + c.length for c in chunks],
-            [c.state.block_ids for c in chunks], self.block_size, self.device,
-            build_plan=self.attention_backend == "torch",  # the Triton kernels need no plan
-        )
-        dev = self.device
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                meta, torch.tensor(logits_idx, dtype=torch.int64, device=dev), samplers)
-
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> list[pb.SampledToken]:
-        rows = [SampleRow(s.sampling, s.token_ids[: s.num_prompt_tokens], s.output_ids, len(s.token_ids),
-                          self.eos_ids) for s in states]
-        out = sample(logits.cpu(), rows)
-        tokens = []
-        for i, s in enumerate(states):
-            tok = out.token_ids[i]
-            s.token_ids.append(tok)
-            reason = self._finish_reason(s, tok)
-            msg = pb.SampledToken(request_id=s.request_id, token_id=tok, finish_reason=_FINISH.get(reason, 0))
-            if out.logprobs[i] is not None:
-                msg.logprob = out.logprobs[i]
-                msg.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs[i])
-            tokens.append(msg)
-            if reason:
-                # The worker forgets a finished request at once; a later drop of its id is a no-op.
-                del self.batch.requests[s.request_id]
-        return tokens
-
-    def _finish_reason(self, s: RequestState, tok: int) -> str | None:
-        p = s.sampling
-        n_out = len(s.token_ids) - s.num_prompt_tokens
-        if n_out >= p.min_tokens:
-            if tok in self.eos_ids and not p.ignore_eos:
-                return "eos"
-            if tok in p.stop_token_ids:
-                return "stop"
-        if (p.max_tokens and n_out >= p.max_tokens) or len(s.token_ids) >= self.max_model_len:
-            return "length"
-        return None
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, result: pb.StepResult) -> None:
+        """Sample for `rows`, append the tokens and their messages; finished requests leave the batch."""
+        b = self.batch.inputs
+        if b.plain[rows].all():
+            out = greedy_batch(logits.cpu())
+        else:
+            out = sample_batch(logits.cpu(), b.sampling_batch(rows, self.eos_token_ids))
+        b.append_tokens(rows, out.token_ids)
+        reasons = b.finish_reasons(rows, self.eos_token_ids)
+        finished = np.flatnonzero(reasons)
+        add = result.tokens.add  # in place: building messages to extend with would copy each once more
+        for rid, tok in zip([b.request_ids[r] for r in rows.tolist()], out.token_ids.tolist(), strict=True):
+            add(request_id=rid, token_id=tok)
+        for i, reason in zip(finished.tolist(), reasons[finished].tolist(), strict=True):
+            result.tokens[i].finish_reason = reason
+        for i, lp, top in zip(out.logprob_rows, out.logprobs, out.top_logprobs, strict=True):
+            msg = result.tokens[i]
+            msg.logprob = lp
+            msg.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in top)
+        for row in rows[finished].tolist():
+            # The worker forgets a finished request at once; a later drop of its id is a no-op.
+            b.free(row)
 
 
-def _trace_phases(plan: pb.StepPlan, chunks: list[ScheduledChunk], num_sampled: int, *t: float) -> None:
+def _trace_phases(plan: pb.StepPlan, sched: Schedule, num_sampled: int, *t: float) -> None:
     """Child spans of the current (ExecuteStep) span for the three phases, from the perf_counter marks taken anyway
     (no tracing work inside the step itself)."""
     offset = time.time_ns() - time.perf_counter_ns()
     ns = [offset + int(x * 1e9) for x in t]
-    attrs = ({"llmserve.step.id": plan.step_id, "llmserve.num_tokens": sum(c.length for c in chunks),
-              "llmserve.num_seqs": len(chunks)}, {"llmserve.step.id": plan.step_id},
+    attrs = ({"llmserve.step.id": plan.step_id, "llmserve.num_tokens": sched.num_tokens,
+              "llmserve.num_seqs": len(sched)}, {"llmserve.step.id": plan.step_id},
              {"llmserve.step.id": plan.step_id, "llmserve.num_sampled": num_sampled})
     for i, name in enumerate(("llmserve.worker.prepare_inputs", "llmserve.worker.forward", "llmserve.worker.sample")):
         tracing.tracer.start_span(name, start_time=ns[i], attributes=attrs[i]).end(end_time=ns[i + 1])

@@ -1,0 +1,288 @@
+"""The persistent input batch and the vectorized step inputs against the per-chunk construction they replaced
+(tests/legacy_host_path.py): random mixed batches of prefill chunks and decodes over shuffled block tables, with
+requests joining, resuming, being dropped and finishing; and the array check of cached requests against the
+request-by-request one."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import kernels
+import kernels.reference as ref
+from protos import worker_pb2 as pb
+from tests import legacy_host_path as legacy
+from worker_svc.batch import BatchLimits, CachedDeltas, PersistentBatch, PlanError
+from worker_svc.model_inputs import build_model_inputs
+
+BLOCK = 4
+VOCAB = 50
+
+
+def assert_same(a, b, path="") -> None:
+    """Deep equality of metadata / plans: tensors by dtype, shape and value."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), path
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            if f.name != "scratch":
+                assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, (path, a, b)
+
+
+@dataclasses.dataclass
+class Shadow:
+    """The test's own record of a request, as the old list-based batch held it."""
+
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+class Driver:
+    """Random valid plans for a PersistentBatch, with a shadow of what the old batch would hold."""
+
+    def __init__(self, seed: int, num_blocks: int = 8000, max_model_len: int = 200):
+        self.rng = random.Random(seed)
+        self.batch = PersistentBatch(BatchLimits(num_blocks, BLOCK, max_model_len, VOCAB))
+        self.free = list(range(num_blocks))
+        self.rng.shuffle(self.free)
+        self.live: dict[str, Shadow] = {}
+        self.step = 0
+        self.next_id = 0
+
+    def blocks_for(self, s: Shadow, upto: int) -> list[int]:
+        need = -(-upto // BLOCK) - len(s.blocks) + self.rng.choice([0, 0, 0, 1])  # sometimes one spare
+        return [self.free.pop() for _ in range(max(0, need))]
+
+    def plan(self) -> tuple[pb.StepPlan, list[tuple[str, int, int]]]:
+        """A plan and the chunks (request id, start, length) the old batch would have scheduled, in plan order."""
+        rng = self.rng
+        self.step += 1
+        plan = pb.StepPlan(step_id=self.step)
+        chunks: list[tuple[str, int, int]] = []  # new requests, then resumed ones (plan order), then cached
+        resumed: list[tuple[str, int, int]] = []
+        for rid in list(self.live):
+            if rng.random() < 0.05:  # dropped (preempted): its blocks come back
+                plan.dropped_request_ids.append(rid)
+                self.free += self.live.pop(rid).blocks
+        for _ in range(rng.choice([0, 0, 1, 3, 8])):
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))]
+            s = Shadow(list(prompt), [], rng.choice([0, 0, len(prompt) // 2]))
+            n = rng.randint(0, len(prompt) - s.computed)
+            s.blocks = self.blocks_for(s, s.computed + n)
+            sp = pb.SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1 << 63))
+            into = chunks
+            if rng.random() < 0.3:  # resumed: prompt + some output, recomputed from scratch
+                into = resumed
+                out = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 5))]
+                s.tokens += out
+                s.computed, n = 0, rng.randint(0, len(s.tokens))
+                self.free += s.blocks
+                s.blocks = []
+                s.blocks = self.blocks_for(s, n)
+                plan.resumed_requests.add(request_id=rid, token_ids=s.tokens, num_prompt_tokens=len(prompt),
+                                          sampling=sp, block_ids=s.blocks, num_scheduled_tokens=n)
+            else:
+                plan.new_requests.add(request_id=rid, prompt_token_ids=prompt, sampling=sp, block_ids=s.blocks,
+                                      num_computed_tokens=s.computed, num_scheduled_tokens=n)
+            self.live[rid] = s
+            if n:
+                into.append((rid, s.computed, n))
+        chunks += resumed
+        joined = {rid for rid, _, _ in chunks} | {r.request_id for r in plan.new_requests}
+        joined |= {r.request_id for r in plan.resumed_requests}
+        for rid, s in self.live.items():
+            if rid in joined or rng.random() < 0.1:
+                continue  # not scheduled this step
+            n = rng.randint(0, min(len(s.tokens) - s.computed, rng.choice([1, 1, 1, 7, 30])))
+            entry = plan.cached_requests.add(request_id=rid, num_scheduled_tokens=n)
+            if rng.random() < 0.05:  # the whole table again, with its blocks moved elsewhere
+                self.free += s.blocks
+                self.rng.shuffle(self.free)
+                s.blocks = [self.free.pop() for _ in s.blocks]
+                entry.block_table.extend(s.blocks)
+            new = self.blocks_for(s, s.computed + n)
+            s.blocks += new
+            entry.new_block_ids.extend(new)
+            if n:
+                chunks.append((rid, s.computed, n))
+        return plan, chunks
+
+    def legacy_inputs(self, chunks: list[tuple[str, int, int]]):
+        return legacy.prepare([(self.live[rid].tokens, start, n, self.live[rid].blocks) for rid, start, n in chunks],
+                              BLOCK)
+
+    def after_step(self, chunks: list[tuple[str, int, int]], sample_rows: np.ndarray) -> None:
+        """What the runner does after the forward: advance, append one token per sampling row, finish some."""
+        inputs = self.batch.inputs
+        rows = np.array([inputs.row_of[rid] for rid, _, _ in chunks], dtype=np.int64)
+        inputs.num_computed_tokens[rows] += np.array([n for _, _, n in chunks], dtype=np.int64)
+        for rid, start, n in chunks:
+            self.live[rid].computed = start + n
+        tokens = np.array([self.rng.randrange(VOCAB) for _ in sample_rows], dtype=np.int64)
+        inputs.append_tokens(sample_rows, tokens)
+        for row, tok in zip(sample_rows.tolist(), tokens.tolist(), strict=True):
+            rid = inputs.request_ids[row]
+            s = self.live[rid]
+            s.tokens.append(tok)
+            if len(s.tokens) >= self.batch.limits.max_model_len - 1 or self.rng.random() < 0.05:
+                inputs.free(row)  # finished
+                self.free += self.live.pop(rid).blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_inputs_equal_the_per_chunk_construction(seed):
+    d = Driver(seed)
+    for _ in range(40):
+        plan, chunks = d.plan()
+        sched = d.batch.apply_plan(plan, d.batch.check_plan(plan, "e"))
+        assert [(d.batch.inputs.request_ids[r], s, n) for r, s, n in
+                zip(sched.rows.tolist(), sched.starts.tolist(), sched.lengths.tolist(), strict=True)] == chunks
+        for rid, s in d.live.items():  # the rows hold what the old batch held
+            state = d.batch.requests[rid]
+            assert list(state.token_ids) == s.tokens and state.block_ids == s.blocks
+            assert state.num_computed_tokens == s.computed
+        if not chunks:
+            continue
+        ids, pos, meta, logits_idx, samplers = d.legacy_inputs(chunks)
+        got = build_model_inputs(sched, BLOCK, torch.device("cpu"), build_plan=True)
+        assert_same(got.input_ids, ids)
+        assert_same(got.positions, pos)
+        assert_same(got.logits_indices, logits_idx)
+        assert_same(got.attn_metadata, meta)
+        assert [d.batch.inputs.request_ids[r] for r in got.sample_rows.tolist()] == [chunks[i][0] for i in samplers]
+        d.after_step(chunks, got.sample_rows)
+
+
+def random_shapes(rng: random.Random, n: int, block_size: int):
+    q, s, tables = [], [], []
+    for _ in range(n):
+        kind = rng.random()
+        ql = 1 if kind < 0.6 else (0 if kind < 0.65 else rng.randint(2, 80))
+        sl = ql + rng.choice([0, rng.randint(0, 50), rng.randint(0, 3000)])
+        q.append(ql)
+        s.append(sl)
+        tables.append([rng.randrange(1000) for _ in range(-(-sl // block_size) + rng.choice([0, 0, 1, 3]))])
+    return q, s, tables
+
+
+@pytest.mark.parametrize("group_rows", [ref.DECODE_GROUP_ROWS, 300, float("inf")])  # inf: as on CUDA
+def test_attention_metadata_equals_the_torch_construction(monkeypatch, group_rows):
+    monkeypatch.setattr(ref, "DECODE_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(legacy, "DECODE_GROUP_ROWS", group_rows)
+    for seed in range(60):
+        rng = random.Random(seed)
+        block_size = rng.choice([1, 4, 16])
+        q, s, tables = random_shapes(rng, rng.choice([0, 1, 2, 5, 30, 200]), block_size)
+        for build_plan in (True, False):
+            assert_same(kernels.build_attention_metadata(q, s, tables, block_size, "cpu", build_plan=build_plan),
+                        legacy.build_attention_metadata(q, s, tables, block_size, "cpu", build_plan=build_plan))
+
+
+def test_rows_grow_and_are_reused():
+    batch = PersistentBatch(BatchLimits(num_blocks=12000, block_size=BLOCK, max_model_len=5000, vocab_size=VOCAB))
+    plan = pb.StepPlan(step_id=1)
+    for i in range(70):  # more rows than the initial 64; a prompt longer than the initial 512 columns
+        n = 600 if i == 69 else 3
+        plan.new_requests.add(request_id=f"r{i}", prompt_token_ids=[i % VOCAB] * n,
+                              sampling=pb.SamplingParams(stop_token_ids=list(range(i % 5))),
+                              block_ids=list(range(i * 160, i * 160 + -(-n // BLOCK))), num_scheduled_tokens=n)
+    sched = batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    assert len(sched) == 70 and batch.inputs.num_rows == 128 and batch.inputs.token_ids.shape[1] >= 600
+    assert batch.requests["r69"].block_ids == list(range(69 * 160, 69 * 160 + 150))  # beyond 32 columns
+    row = batch.inputs.row_of["r3"]
+    del batch.requests["r3"]  # frees the row: the next request takes it, with nothing left of r3
+    assert "r3" not in batch.requests and len(batch.requests) == 69
+    plan = pb.StepPlan(step_id=2)
+    plan.new_requests.add(request_id="x", prompt_token_ids=[7], block_ids=[11999], num_scheduled_tokens=1)
+    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    assert batch.inputs.row_of["x"] == row
+    x = batch.requests["x"]
+    assert (list(x.token_ids), x.block_ids, x.sampling.stop_token_ids) == ([7], [11999], frozenset())
+    assert (batch.inputs.stop_token_ids[row] == -1).all() and batch.inputs.block_table[row, 1:].sum() == 0
+    x.token_ids.append(9)  # the views write through
+    x.num_computed_tokens = 1
+    assert list(batch.requests["x"].token_ids) == [7, 9] and batch.requests["x"].output_ids == [9]
+    del x.token_ids[1:]
+    assert len(batch.requests["x"].token_ids) == 1
+    plan = pb.StepPlan(step_id=3, reset_batch=True)
+    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    assert not batch.requests and len(batch.inputs._free) == batch.inputs.num_rows
+
+
+def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one():
+    """_cached_valid must pass exactly the plans _check_each_cached passes (it is the fast path of the same
+    check), on random cached deltas with every kind of fault."""
+    d = Driver(seed=11)
+    for _ in range(15):
+        plan, chunks = d.plan()
+        sched = d.batch.apply_plan(plan, d.batch.check_plan(plan, "e"))
+        d.after_step(chunks, build_model_inputs(sched, BLOCK, torch.device("cpu"), build_plan=False).sample_rows)
+    b, rng = d.batch, random.Random(5)
+    live = list(b.requests)
+    verdicts = set()
+    for _ in range(400):
+        plan = pb.StepPlan(step_id=b.last_step_id + 1)
+        for rid in rng.sample(live, rng.randint(1, min(6, len(live)))):
+            s = b.requests[rid]
+            r = plan.cached_requests.add(request_id=rid,
+                                         num_scheduled_tokens=max(0, len(s.token_ids) - s.num_computed_tokens
+                                                                  + rng.choice([0, 0, 0, -1, 1])))
+            if rng.random() < 0.3:
+                r.new_block_ids.extend(rng.choice([[1], [2, 3], [-1], [b.limits.num_blocks]]))
+            if rng.random() < 0.1:
+                r.block_table.extend(s.block_ids[: len(s.block_ids) + rng.choice([-1, 0, 1])])
+        fault = rng.random()
+        if fault < 0.05:
+            plan.cached_requests.add(request_id=plan.cached_requests[0].request_id)  # twice
+        elif fault < 0.1:
+            plan.cached_requests.add(request_id="ghost")
+        elif fault < 0.15:
+            plan.dropped_request_ids.append(plan.cached_requests[-1].request_id)
+        elif fault < 0.2:
+            plan.new_requests.add(request_id=plan.cached_requests[0].request_id, prompt_token_ids=[1],
+                                  block_ids=[0], num_scheduled_tokens=1)
+        elif fault < 0.25:
+            plan.cached_requests.add(request_id="")
+        try:
+            b.check_plan(plan, "e")
+            ok = True
+        except PlanError as e:
+            assert e.code == grpc.StatusCode.INVALID_ARGUMENT
+            ok = False
+        seen, dropped = {r.request_id for r in plan.new_requests}, set(plan.dropped_request_ids)
+        fast = b._cached_valid(CachedDeltas.parse(plan, b.inputs.row_of), dropped, seen)
+        slow = True
+        try:
+            b._check_each_cached(plan, lambda rid, dropped=dropped: rid in b.inputs.row_of and rid not in dropped,
+                                 _claim(seen))
+        except PlanError:
+            slow = False
+        assert fast == slow and (ok or not slow), plan
+        verdicts.add(fast)
+    assert verdicts == {True, False}
+
+
+def _claim(seen: set[str]):
+    seen = set(seen)
+
+    def claim(rid: str, where: str) -> None:
+        if not rid or rid in seen:
+            raise PlanError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: bad id")
+        seen.add(rid)
+
+    return claim

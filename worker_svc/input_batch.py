@@ -1,0 +1,237 @@
+"""The worker's persistent input batch: one row per request, its state as columns of numpy arrays.
+
+A plan carries only deltas (requests that join, new blocks, how many tokens to compute), so the state lives here
+between steps, as in vLLM's InputBatch: a request gets a row when it joins and gives it back when it is dropped,
+finishes, or the batch is reset. A step then reads the scheduled rows with a few vectorized gathers instead of
+walking Python objects per request and per token. Arrays start small and double when a row, a sequence or a
+block table outgrows them (max_model_len may be huge where it is only a bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from protos import worker_pb2 as pb
+from worker_svc.sampler import SamplingBatch
+from worker_svc.sampling import SamplingParams
+
+# Per-row columns: name -> (dtype, value of a free row).
+_COLUMNS: dict[str, tuple[type, object]] = {
+    "num_tokens": (np.int64, 0),  # prompt + output so far
+    "num_prompt_tokens": (np.int64, 0),
+    "num_computed_tokens": (np.int64, 0),
+    "num_blocks": (np.int64, 0),
+    # sampling parameters (SamplingParams as columns)
+    "temperature": (np.float32, 0.0),
+    "top_k": (np.int64, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "repetition_penalty": (np.float32, 1.0),
+    "presence_penalty": (np.float32, 0.0),
+    "frequency_penalty": (np.float32, 0.0),
+    "seed": (np.uint64, 0),
+    "min_tokens": (np.int64, 0),
+    "max_tokens": (np.int64, 0),
+    "ignore_eos": (np.bool_, False),
+    "logprobs": (np.int64, -1),  # -1: no logprobs
+    "plain": (np.bool_, False),  # greedy, no penalties, min_tokens or logprobs: sampling is an argmax
+}
+
+
+def _grown(a: np.ndarray, shape: tuple[int, ...], fill: object) -> np.ndarray:
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
+def _capacity(current: int, need: int, limit: int | None = None) -> int:
+    cap = max(current, 1)
+    while cap < need:
+        cap *= 2
+    return min(cap, limit) if limit is not None else cap
+
+
+class InputBatch:
+    """Rows of requests: the columns of _COLUMNS ([num_rows]) and token_ids, block_table, stop_token_ids
+    ([num_rows, capacity]); row_of maps a request id to its row."""
+
+    num_tokens: np.ndarray
+    num_prompt_tokens: np.ndarray
+    num_computed_tokens: np.ndarray
+    num_blocks: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    seed: np.ndarray
+    min_tokens: np.ndarray
+    max_tokens: np.ndarray
+    ignore_eos: np.ndarray
+    logprobs: np.ndarray
+    plain: np.ndarray
+
+    def __init__(self, max_model_len: int, *, rows: int = 64, tokens: int = 512, blocks: int = 32):
+        self.max_model_len = max_model_len
+        self.row_of: dict[str, int] = {}
+        self.request_ids: list[str | None] = [None] * rows
+        self.params: list[SamplingParams | None] = [None] * rows  # the objects behind the sampling columns
+        self._free = list(range(rows - 1, -1, -1))  # a stack: the lowest free row first
+        for name, (dtype, fill) in _COLUMNS.items():
+            setattr(self, name, np.full(rows, fill, dtype=dtype))
+        self.token_ids = np.zeros((rows, min(tokens, max_model_len)), dtype=np.int32)
+        self.block_table = np.zeros((rows, blocks), dtype=np.int64)  # 0 past num_blocks, as the kernels expect
+        self.stop_token_ids = np.full((rows, 1), -1, dtype=np.int32)  # -1 padded
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def add(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, params: SamplingParams,
+            block_ids: Sequence[int], num_computed_tokens: int) -> int:
+        if not self._free:
+            self._grow_rows(2 * self.num_rows)
+        row = self._free.pop()
+        self.row_of[request_id] = row
+        self.request_ids[row] = request_id
+        self.params[row] = params
+        n = len(token_ids)
+        self.reserve_tokens(n)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = num_prompt_tokens
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.set_blocks(row, block_ids)
+        self._set_sampling(row, params)
+        return row
+
+    def free(self, row: int) -> None:
+        del self.row_of[self.request_ids[row]]
+        self.request_ids[row] = self.params[row] = None
+        self.block_table[row, : self.num_blocks[row]] = 0
+        for name, (_, fill) in _COLUMNS.items():
+            getattr(self, name)[row] = fill
+        self._free.append(row)
+
+    def clear(self) -> None:
+        for row in list(self.row_of.values()):
+            self.free(row)
+
+    # -- per-row state ------------------------------------------------------------------------
+
+    def set_blocks(self, row: int, block_ids: Sequence[int]) -> None:
+        """Replace the row's block table (never by a shorter one: the plan check refuses that)."""
+        n, held = len(block_ids), int(self.num_blocks[row])
+        self._reserve_blocks(n)
+        self.block_table[row, :n] = block_ids
+        self.block_table[row, n:held] = 0
+        self.num_blocks[row] = n
+
+    def append_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        """Row rows[i] (distinct) gets the next counts[i] of `block_ids` appended to its table."""
+        if not len(block_ids):
+            return
+        each = np.repeat(rows, counts)
+        cols = self.num_blocks[each] + np.arange(len(block_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        self._reserve_blocks(int(cols.max()) + 1)
+        self.block_table[each, cols] = block_ids
+        self.num_blocks[rows] += counts
+
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """One new token for each of `rows` (distinct)."""
+        if len(rows):
+            ends = self.num_tokens[rows]
+            self.reserve_tokens(int(ends.max()) + 1)
+            self.token_ids[rows, ends] = tokens
+            self.num_tokens[rows] = ends + 1
+
+    def reserve_tokens(self, n: int) -> None:
+        if n > self.token_ids.shape[1]:
+            cap = _capacity(self.token_ids.shape[1], n, max(n, self.max_model_len))
+            self.token_ids = _grown(self.token_ids, (self.num_rows, cap), 0)
+
+    def _reserve_blocks(self, n: int) -> None:
+        if n > self.block_table.shape[1]:
+            self.block_table = _grown(self.block_table, (self.num_rows, _capacity(self.block_table.shape[1], n)), 0)
+
+    def _grow_rows(self, rows: int) -> None:
+        old = self.num_rows
+        for name, (_, fill) in _COLUMNS.items():
+            setattr(self, name, _grown(getattr(self, name), (rows,), fill))
+        self.token_ids = _grown(self.token_ids, (rows, self.token_ids.shape[1]), 0)
+        self.block_table = _grown(self.block_table, (rows, self.block_table.shape[1]), 0)
+        self.stop_token_ids = _grown(self.stop_token_ids, (rows, self.stop_token_ids.shape[1]), -1)
+        self.request_ids += [None] * (rows - old)
+        self.params += [None] * (rows - old)
+        self._free = list(range(rows - 1, old - 1, -1)) + self._free
+
+    def _set_sampling(self, row: int, p: SamplingParams) -> None:
+        self.temperature[row] = p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.seed[row] = p.seed
+        self.min_tokens[row] = p.min_tokens
+        self.max_tokens[row] = p.max_tokens
+        self.ignore_eos[row] = p.ignore_eos
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.plain[row] = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
+        stop = sorted(p.stop_token_ids)
+        if len(stop) > self.stop_token_ids.shape[1]:
+            self.stop_token_ids = _grown(self.stop_token_ids, (self.num_rows, len(stop)), -1)
+        self.stop_token_ids[row] = -1
+        self.stop_token_ids[row, : len(stop)] = stop
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def sampling_batch(self, rows: np.ndarray, eos_token_ids: np.ndarray) -> SamplingBatch:
+        """The sampler's view of `rows` (which sample this step); tokens only for the rows with penalties."""
+        n = self.num_tokens[rows]
+        b = SamplingBatch(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            min_p=self.min_p[rows], repetition_penalty=self.repetition_penalty[rows],
+            presence_penalty=self.presence_penalty[rows], frequency_penalty=self.frequency_penalty[rows],
+            seed=self.seed[rows], position=n, num_output=n - self.num_prompt_tokens[rows],
+            min_tokens=self.min_tokens[rows], ignore_eos=self.ignore_eos[rows], logprobs=self.logprobs[rows],
+            stop_token_ids=self.stop_token_ids[rows],
+            eos_token_ids=np.broadcast_to(eos_token_ids, (len(rows), len(eos_token_ids))),
+        )
+        pen = rows[b.uses_penalties]
+        if len(pen):
+            b.penalty_num_tokens = self.num_tokens[pen]
+            b.penalty_num_prompt = self.num_prompt_tokens[pen]
+            b.penalty_tokens = self.token_ids[pen, : int(b.penalty_num_tokens.max())]
+        return b
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def finish_reasons(self, rows: np.ndarray, eos_token_ids: np.ndarray) -> np.ndarray:
+        """pb.FinishReason of each of `rows` after its last token was appended (0: still running).
+
+        min_tokens holds back EOS and stop tokens, not the length limits; EOS wins over a stop token, both over
+        the length.
+        """
+        n = self.num_tokens[rows]
+        tok = self.token_ids[rows, n - 1]
+        n_out = n - self.num_prompt_tokens[rows]
+        allowed = n_out >= self.min_tokens[rows]
+        eos = allowed & ~self.ignore_eos[rows] & (tok[:, None] == eos_token_ids).any(axis=1)
+        stop = allowed & (self.stop_token_ids[rows] == tok[:, None]).any(axis=1)
+        max_tokens = self.max_tokens[rows]
+        length = ((max_tokens > 0) & (n_out >= max_tokens)) | (n >= self.max_model_len)
+        reason = np.where(length, pb.FINISH_REASON_MAX_TOKENS, pb.FINISH_REASON_NONE)
+        reason[stop] = pb.FINISH_REASON_STOP_TOKEN
+        reason[eos] = pb.FINISH_REASON_EOS
+        return reason

@@ -1,0 +1,51 @@
+"""The flattened model inputs of one step, gathered from the persistent batch with array operations.
+
+Chunk i (row rows[i]) computes positions starts[i] .. starts[i] + lengths[i] - 1; the chunks are laid end to
+end, so token t belongs to chunk seq[t] = repeat(arange(n), lengths)[t]. No Python loop over chunks or tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from worker_svc.batch import Schedule
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: kernels.AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each chunk that reaches its end
+    sample_rows: np.ndarray  # [num_sampled] int64: the batch rows those chunks belong to
+
+
+def build_model_inputs(s: Schedule, block_size: int, device: torch.device, *, build_plan: bool) -> ModelInputs:
+    b = s.inputs
+    ends = np.cumsum(s.lengths)
+    seq = np.repeat(np.arange(len(s.rows)), s.lengths)
+    positions = np.arange(len(seq)) + (s.starts - ends + s.lengths)[seq]
+    input_ids = b.token_ids[s.rows[seq], positions].astype(np.int64)
+    seq_lens = s.starts + s.lengths
+    samples = seq_lens == b.num_tokens[s.rows]
+    num_blocks = b.num_blocks[s.rows]
+    # As wide as the longest table, 0 past each one's blocks (the kernels' layout).
+    tables = b.block_table[s.rows, : max(1, int(num_blocks.max(initial=0)))]
+    meta = kernels.attention_metadata_from_arrays(s.lengths, seq_lens, tables, block_size, device,
+                                                  build_plan=build_plan)
+    return ModelInputs(
+        input_ids=_to(input_ids, device),
+        positions=_to(positions, device),
+        attn_metadata=meta,
+        logits_indices=_to(ends[samples] - 1, device),
+        sample_rows=s.rows[samples],
+    )
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
