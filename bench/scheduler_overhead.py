@@ -54,7 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def make_tiny_llama(path: str, *, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 2,
                     max_position_embeddings: int = 4096, seed: int = 0) -> str:
-    """A random-weight Llama saved as an HF directory (config.json + safetensors), as tests/test_model.py does."""
+    """A random-weight Llama saved as an HF directory (config.json + safetensors), as tests/e2e/test_model.py does."""
     import torch
     import transformers
 

@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_model(path: str) -> str:
-    """A random-weight 2-layer Llama saved as an HF directory, as tests/test_model.py builds one."""
+    """A random-weight 2-layer Llama saved as an HF directory, as tests/e2e/test_model.py builds one."""
     import torch
     import transformers
 

@@ -25,7 +25,7 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from tests import cluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVICE = "llmserve.worker.v1.Worker"
 START_TIMEOUT_S = 120
 RPC_TIMEOUT_S = 60

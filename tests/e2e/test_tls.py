@@ -39,7 +39,7 @@ from tests import cluster
 
 pytest_plugins = ("tests.cluster",)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REDIS_PASSWORD = "Redis-pw-7f3a9"  # must never appear in a scheduler's output
 
 

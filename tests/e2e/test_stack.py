@@ -17,7 +17,7 @@ from llmserve.cli import build_parser
 from scheduler_svc import server as scheduler_server
 from worker_svc import server as worker_server
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---- worker flags forwarded from the worker's parser ------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_free_port_start_redis_percentile_and_ready_lines_are_defined_once():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 defs.setdefault(node.name.lstrip("_"), []).append(rel)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and rel != "tests/test_stack.py":
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and rel != "tests/e2e/test_stack.py":
                 for marker in ("LLMSERVE_WORKER_READY", "LLMSERVE_SCHEDULER_LISTENING", "llmserve ready on"):
                     if marker in node.value:
                         literals.setdefault(marker, []).append(rel)

@@ -14,7 +14,7 @@ import yaml
 from tests import cluster
 
 pytest_plugins = ("tests.cluster",)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 COMPOSE = yaml.safe_load(open(os.path.join(ROOT, "compose.yaml")))
 PASSWORD = "test-pass"

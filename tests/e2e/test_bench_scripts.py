@@ -1,6 +1,6 @@
 """Every script in bench/ runs in a smoke size, as `python -m bench.NAME` from the repository root, starts what it
 benchmarks (its stack: redis-server, worker, scheduler; or the worker's runner; or the kernels) and writes its
-results. `llmserve bench` itself is exercised by tests/test_bench_harness.py (a real sweep) and, through
+results. `llmserve bench` itself is exercised by tests/e2e/test_bench_harness.py (a real sweep) and, through
 `bench.results --smoke`, by a `llmserve bench serve` run here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
 

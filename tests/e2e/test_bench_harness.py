@@ -20,7 +20,7 @@ from llmserve.bench.runner import server_flags
 from llmserve.bench.workloads import WorkloadParams
 from scheduler_svc.metrics import Metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---- metrics on hand-made timings ----

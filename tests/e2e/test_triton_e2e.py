@@ -11,7 +11,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Before kernels.triton_attention is imported, and for the session: see tests/test_triton_attention.py.
+    # Before kernels.triton_attention is imported, and for the session: see tests/e2e/test_triton_attention.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import transformers  # noqa: E402

@@ -13,7 +13,7 @@ from tests import cluster
 from tests.redis_fixture import redis_server  # noqa: F401
 
 pytest_plugins = ("tests.cluster",)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:

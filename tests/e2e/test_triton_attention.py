@@ -23,7 +23,7 @@ import triton  # noqa: E402
 
 import kernels.reference as ref  # noqa: E402
 from kernels import triton_attention as tri  # noqa: E402
-from tests.test_reference_attention import cu_seqlens, make_batch  # noqa: E402
+from tests.unit.test_reference_attention import cu_seqlens, make_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not tri.INTERPRET:
@@ -264,7 +264,7 @@ def test_kernels_compile_for_h200():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, os.path.join(root, "bench", "kernels_gpu.py"), "--compile-only"],
