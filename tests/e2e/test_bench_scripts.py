@@ -29,10 +29,13 @@ def test_scheduler_overhead(tmp_path):
     out = tmp_path / "so.json"
     run_bench("scheduler_overhead", "--running", 2, "--warmup", 2, "--measure", 20, "--tail-tokens", 16,
               "--json", out)
-    [row] = json.loads(out.read_text())
-    assert row["running"] == 2 and row["steady_steps"] >= 5
-    assert row["evalsha_per_step"] == pytest.approx(1.0, abs=0.2)  # one Redis round trip per step
-    assert 0 < row["worker_p50_ms"] < row["wall_p50_ms"] and row["overhead_p50_ms"] > 0
+    rows = json.loads(out.read_text())
+    assert sorted(r["scheduling"] for r in rows) == ["async", "sync"]  # pipelined and synchronous, side by side
+    for row in rows:
+        assert row["running"] == 2 and row["steady_steps"] >= 5
+        assert row["evalsha_per_step"] == pytest.approx(1.0, abs=0.2)  # one Redis round trip per step
+        assert 0 < row["worker_p50_ms"] < row["wall_p50_ms"] and row["overhead_p50_ms"] > 0
+        assert row["tokens_per_s"] > 0 and 0 < row["forward_share"] < 1 and row["worker_gap_p50_ms"] > 0
 
 
 def test_tracing_overhead(tmp_path):
