@@ -110,8 +110,26 @@ class Driver(Frontend):
                 log.exception("scheduler iteration failed; standing by and retrying")
                 self._step_down()
                 time.sleep(0.5)
+        if self.in_flight is not None and self.core is not None:  # stopping: finish the step sent last
+            done, self.in_flight = self.in_flight, None
+            try:
+                self._finish_step(done, None)
+            except Exception:
+                log.warning("could not commit the last step while stopping; the next leader recomputes it",
+                            exc_info=True)
+        self._abandon_in_flight()
         self._notify("serving_stopped", self.outbox.end_all())  # left in Redis for the next leader
         self.lease.release()
+
+    def _abandon_in_flight(self, timeout: float = 5.0) -> None:
+        """Stop serving with a step sent but not applied: it is never committed (the next leader recomputes it);
+        wait briefly so that its spans end and are exported."""
+        record, self.in_flight = self.in_flight, None
+        if record is not None:
+            with contextlib.suppress(Exception):
+                record.wait(timeout)
+            record.worker_error = "abandoned"
+            self._notify("step_failed", record)
 
     def _lead(self) -> None:
         led = leadership.take_pool(self.ledger, self.lease, self.worker, self.cfg, self.metrics, self.stopping)
@@ -136,7 +154,7 @@ class Driver(Frontend):
     def _step_down(self) -> None:
         self._set_ready(False)
         self.core = None
-        self.in_flight = None  # never committed, so never seen: the next leader recomputes it
+        self._abandon_in_flight()
         self.lease.token = None
         with self.lock:
             self.inbox.clear()
@@ -207,7 +225,7 @@ class Driver(Frontend):
                 self.in_flight = None
                 self._notify("step_failed", also_changed)
                 with contextlib.suppress(WorkerError):
-                    also_changed.wait()
+                    also_changed.wait(self.cfg.step_timeout)
             self._worker_failed(e)
             return
         record.now = time.time()

@@ -101,8 +101,9 @@ class WorkerClient:
     def execute(self, plan: wpb.StepPlan, trace_parent=None) -> WorkerOutput:
         return self.send(plan, trace_parent)()
 
-    def send(self, plan: wpb.StepPlan, trace_parent=None) -> Callable[[], WorkerOutput]:
-        """Send the plan now; the returned function waits for the step's result (the caller works meanwhile)."""
+    def send(self, plan: wpb.StepPlan, trace_parent=None) -> Callable[..., WorkerOutput]:
+        """Send the plan now; the returned function (optional `timeout`) waits for the step's result while the
+        caller works meanwhile."""
         return self._call(plan, self.step_timeout, trace_parent, _decode)
 
     def _call(self, plan: wpb.StepPlan, timeout: float, trace_parent, decode=lambda r: r):
@@ -118,9 +119,11 @@ class WorkerClient:
             metadata = tracing.inject(span)
         future = self.stub.ExecuteStep.future(plan, timeout=timeout, metadata=metadata)
 
-        def wait():
+        def wait(timeout: float | None = None):
             try:
-                result = future.result()
+                result = future.result(timeout=timeout)
+            except grpc.FutureTimeoutError:
+                raise WorkerLost(grpc.StatusCode.DEADLINE_EXCEEDED, f"no result within {timeout} s") from None
             except grpc.RpcError as e:
                 if span is not None:
                     span.set_attribute("rpc.grpc.status_code", e.code().value[0])
