@@ -63,7 +63,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _execute_in_turn(self, plan: pb.StepPlan, context) -> pb.StepResult:
         with self.turn:
-            self.turn.wait_for(lambda: plan.after_step_id <= self.last_handled_step, timeout=ORDER_WAIT_S)
+            if plan.expected_epoch in ("", self.runner.epoch):  # a plan for an earlier process fails at once
+                self.turn.wait_for(lambda: plan.after_step_id <= self.last_handled_step, timeout=ORDER_WAIT_S)
             return self._execute(plan, context)
 
     def _execute(self, plan: pb.StepPlan, context) -> pb.StepResult:
