@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from llmserve.bench.metrics import percentile
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_SIZE = 16
 VOCAB = 1024
@@ -180,11 +182,6 @@ def child_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------- driver
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def run_version(args: argparse.Namespace, source: str, model: str, tmp: str) -> list[dict]:
     out = os.path.join(tmp, f"result-{time.monotonic_ns()}.json")
     cmd = [sys.executable, "-m", "bench.worker_host_path", "--child", out, "--source", source, "--model", model,
@@ -212,7 +209,7 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for version, cases in results.items():
         for c in cases:
-            stats = {k: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * percentile(v, 0.99)}
+            stats = {k: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * percentile(v, 99)}
                      for k, v in c["times"].items()}
             rows.append({"version": version, "case": c["case"], "decodes": c["decodes"],
                          "steps": len(c["times"]["total"]), "digest": c["digest"], **stats})
