@@ -284,8 +284,8 @@ class Probe:
                 rec.update(send_cpu=time.thread_time() - c, plan_bytes=plan.ByteSize(), step_id=plan.step_id)
 
                 class Result:
-                    def result(self):
-                        result = fut.result()
+                    def result(self, timeout=None):
+                        result = fut.result(timeout=timeout)
                         worker = result.prepare_seconds + result.forward_seconds + result.sample_seconds
                         rec.update(rpc=time.perf_counter() - t, rpc_cpu=rec["send_cpu"], worker=worker,
                                    result_bytes=result.ByteSize())

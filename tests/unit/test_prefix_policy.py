@@ -524,7 +524,7 @@ class _Done:
     def __init__(self, value):
         self.value = value
 
-    def result(self):
+    def result(self, timeout=None):
         return self.value
 
 
