@@ -103,8 +103,8 @@ class Driver(Frontend):
                 self.fatal = str(e)
                 self.stopping.set()
                 break
-            except (LeaseLost, WorkerFenced):
-                log.warning("lost the lease on the pool; standing by")
+            except (LeaseLost, WorkerFenced) as e:
+                log.warning("lost the lease on the pool (%s: %s); standing by", type(e).__name__, e)
                 self._step_down()
             except Exception:
                 log.exception("scheduler iteration failed; standing by and retrying")
@@ -155,6 +155,7 @@ class Driver(Frontend):
         self._set_ready(False)
         self.core = None
         self._abandon_in_flight()
+        self.lease.steps_in_flight(False)
         self.lease.token = None
         with self.lock:
             self.inbox.clear()
@@ -197,6 +198,7 @@ class Driver(Frontend):
             done = record
         if done is not None:
             self._finish_step(done, also_changed=self.in_flight)
+        self.lease.steps_in_flight(self.in_flight is not None)
 
     def _send(self, out: SchedulerOutput) -> StepRecord | None:
         """Encode and send a scheduled step; None when it schedules nothing (its changes go with the next commit)."""
@@ -211,13 +213,13 @@ class Driver(Frontend):
         core.reset_worker, core.to_drop = False, []
         self._notify("step_started", record)
         record.wait = self.worker.send(plan, record.trace)
+        self.lease.steps_in_flight(True)
         return record
 
     def _finish_step(self, record: StepRecord, also_changed: StepRecord | None) -> None:
         """Wait for an executed step, apply it, commit it, publish it. `also_changed`: the step sent after it."""
         try:
-            with self.lease.long_step():
-                record.worker = record.wait()
+            record.worker = record.wait()
         except WorkerError as e:
             record.worker_error = e.code.name
             self._notify("step_failed", record)

@@ -47,14 +47,13 @@ class Lease:
             with contextlib.suppress(Exception):
                 self.ledger.release_lease(self.holder, self.token)
 
-    @contextlib.contextmanager
-    def long_step(self):
-        """Mark a worker call in flight: the heartbeat renews the lease if it outlasts a third of the TTL."""
-        self._step_started = time.monotonic()
-        try:
-            yield
-        finally:
+    def steps_in_flight(self, busy: bool) -> None:
+        """Whether a worker step is outstanding (sent, its result not yet applied): while one is, the heartbeat
+        renews the lease once it has lasted a third of the TTL."""
+        if not busy:
             self._step_started = None
+        elif self._step_started is None:
+            self._step_started = time.monotonic()
 
     def start_heartbeat(self, stopping: threading.Event) -> None:
         """Each commit renews the lease, but one worker step can outlast the TTL (a static batch or an unchunked
