@@ -1,23 +1,10 @@
 """The Lua scripts of the Redis ledger (`store.py`), each run with EVALSHA in one round trip.
 
-Every write script first checks that the caller still holds the lease (`_LEASE_CHECK`), so a scheduler that lost
-its lease changes nothing. Requests are written as flat arrays, one stride per request, in the field orders below,
-which the Python encoder in store.py shares.
+Every write script first checks that the caller still holds the lease (`LEASE_CHECK`), so a scheduler that lost
+its lease changes nothing. COMMIT reads one msgpack payload whose sections `ledger_codec.py` describes and writes.
 """
 
 from __future__ import annotations
-
-# Field order shared by the Python encoder and the Lua script (flat arrays, one stride per request).
-SPEC_FIELDS = ("prompt", "sampling", "priority", "arrival_time", "arrival_seq", "stop", "include_stop",
-               "skip_special", "cache_salt")
-STATE_FIELDS = ("status", "num_computed_tokens", "block_ids", "num_preemptions", "first_token_time")
-FINAL_FIELDS = (*STATE_FIELDS, "finish_reason")
-NEW_FIELDS = (*SPEC_FIELDS, *FINAL_FIELDS)
-
-
-def _lua_list(names: tuple[str, ...]) -> str:
-    return "{" + ",".join(f"'{n}'" for n in names) + "}"
-
 
 LEASE_CHECK = """
 local lease = redis.call('GET', KEYS[1])
@@ -98,24 +85,46 @@ redis.call('HSET', KEYS[2], unpack(args))
 return prev
 """
 
-# KEYS: lease meta free refs active. ARGV: lease value, ttl_ms, key prefix, JSON payload.
-COMMIT = LEASE_CHECK + f"""
-local c = cjson.decode(ARGV[4])
+# KEYS: lease meta free refs active. ARGV: lease value, ttl_ms, key prefix, msgpack payload (ledger_codec.py).
+COMMIT = LEASE_CHECK + """
+local c = cmsgpack.unpack(ARGV[4])
 local pre = ARGV[3]
-local blocks = c.b
+local k_evict, k_bhash, k_computed = pre .. 'evict', pre .. 'bhash', pre .. 'computed'
+local function req(rid) return pre .. 'req:' .. rid end
+local function out(seq) return pre .. 'out:' .. seq end
+local function blk(seq) return pre .. 'blk:' .. seq end
+
+-- One command per up to 1000 arguments (Lua's unpack is bounded by its C stack); nothing for an empty list.
+local function bulk(cmd, key, list)
+  for i = 1, #list, 1000 do redis.call(cmd, key, unpack(list, i, math.min(i + 999, #list))) end
+end
+local function bulk_read(cmd, key, list)
+  local res = {}
+  for i = 1, #list, 1000 do
+    local part = redis.call(cmd, key, unpack(list, i, math.min(i + 999, #list)))
+    for j = 1, #part do res[#res + 1] = part[j] end
+  end
+  return res
+end
 
 -- Validate before any write, so a rejected commit changes nothing.
-local k_evict, k_bhash = pre .. 'evict', pre .. 'bhash'
+local blocks = c.blocks
 if c.check == 1 then
   local total = tonumber(redis.call('HGET', KEYS[2], 'num_blocks'))
-  local nfree, nref = redis.call('SCARD', KEYS[3]), redis.call('HLEN', KEYS[4])
-  local nev = redis.call('ZCARD', k_evict)
+  local ids = {}
   for i = 1, #blocks, 4 do
-    local b, n, h = blocks[i], blocks[i + 1], blocks[i + 2]
+    local b = blocks[i]
     if b < 0 or b >= total then return redis.error_reply('INVARIANT block ' .. b .. ' outside 0..' .. total - 1) end
-    if redis.call('SISMEMBER', KEYS[3], b) == 1 then nfree = nfree - 1 end
-    if redis.call('HEXISTS', KEYS[4], b) == 1 then nref = nref - 1 end
-    if redis.call('ZSCORE', k_evict, b) then nev = nev - 1 end
+    ids[#ids + 1] = b
+  end
+  local nfree, nref, nev = redis.call('SCARD', KEYS[3]), redis.call('HLEN', KEYS[4]), redis.call('ZCARD', k_evict)
+  local in_free, in_refs = bulk_read('SMISMEMBER', KEYS[3], ids), bulk_read('HMGET', KEYS[4], ids)
+  local in_evict = bulk_read('ZMSCORE', k_evict, ids)
+  for j = 1, #ids do
+    local n, h = blocks[4 * j - 2], blocks[4 * j]
+    if in_free[j] == 1 then nfree = nfree - 1 end
+    if in_refs[j] then nref = nref - 1 end
+    if in_evict[j] then nev = nev - 1 end
     if n > 0 then nref = nref + 1 elseif h ~= '' then nev = nev + 1 else nfree = nfree + 1 end
   end
   if nfree + nev + nref ~= total then
@@ -124,59 +133,81 @@ if c.check == 1 then
   end
 end
 
-local function hset_stride(list, names, finish)
-  local w = #names + 1
-  for i = 1, #list, w do
-    local rid = list[i]
-    local args = {{}}
-    for j = 1, #names do
-      local v = list[i + j]
-      if v ~= false then args[#args + 1] = names[j]; args[#args + 1] = v end  -- false: unchanged, skip
-    end
-    redis.call('HSET', pre .. 'req:' .. rid, unpack(args))
-    if finish then
-      redis.call('SREM', KEYS[5], rid)
-      redis.call('EXPIRE', pre .. 'req:' .. rid, c.ttl)
-      redis.call('EXPIRE', pre .. 'out:' .. rid, c.ttl)
-    end
-  end
+-- Joining requests: the whole record; a reused id must not inherit an old output, table or TTL.
+for _, r in ipairs(c.new) do
+  local rid, seq = r[1], r[2]
+  redis.call('DEL', req(rid), out(seq), blk(seq))
+  redis.call('HSET', req(rid), unpack(r, 3))
+  redis.call('SADD', KEYS[5], rid)
 end
-
--- New requests start clean (a reused id must not inherit an old output or TTL).
-local n = c.n
-for i = 1, #n, {len(NEW_FIELDS) + 1} do redis.call('DEL', pre .. 'req:' .. n[i], pre .. 'out:' .. n[i]) end
-hset_stride(n, {_lua_list(NEW_FIELDS)}, false)
-for i = 1, #n, {len(NEW_FIELDS) + 1} do redis.call('SADD', KEYS[5], n[i]) end
-hset_stride(c.u, {_lua_list(STATE_FIELDS)}, false)
-local o = c.o
-for i = 1, #o, 2 do redis.call('APPEND', pre .. 'out:' .. o[i], o[i + 1]) end
+-- Running requests: only what changed.
+for _, r in ipairs(c.state) do redis.call('HSET', req(r[1]), unpack(r, 2)) end
+bulk('HSET', k_computed, c.computed)
+local t = c.blk_set
+for i = 1, #t, 2 do
+  if t[i + 1] == '' then redis.call('DEL', blk(t[i])) else redis.call('SET', blk(t[i]), t[i + 1]) end
+end
+t = c.blk_add
+for i = 1, #t, 2 do redis.call('APPEND', blk(t[i]), t[i + 1]) end
+t = c.out
+for i = 1, #t, 2 do redis.call('APPEND', out(t[i]), t[i + 1]) end
 -- Finish last: a token appended above then keeps the TTL set here.
-hset_stride(c.f, {_lua_list(FINAL_FIELDS)}, true)
-
-for i = 1, #blocks, 4 do
-  local b, n, h, t = blocks[i], blocks[i + 1], blocks[i + 2], blocks[i + 3]
-  if n > 0 then
-    redis.call('HSET', KEYS[4], b, n); redis.call('SREM', KEYS[3], b); redis.call('ZREM', k_evict, b)
-  elseif h ~= '' then
-    redis.call('HDEL', KEYS[4], b); redis.call('SREM', KEYS[3], b); redis.call('ZADD', k_evict, t, b)
-  else
-    redis.call('HDEL', KEYS[4], b); redis.call('SADD', KEYS[3], b); redis.call('ZREM', k_evict, b)
-  end
-  if h ~= '' then redis.call('HSET', k_bhash, b, h) else redis.call('HDEL', k_bhash, b) end
+for _, r in ipairs(c.fin) do
+  local rid, seq = r[1], r[2]
+  redis.call('HSET', req(rid), unpack(r, 3))
+  redis.call('SREM', KEYS[5], rid)
+  redis.call('HDEL', k_computed, seq)
+  redis.call('DEL', blk(seq))
+  redis.call('EXPIRE', req(rid), c.ttl)
+  redis.call('EXPIRE', out(seq), c.ttl)
 end
+
+-- Block changes, grouped: a handful of commands whatever their number.
+local ref_set, ref_del, free_add, free_del, ev_add, ev_del, hash_set, hash_del = {}, {}, {}, {}, {}, {}, {}, {}
+for i = 1, #blocks, 4 do
+  local b, n, tick, h = blocks[i], blocks[i + 1], blocks[i + 2], blocks[i + 3]
+  if n > 0 then
+    ref_set[#ref_set + 1] = b; ref_set[#ref_set + 1] = n
+    free_del[#free_del + 1] = b; ev_del[#ev_del + 1] = b
+  elseif h ~= '' then  -- free, but its cached content stays reusable until evicted
+    ref_del[#ref_del + 1] = b; free_del[#free_del + 1] = b
+    ev_add[#ev_add + 1] = tick; ev_add[#ev_add + 1] = b
+  else
+    ref_del[#ref_del + 1] = b; free_add[#free_add + 1] = b; ev_del[#ev_del + 1] = b
+  end
+  if h ~= '' then hash_set[#hash_set + 1] = b; hash_set[#hash_set + 1] = h else hash_del[#hash_del + 1] = b end
+end
+bulk('HDEL', KEYS[4], ref_del); bulk('HSET', KEYS[4], ref_set)
+bulk('SREM', KEYS[3], free_del); bulk('SADD', KEYS[3], free_add)
+bulk('ZREM', k_evict, ev_del); bulk('ZADD', k_evict, ev_add)
+bulk('HDEL', k_bhash, hash_del); bulk('HSET', k_bhash, hash_set)
 redis.call('HSET', KEYS[2], 'step_id', c.s, 'arrival_seq', c.a)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: meta free refs active. ARGV: key prefix. One consistent snapshot of the pool.
+# KEYS: meta free refs active. ARGV: key prefix. One consistent snapshot of the pool: per active request its id,
+# hash, output and block table; then num_computed_tokens of every active request by seq.
 LOAD = """
+local pre = ARGV[1]
 local reqs = {}
 for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  local seq = redis.call('HGET', pre .. 'req:' .. rid, 'arrival_seq') or ''
   reqs[#reqs + 1] = rid
-  reqs[#reqs + 1] = redis.call('HGETALL', ARGV[1] .. 'req:' .. rid)
-  reqs[#reqs + 1] = redis.call('GET', ARGV[1] .. 'out:' .. rid) or ''
+  reqs[#reqs + 1] = redis.call('HGETALL', pre .. 'req:' .. rid)
+  reqs[#reqs + 1] = redis.call('GET', pre .. 'out:' .. seq) or ''
+  reqs[#reqs + 1] = redis.call('GET', pre .. 'blk:' .. seq) or ''
 end
 return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]), reqs,
-        redis.call('ZRANGE', ARGV[1] .. 'evict', 0, -1, 'WITHSCORES'), redis.call('HGETALL', ARGV[1] .. 'bhash')}
+        redis.call('ZRANGE', pre .. 'evict', 0, -1, 'WITHSCORES'), redis.call('HGETALL', pre .. 'bhash'),
+        redis.call('HGETALL', pre .. 'computed')}
+"""
+
+# ARGV: key prefix, request id. {hash, output, block table, num_computed_tokens (nil once finished)}, or {} if unknown.
+GET_REQUEST = """
+local pre, k = ARGV[1], ARGV[1] .. 'req:' .. ARGV[2]
+local seq = redis.call('HGET', k, 'arrival_seq')
+if not seq then return {} end
+return {redis.call('HGETALL', k), redis.call('GET', pre .. 'out:' .. seq) or '',
+        redis.call('GET', pre .. 'blk:' .. seq) or '', redis.call('HGET', pre .. 'computed', seq)}
 """

@@ -10,31 +10,38 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
     evict         ZSET    free block ids that still hold a cached (hashed) full block, scored by LRU tick
     refs          HASH    block id -> reference count (only counts > 0)
                           invariant: SCARD(free) + ZCARD(evict) + HLEN(refs) == num_blocks
-    bhash         HASH    block id -> "hashhex|t1,t2,..." for every block in the prefix-cache index
+    bhash         HASH    block id -> 16 hash bytes + its tokens packed uint32, for every block in the prefix-cache
+                          index
     active        SET     ids of unfinished requests (waiting or running)
-    req:{rid}     HASH    spec, written once: prompt ("1,2,3"), sampling (JSON object of
-                          scheduler_svc.sampling.SamplingParams.to_dict(), e.g. {"temperature": 0.7, ...,
-                          "seed": 1234, "logprobs": null}), priority, arrival_time, arrival_seq,
-                          stop (JSON list), include_stop, skip_special, cache_salt;
-                          state: status, num_computed_tokens, block_ids ("4,7"), num_preemptions,
-                          first_token_time ("" = none), finish_reason ("" = none)
-    out:{rid}     STRING  output token ids as "12,54," -- APPENDed each step, O(new tokens)
+    req:{rid}     HASH    written whole when the request joins and when it finishes: the spec -- prompt ("1,2,3"),
+                          sampling (JSON object of scheduler_svc.sampling.SamplingParams.to_dict(), e.g.
+                          {"temperature": 0.7, ..., "seed": 1234, "logprobs": null}), priority, arrival_time,
+                          arrival_seq, stop (JSON list), include_stop, skip_special, cache_salt -- and the
+                          transition fields status, num_preemptions, first_token_time ("" = none), finish_reason
+                          ("" = none), each rewritten alone when it changes; num_computed_tokens once finished
+    computed      HASH    arrival_seq -> num_computed_tokens of every active request (one HSET per step for all)
+    out:{seq}     STRING  output token ids, packed little-endian uint32, APPENDed each step (seq = arrival_seq,
+                          unique in a pool: a decode step names a request in a few bytes whatever its id)
+    blk:{seq}     STRING  block table, packed uint32: new ids APPENDed; SET whole on preemption, copy-on-write,
+                          resume; deleted when the request finishes
     lease         STRING  "holder:token", PX ttl: the one scheduler allowed to write
     fence         STRING  counter; each new lease takes the next value as its fencing token (a leader whose
                           worker already saw a newer one jumps past it: `advance_fence`)
 
 The layout above is schema_version SCHEMA_VERSION, recorded in meta when `init_pool` creates the pool (version 1
-was never recorded; it stored sampling as base64 of the worker's SamplingParams proto bytes). A scheduler refuses
+was never recorded; it stored sampling as base64 of the worker's SamplingParams proto bytes; version 2 rewrote
+every request's state each step, outputs and tables as text keyed by request id). A scheduler refuses
 to start on a pool of another version, or of none: `init_pool` and `load` raise `SchemaMismatch` (a ConfigError,
 fatal at start-up); flush the namespace or use another --namespace. Bump SCHEMA_VERSION with any change to the
 keys, their encodings or the sampling record's fields.
 
-Each step's effects (new requests, state changes, appended tokens, finishes, block ref counts, step id)
-go in with ONE EVALSHA (`commit_step`), which first checks the caller still holds the lease.
-Finished requests leave `active` and their two keys expire after `finished_ttl_s`. `out:{rid}` grows only
-through `StepCommit.appended`; a new request resets both its keys (a reused id starts clean). A block table is
-re-sent only when it differs from what this lease token last wrote. `load()` returns requests by arrival_seq
-and a BlockPool whose free list is in id order (the in-memory free order is not persisted).
+Each step's effects (new requests, what changed of running ones, appended tokens, finishes, block changes, step id)
+go in with ONE EVALSHA (`commit_step`) of one msgpack argument (`ledger_codec.py`: only what differs from what this
+lease last wrote), which first checks the caller still holds the lease.
+Finished requests leave `active` and `computed`; their req and out keys expire after `finished_ttl_s`. `out:{seq}`
+grows only through `StepCommit.appended`; a new request resets its keys (a reused id starts clean). `load()`
+returns requests by arrival_seq and a BlockPool whose free list is in id order (the in-memory free order is not
+persisted).
 A request id may be any string; the script builds its keys inside the pool's hash tag (undeclared keys
 in the same slot, which Redis Cluster serves).
 """
@@ -49,12 +56,14 @@ import redis
 from common.validation import ConfigError
 from scheduler_svc import ledger_scripts as scripts
 from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.ledger_codec import CommitEncoder, unpack_cached_block, unpack_ids
 from scheduler_svc.outputs import StepCommit
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 
-# The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict().
-SCHEMA_VERSION = 2
+# The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict(). 3: per-step
+# state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records).
+SCHEMA_VERSION = 3
 
 
 class LeaseLost(Exception):
@@ -103,29 +112,12 @@ def _pairs(flat: list) -> dict[str, str]:
     return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
-def _ints(ids: list[int]) -> str:
-    return ",".join(map(str, ids))
-
-
 def _parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def _opt_float(x: float | None) -> str:
-    return "" if x is None else repr(x)
-
-
-def _state(r: Request, blocks: str | bool) -> list[str | bool]:
-    return [r.status.value, str(r.num_computed_tokens), blocks, str(r.num_preemptions), _opt_float(r.first_token_time)]
-
-
-def _spec(r: Request) -> list[str]:
-    return [_ints(r.prompt_ids), json.dumps(r.sampling.to_dict(), separators=(",", ":")), str(r.priority),
-            repr(r.arrival_time), str(r.arrival_seq), json.dumps(r.stop), "1" if r.include_stop_str_in_output else "0",
-            "1" if r.skip_special_tokens else "0", r.cache_salt]
-
-
-def _decode_request(rid: str, f: dict[str, str], out: str) -> Request:
+def _decode_request(rid: str, f: dict[str, str], out: bytes, blocks: bytes, computed: str | None) -> Request:
+    """A request from its hash, packed output and block table; `computed`: its entry in `computed` (active)."""
     ftt = f.get("first_token_time", "")
     return Request(
         request_id=rid,
@@ -138,14 +130,24 @@ def _decode_request(rid: str, f: dict[str, str], out: str) -> Request:
         include_stop_str_in_output=f["include_stop"] == "1",
         skip_special_tokens=f["skip_special"] == "1",
         cache_salt=f.get("cache_salt", ""),
-        output_ids=_parse_ints(out),
-        num_computed_tokens=int(f["num_computed_tokens"]),
-        block_ids=_parse_ints(f["block_ids"]),
+        output_ids=unpack_ids(out),
+        num_computed_tokens=int(computed if computed is not None else f["num_computed_tokens"]),
+        block_ids=unpack_ids(blocks),
         status=Status(f["status"]),
         finish_reason=f.get("finish_reason") or None,
         num_preemptions=int(f["num_preemptions"]),
         first_token_time=float(ftt) if ftt else None,
     )
+
+
+def _binary_client(client: redis.Redis) -> redis.Redis:
+    """`client`, or one on the same server that returns bytes: outputs and block tables are stored packed, which a
+    client that decodes responses would try to read as UTF-8."""
+    pool = client.connection_pool
+    if not pool.connection_kwargs.get("decode_responses"):
+        return client
+    return redis.Redis(connection_pool=pool.__class__(connection_class=pool.connection_class,
+                                                      **{**pool.connection_kwargs, "decode_responses": False}))
 
 
 def _script_error(e: redis.ResponseError) -> Exception:
@@ -161,13 +163,14 @@ class RedisLedger:
     def __init__(self, client: redis.Redis, namespace: str = "llmserve", pool: str = "0"):
         if any(c in namespace + pool for c in "{}"):
             raise ValueError(f"namespace {namespace!r} and pool {pool!r} must not contain '{{' or '}}'")
-        self.client = client
+        self.client = _binary_client(client)
         self.namespace = namespace
         self.pool_name = pool
         self.prefix = f"{namespace}:{{{pool}}}:"
         p = self.prefix
         self.k_meta, self.k_free, self.k_refs = p + "meta", p + "free", p + "refs"
         self.k_active, self.k_lease, self.k_fence = p + "active", p + "lease", p + "fence"
+        client = self.client
         # register_script: EVALSHA, with a one-time SCRIPT LOAD on NOSCRIPT.
         self._acquire = client.register_script(scripts.ACQUIRE)
         self._renew = client.register_script(scripts.RENEW)
@@ -177,9 +180,10 @@ class RedisLedger:
         self._set_worker = client.register_script(scripts.SET_WORKER)
         self._commit = client.register_script(scripts.COMMIT)
         self._load = client.register_script(scripts.LOAD)
-        # rid -> block table as last written under lease token `_blocks_token` (see commit_step).
-        self._blocks_sent: dict[str, list[int]] = {}
-        self._blocks_token: int | None = None
+        self._get_request = client.register_script(scripts.GET_REQUEST)
+        # What this lease last wrote per active request: a commit sends only the differences.
+        self._encoder = CommitEncoder()
+        self._encoder_token: int | None = None
 
     # ---- lease -------------------------------------------------------------------------------------------
 
@@ -239,50 +243,15 @@ class RedisLedger:
 
     def commit_step(self, holder: str, token: int, ttl_ms: int, commit: StepCommit) -> None:
         """Write one step's effects atomically in one round trip, and renew the lease. Raises LeaseLost."""
-        # Block tables change once per block_size tokens: resend one only when it differs from what this
-        # lease last wrote (stringifying 256 tables every step would dominate the commit).
-        if token != self._blocks_token:
-            self._blocks_sent.clear()
-            self._blocks_token = token
-        sent = self._blocks_sent
-        new: list[str | bool] = []
-        for r in commit.new_requests:
-            sent[r.request_id] = list(r.block_ids)
-            new.append(r.request_id)
-            new += _spec(r)
-            new += _state(r, _ints(r.block_ids))
-            new.append(r.finish_reason or "")
-        upd: list[str | bool] = []
-        for r in commit.updated:
-            blocks: str | bool = False
-            if sent.get(r.request_id) != r.block_ids:
-                blocks = _ints(r.block_ids)
-                sent[r.request_id] = list(r.block_ids)
-            upd.append(r.request_id)
-            upd += _state(r, blocks)
-        fin: list[str | bool] = []
-        for r in commit.finished:
-            sent.pop(r.request_id, None)
-            fin.append(r.request_id)
-            fin += _state(r, _ints(r.block_ids))
-            fin.append(r.finish_reason or "")
-        out: list[str] = []
-        for rid, toks in commit.appended.items():
-            if toks:
-                out += [rid, ",".join(map(str, toks)) + ","]
-        changes: list[int | str] = []
-        for b, st in commit.block_changes.items():
-            h = f"{st.hash.hex()}|{_ints(st.tokens)}" if st.hash is not None else ""
-            changes += (b, st.ref_count, h, st.lru_tick)
-        payload = json.dumps(
-            {"s": str(commit.step_id), "a": str(commit.arrival_seq), "n": new, "u": upd, "o": out, "f": fin,
-             "b": changes, "ttl": commit.finished_ttl_s, "check": int(commit.check_invariant)},
-            separators=(",", ":"), ensure_ascii=False)
+        if token != self._encoder_token:  # another lease may have written since: start from whole states
+            self._encoder.forget()
+            self._encoder_token = token
+        payload = self._encoder.encode(commit)
         keys = [self.k_lease, self.k_meta, self.k_free, self.k_refs, self.k_active]
         try:
             self._commit(keys=keys, args=[f"{holder}:{token}", ttl_ms, self.prefix, payload])
         except Exception as e:
-            self._blocks_sent.clear()  # outcome unknown: next commit writes every block table again
+            self._encoder.forget()  # outcome unknown: the next commit writes each request's whole state
             if isinstance(e, redis.ResponseError):
                 raise _script_error(e) from None
             raise
@@ -291,23 +260,23 @@ class RedisLedger:
 
     def load(self) -> LoadedState:
         """Everything a new scheduler needs to rebuild its mirror, read atomically."""
-        meta_flat, free, refs_flat, reqs, evict, bhash = self._load(
+        meta_flat, free, refs_flat, reqs, evict, bhash, computed_flat = self._load(
             keys=[self.k_meta, self.k_free, self.k_refs, self.k_active], args=[self.prefix])
         meta = _pairs(meta_flat)
         if "num_blocks" not in meta:
             raise RuntimeError(f"pool {self.prefix!r} is not initialised (call init_pool first)")
         check_schema(self.prefix, meta.get("schema_version"))  # before decoding any request in the old layout
+        self._encoder.forget()  # the caller rebuilds its state from what is read here
+        computed = _pairs(computed_flat)
         requests = []
-        for i in range(0, len(reqs), 3):
+        for i in range(0, len(reqs), 4):
             fields = _pairs(reqs[i + 1])
             if fields:  # an active id without a hash would be a bug elsewhere; skip rather than crash start-up
-                requests.append(_decode_request(_text(reqs[i]), fields, _text(reqs[i + 2])))
+                requests.append(_decode_request(_text(reqs[i]), fields, reqs[i + 2], reqs[i + 3],
+                                                computed.get(fields["arrival_seq"])))
         requests.sort(key=lambda r: r.arrival_seq)
         refs = {int(b): int(n) for b, n in _pairs(refs_flat).items()}
-        cached = {}
-        for b, v in _pairs(bhash).items():
-            h, toks = v.split("|")
-            cached[int(b)] = (bytes.fromhex(h), tuple(_parse_ints(toks)))
+        cached = {int(bhash[i]): unpack_cached_block(bhash[i + 1]) for i in range(0, len(bhash), 2)}
         pool = BlockPool(int(meta["num_blocks"]), free_ids=sorted(int(b) for b in free), refs=refs, cached=cached,
                          evictable={int(evict[i]): int(float(evict[i + 1])) for i in range(0, len(evict), 2)})
         return LoadedState(requests=requests, pool=pool, step_id=int(meta.get("step_id", 0)),
@@ -315,13 +284,11 @@ class RedisLedger:
 
     def get_request(self, rid: str) -> Request | None:
         """A request by id, finished ones included while their keys live."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.prefix + "req:" + rid)
-        pipe.get(self.prefix + "out:" + rid)
-        fields, out = pipe.execute()
-        if not fields:
+        res = self._get_request(args=[self.prefix, rid])
+        if not res:
             return None
-        return _decode_request(rid, {_text(k): _text(v) for k, v in fields.items()}, _text(out or ""))
+        fields, out, blocks, computed = res
+        return _decode_request(rid, _pairs(fields), out, blocks, None if computed is None else _text(computed))
 
     def check_ledger(self) -> dict:
         """Block accounting for tests; asserts nothing itself."""

@@ -228,7 +228,9 @@ def test_commit_sequence_then_load_rebuilds_state(client, redis_server):  # noqa
         got = ledger.get_request(r.request_id)
         assert got == r and got.finish_reason == FINISH_LENGTH and len(got.output_ids) == r.max_tokens
         assert 0 < client.ttl(ledger.prefix + "req:" + r.request_id) <= 600
-        assert 0 < client.ttl(ledger.prefix + "out:" + r.request_id) <= 600
+        assert 0 < client.ttl(ledger.prefix + f"out:{r.arrival_seq}") <= 600
+        assert not client.exists(ledger.prefix + f"blk:{r.arrival_seq}")
+        assert not client.hexists(ledger.prefix + "computed", r.arrival_seq)
     assert ledger.get_request("nope") is None
 
 
@@ -248,7 +250,7 @@ def test_finished_request_leaves_active_but_stays_readable(ledger, client):
     assert ledger.load().requests == []
     got = ledger.get_request("r1")
     assert got == r and got.output_ids == [11, 12] and got.status == Status.FINISHED
-    assert 0 < client.ttl(ledger.prefix + "out:r1") <= 30
+    assert 0 < client.ttl(ledger.prefix + f"out:{r.arrival_seq}") <= 30
     assert ledger.check_ledger() == {"free": 16, "evictable": 0, "allocated": 0, "total": 16, "refs_sum": 0,
                                      "cached": 0, "active": 0, "overlap": 0}
 
