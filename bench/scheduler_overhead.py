@@ -264,9 +264,12 @@ class Probe:
 
         ledger = engine.ledger
         orig_commit_script = ledger._commit
+        self.commit_sha = orig_commit_script.sha  # to pick its calls out of the server's SLOWLOG
 
         def commit_script(keys=None, args=None, client=None):
-            self.payloads[self.engine.step_id] = sum(len(str(a).encode()) for a in args or ())  # every ARGV
+            # Every ARGV as sent: bytes as they are, the rest as its text.
+            self.payloads[self.engine.step_id] = sum(len(a) if isinstance(a, bytes) else len(str(a).encode())
+                                                     for a in args or ())
             return orig_commit_script(keys=keys, args=args, client=client)
 
         ledger._commit = commit_script
@@ -298,6 +301,27 @@ class Probe:
 
     def close(self) -> None:
         self._restore()
+
+
+def script_times_start(client) -> None:
+    """Log every command's execution time (the server's SLOWLOG, threshold 0) for the measured window."""
+    client.config_set("slowlog-log-slower-than", 0)
+    client.config_set("slowlog-max-len", 1_000_000)
+    client.slowlog_reset()
+
+
+def script_times_end(client, sha: str) -> list[float]:
+    """Milliseconds of each call of script `sha` (its EVALSHA, inner commands included) since the start."""
+    entries = client.slowlog_get(1_000_000)
+    client.config_set("slowlog-log-slower-than", 10_000)
+    client.slowlog_reset()
+    ms = []
+    for e in entries:
+        cmd = e["command"]
+        cmd = cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)
+        if cmd.lower().startswith("evalsha") and sha in cmd:
+            ms.append(e["duration"] / 1e3)
+    return ms
 
 
 def redis_counters(client) -> dict:
@@ -384,6 +408,7 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
             time.sleep(0.02)
 
     wait_for(warmup)
+    script_times_start(stack.redis)
     a_idx, a_red, a_it = len(engine.step_stats), redis_counters(stack.redis), len(probe.iterations)
     if profile:
         # Engine-thread CPU time, not wall: waits (GIL, locks, sockets) on a shared machine would swamp it.
@@ -394,6 +419,7 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     t_b = time.perf_counter()
     probe.profile_window.clear()
     b_idx, b_red, b_it = len(engine.step_stats), redis_counters(stack.redis), len(probe.iterations)
+    commit_script_ms = script_times_end(stack.redis, probe.commit_sha)
     proc.terminate()
     proc.wait(timeout=30)
     stack.wait_idle()
@@ -427,7 +453,8 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     evalsha_usec = b_red["usec"].get("evalsha", 0) - a_red["usec"].get("evalsha", 0)
     delta_calls = {k: b_red["calls"].get(k, 0) - a_red["calls"].get(k, 0) for k in b_red["calls"]}
     # Our own two INFO calls per snapshot are not the scheduler's.
-    delta_calls.pop("info", None)
+    for ours in ("info", "config|set", "config", "slowlog|get", "slowlog|reset", "slowlog"):
+        delta_calls.pop(ours, None)
     evalsha = delta_calls.get("evalsha", 0)
     total_cmds = sum(delta_calls.values())
     out = {
@@ -448,6 +475,8 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
         "engine_cpu_p50_ms": percentile(engine_cpu, 50),
         "rpc_cpu_p50_ms": percentile(rpc_cpu, 50),
         "redis_evalsha_ms": evalsha_usec / 1e3 / evalsha if evalsha else float("nan"),
+        "commit_script_p50_ms": percentile(commit_script_ms, 50) if commit_script_ms else float("nan"),
+        "commit_p50_ms": percentile(split["commit"], 50),
         "plan_bytes_p50": percentile([r["plan_bytes"] for _, r in window], 50),
         "result_bytes_p50": percentile([r["result_bytes"] for _, r in window], 50),
         "steps_per_s": steps / (t_b - t_a),
@@ -485,6 +514,13 @@ def print_table(rows: list[dict]) -> None:
               f"{r['wall_p50_ms']:.2f} | {r['overhead_p50_ms']:.2f} | {r['engine_cpu_p50_ms']:.2f} | "
               f"{r['evalsha_per_step']:.2f} | {r['redis_cmds_per_step']:.0f} | {r['redis_evalsha_ms']:.2f} | "
               f"{r['redis_in_bytes_per_step']:.0f} | {r['plan_bytes_p50']:.0f} | {r['result_bytes_p50']:.0f} |")
+    print("\n| scheduling | running | Redis cmds / step | Redis bytes in / step | commit payload (B) | "
+          "commit script p50 (ms) | commit round trip p50 (ms) |")
+    print("|" + "---|" * 7)
+    for r in rows:
+        print(f"| {r.get('scheduling', 'async')} | {r['running']} | {r['redis_cmds_per_step']:.0f} | "
+              f"{r['redis_in_bytes_per_step']:.0f} | {r['commit_payload_bytes']:.0f} | "
+              f"{r['commit_script_p50_ms']:.3f} | {r['commit_p50_ms']:.2f} |")
     by = {(r.get("scheduling", "async"), r["running"]): r for r in rows}
     for n in sorted({r["running"] for r in rows}):
         a, b = by.get(("async", n)), by.get(("sync", n))
@@ -528,7 +564,8 @@ def run_mode(args, mode: str, model_dir: str, blocks: int, max_model_len: int) -
                       f"in {r['redis_in_bytes_per_step']:.0f} B/step, out {r['redis_out_bytes_per_step']:.0f} "
                       f"B/step, commit payload {r['commit_payload_bytes']:.0f} B, engine CPU/iteration "
                       f"{r['engine_cpu_p50_ms']:.2f} ms (RPC part {r['rpc_cpu_p50_ms']:.2f}), Redis script time "
-                      f"{r['redis_evalsha_ms']:.2f} ms, iteration p50 {r['loop_period_ms']:.2f} ms, "
+                      f"{r['redis_evalsha_ms']:.2f} ms (commit script p50 {r['commit_script_p50_ms']:.3f} ms), "
+                      f"iteration p50 {r['loop_period_ms']:.2f} ms, "
                       f"plan {r['plan_bytes_p50']:.0f} B, "
                       f"result {r['result_bytes_p50']:.0f} B, {r['steps_per_s']:.1f} steps/s", flush=True)
                 if prof:

@@ -61,7 +61,7 @@ def spec_fields(r: Request) -> list[str]:
             "sampling", json.dumps(r.sampling.to_dict(), separators=(",", ":")),
             "priority", str(r.priority), "arrival_time", repr(r.arrival_time), "arrival_seq", str(r.arrival_seq),
             "stop", json.dumps(r.stop), "include_stop", "1" if r.include_stop_str_in_output else "0",
-            "skip_special", "1" if r.skip_special_tokens else "0", "cache_salt", r.cache_salt]
+            "skip_special", "1" if r.skip_special_tokens else "0", "cache_salt", r.cache_salt, "fork_of", r.fork_of]
 
 
 def final_fields(r: Request) -> list[str]:

@@ -10,6 +10,8 @@ from scheduler_svc.request import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 640.0, 2560.0)
+# A step commit takes milliseconds: finer buckets than request latencies.
+_COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Why admission stopped in a step that left requests waiting (`llmserve:admission_blocked_steps_total{limit}`).
 ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache")
@@ -57,6 +59,9 @@ class Metrics:
                                    registry=r)
         self.step_seconds = Histogram("llmserve:step_seconds", "Scheduler step: scheduling to the step's commit", L,
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.redis_commit_seconds = Histogram("llmserve:redis_commit_seconds", "A step's Redis commit: encoding "
+                                              "and the one script call, round trip included", L,
+                                              buckets=_COMMIT_BUCKETS, registry=r)
         self._last_token_time: dict[str, float] = {}
         self._tokens_this_step = 0
         self.set_model_name(model_name)
@@ -74,6 +79,7 @@ class Metrics:
         self.c_prefix_q, self.c_prefix_h = self.prefix_queries.labels(**m), self.prefix_hits.labels(**m)
         self.c_forward, self.c_idle = self.worker_forward.labels(**m), self.worker_idle.labels(**m)
         self.c_step = self.step_seconds.labels(**m)
+        self.c_commit = self.redis_commit_seconds.labels(**m)
         self.c_success: dict[str, Counter] = {}
         # Created up front so a scrape shows 0 rather than nothing for a limit never hit.
         self.c_blocked = {lim: self.admission_blocked.labels(model_name=name, limit=lim) for lim in ADMISSION_LIMITS}
@@ -122,6 +128,9 @@ class Metrics:
         self.c_forward.inc(forward_seconds)
         self.c_idle.inc(idle_seconds)
         self.c_step.observe(step_seconds)
+
+    def redis_commit(self, seconds: float) -> None:
+        self.c_commit.observe(seconds)
 
     def request_finished(self, req: Request, now: float) -> None:
         self._last_token_time.pop(req.request_id, None)

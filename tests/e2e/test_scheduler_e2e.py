@@ -761,5 +761,6 @@ def test_async_and_sync_scheduling_give_identical_outputs(cl):
         after = metrics(proc.extra["metrics_port"])
         assert after.get("vllm:num_preemptions_total", 0.0) > before, f"{config}: the run was meant to preempt"
         assert after["llmserve:worker_forward_seconds_total"] > 0 and after["llmserve:step_seconds_count"] > 0
+        assert after["llmserve:redis_commit_seconds_count"] > 0
         wait_idle_ledger(cl.redis_url, proc.namespace, SMALL_BLOCKS)
         assert_clean_log(proc)

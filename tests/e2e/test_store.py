@@ -15,7 +15,7 @@ from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FINISH_LENGTH, Request, Status
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, StepCommit
+from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, SchemaMismatch, StepCommit
 from tests.redis_fixture import redis_server  # noqa: F401
 
 HOLDER = "sched-a"
@@ -168,16 +168,21 @@ class MiniEngine:
         self.pool, self.waiting, self.running = self.core.pool, self.core.waiting, self.core.running
         self.finished: list[Request] = []
         self.step_id = 0
+        self.copies = 0
 
     @property
     def arrival_seq(self) -> int:
         return self.core.arrival_seq
 
-    def step(self, arrivals: list[Request]) -> None:
+    def step(self, arrivals: list[Request], groups: list[list[Request]] = ()) -> None:
+        """One step; `groups`: requests with n > 1 (the first, then siblings that fork from it)."""
         self.step_id += 1
         for r in arrivals:
             self.core.add([r])
+        for g in groups:
+            self.core.add(g)
         out = self.core.schedule(0.0)
+        self.copies += len(out.copies)
         tokens = []
         for r in out.scheduled:
             if r.num_pending_tokens:  # the chunk reached the end of the known tokens: the worker samples one
@@ -232,6 +237,67 @@ def test_commit_sequence_then_load_rebuilds_state(client, redis_server):  # noqa
         assert not client.exists(ledger.prefix + f"blk:{r.arrival_seq}")
         assert not client.hexists(ledger.prefix + "computed", r.arrival_seq)
     assert ledger.get_request("nope") is None
+
+
+def test_load_after_forks_copy_on_write_preemption_and_finish_equals_memory(client, redis_server):  # noqa: F811
+    """Deltas (appended block ids, whole tables on copy-on-write and preemption) read back to the same state."""
+    ledger = RedisLedger(client, namespace="cow")
+    ledger.init_pool(num_blocks=10, block_size=4)  # tight: forces preemptions
+    eng = MiniEngine(ledger, ledger.try_acquire_lease(HOLDER, TTL_MS), num_blocks=10, block_size=4)
+    groups = {0: [0, 3], 2: [6], 4: [9, 12]}  # first sequence ids; each with two siblings (n = 3)
+    step = 0
+    while step < 150 and (step <= max(groups) or eng.waiting or eng.running):
+        batch = []
+        for g in groups.get(step, []):
+            first = make_request(f"g{g}#0", prompt_len=6 + g % 3, max_tokens=9 + g % 4, seq=g)
+            batch.append([first] + [make_request(f"g{g}#{i}", prompt_len=first.num_prompt_tokens,
+                                                 max_tokens=first.max_tokens, seq=g + i, fork_of=first.request_id)
+                                    for i in (1, 2)])
+            for sib in batch[-1][1:]:
+                sib.prompt_ids = list(first.prompt_ids)
+        eng.step([], batch)
+        step += 1
+        with redis.Redis.from_url(redis_server) as c2:
+            state = RedisLedger(c2, namespace="cow").load()
+        # Siblings waiting to fork are in neither queue yet.
+        assert state.requests == sorted(eng.core.requests.values(), key=lambda r: r.arrival_seq)
+        assert state.pool.ref_counts == eng.pool.ref_counts and sorted(state.pool.free) == sorted(eng.pool.free)
+    assert not eng.waiting and not eng.running and len(eng.finished) == 15
+    assert eng.copies > 0, "siblings were meant to copy a shared block"
+    assert sum(r.num_preemptions for r in eng.finished) > 0, "the pool was meant to be tight enough to preempt"
+    for r in eng.finished:
+        assert ledger.get_request(r.request_id) == r
+
+
+def _server_commands(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_evalsha"))
+
+
+def test_decode_step_costs_one_command_per_request(client):
+    """A decode step appends each request's token (one APPEND each); the rest is a fixed handful of commands."""
+    cost = {}
+    for n in (1, 10):
+        led = RedisLedger(client, namespace=f"cmd{n}")
+        led.init_pool(n * 32, 16)
+        tok = led.try_acquire_lease(HOLDER, TTL_MS)
+        reqs = _big_step(led, tok, n=n)
+        led.commit_step(HOLDER, tok, TTL_MS, _decode_commit(reqs, 2))
+        before = _server_commands(client)
+        led.commit_step(HOLDER, tok, TTL_MS, _decode_commit(reqs, 3))
+        cost[n] = _server_commands(client) - before
+        assert led.get_request(reqs[-1].request_id) == reqs[-1]
+    assert cost[10] - cost[1] == 9
+    assert cost[1] <= 6  # lease check, num_computed, the token, step id, lease renewal
+
+
+def test_pool_of_schema_version_2_is_refused(client):
+    """A pool the previous layout wrote (state rewritten each step, text outputs keyed by request id)."""
+    client.hset("v2:{0}:meta", mapping={"schema_version": 2, "num_blocks": 4, "block_size": 16})
+    led = RedisLedger(client, namespace="v2")
+    for call in (lambda: led.init_pool(4, 16), led.load):
+        with pytest.raises(SchemaMismatch, match="schema_version 2"):
+            call()
 
 
 def test_finished_request_leaves_active_but_stays_readable(ledger, client):
