@@ -44,8 +44,8 @@ def test_sigterm_drains_in_flight_requests(redis_server, worker, timeout_s, max_
         out: dict = {}
         t = threading.Thread(target=stream, args=(stub, "drain-a", max_tokens, out))
         t.start()
-        while not cluster.ledger(redis_server, sched.namespace).client.strlen(
-                cluster.ledger(redis_server, sched.namespace).prefix + "out:drain-a"):
+        ledger = cluster.ledger(redis_server, sched.namespace)
+        while not getattr(ledger.get_request("drain-a"), "output_ids", None):
             t.join(0.05)  # until the first token is committed
         sched.popen.send_signal(signal.SIGTERM)
         cluster_health = None
