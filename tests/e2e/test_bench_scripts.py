@@ -36,6 +36,7 @@ def test_scheduler_overhead(tmp_path):
         assert row["evalsha_per_step"] == pytest.approx(1.0, abs=0.2)  # one Redis round trip per step
         assert 0 < row["worker_p50_ms"] < row["wall_p50_ms"] and row["overhead_p50_ms"] > 0
         assert row["tokens_per_s"] > 0 and 0 < row["forward_share"] < 1 and row["worker_gap_p50_ms"] > 0
+        assert row["commit_script_p50_ms"] > 0 and 0 < row["commit_payload_bytes"] < row["redis_in_bytes_per_step"]
 
 
 def test_tracing_overhead(tmp_path):
