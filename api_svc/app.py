@@ -30,6 +30,11 @@ VERSION = "0.1.0"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def _is_type_name(part) -> bool:
+    """pydantic names the alternative of a union in an error's location (`str`, `list[int]`): not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-int"))
+
+
 @dataclass
 class APIConfig:
     scheduler: str  # HOST:PORT of the scheduler's public gRPC API
@@ -63,11 +68,14 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request body"}
+        found = e.errors() or [{"loc": (), "msg": "invalid request body", "type": ""}]
+        # A union (prompt: string | token ids | ...) fails once per alternative: report a violated limit rather than
+        # a type mismatch, and the most specific place.
+        first = min(found, key=lambda err: (str(err.get("type", "")).endswith("_type"), -len(err.get("loc", ()))))
         if first.get("type") == "json_invalid":
             return errors.bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
                                       ).response()
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_name(x)]
         param = loc[0] if loc else None
         where = ".".join(loc)
         return errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param).response()
@@ -140,7 +148,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
             tok = bridge.need_tokenizer()
             echo = [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids)) for r in reqs]
         reply = Reply(f"cmpl-{rid}", name, body.n, TokenStrings(bridge.tokenizer), chat=False,
-                      include_usage=body.include_usage)
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(r) for r in reqs]
         return await run(bridge, gens, reply, body.logprobs is not None, body.stream, echo)
 
@@ -156,7 +164,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, TokenStrings(bridge.tokenizer), chat=True,
-                      include_usage=body.include_usage)
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(chat_request(body, rid), chat=True)]
         return await run(bridge, gens, reply, body.logprobs, body.stream, None)
 

@@ -46,6 +46,7 @@ class SamplingFields(_Body):
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
     cache_salt: str | None = None
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice (and chunk) also carries its output token ids
     stream: bool = False
     stream_options: StreamOptions | None = None
 

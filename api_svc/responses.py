@@ -36,6 +36,7 @@ class Reply:
     strings: TokenStrings
     chat: bool
     include_usage: bool = False
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt number -> its length
     completion_tokens: int = 0
@@ -86,10 +87,12 @@ class Reply:
         if self.chat:
             choice = {"index": index, "delta": {"role": "assistant", "content": body} if first else {"content": body},
                       "logprobs": self.chat_logprobs(lps) if lps else None, "finish_reason": finish}
-            return {**self.head("chat.completion.chunk"), "choices": [choice]}
-        logprobs = self.completion_logprobs(delta.token_ids, lps, text_offset) if lps else None
-        choice = {"index": index, "text": body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
-        return {**self.head("text_completion"), "choices": [choice]}
+        else:
+            logprobs = self.completion_logprobs(delta.token_ids, lps, text_offset) if lps else None
+            choice = {"index": index, "text": body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids if delta is not None else []
+        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
     def usage_chunk(self) -> dict:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
@@ -128,4 +131,6 @@ def whole(reply: Reply, choices: list[ChoiceText], want_logprobs: bool) -> dict:
             logprobs = reply.completion_logprobs(c.token_ids, c.logprobs, len(c.prefix)) if want_logprobs else None
             out.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                         "stop_reason": None})
+        if reply.return_token_ids:
+            out[-1]["token_ids"] = c.token_ids
     return {**reply.head(reply.object), "choices": out, "usage": reply.usage()}

@@ -4,10 +4,10 @@ all come through here.
 - `free_port()`; `start_redis(data_dir, ...)`: a private redis-server (fixed or free port, append-only file, extra
   flags such as --requirepass or TLS ports).
 - `start_worker(...)`, `start_scheduler(...)`, `start_api(...)`, `start_serve(...)`: `python -m llmserve.cli
-  worker|scheduler|api|serve` in
-  their own session (process group), stdout+stderr appended to a log file; with `wait` they return once the ready
-  line the server prints is in the log (`worker_svc.server.READY_LINE`, `scheduler_svc.server.LISTENING_LINE`,
-  `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
+  worker|scheduler|api|serve` in their own session (process group), stdout+stderr appended to a log file; with
+  `wait` they return once the ready line the server prints is in the log (`worker_svc.server.READY_LINE`,
+  `scheduler_svc.server.LISTENING_LINE`, `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one
+  returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
 - `health(address)`, `wait_healthy(address)`: grpc.health.v1.
 - `InProcessScheduler` / `start_scheduler_in_process(...)`: the scheduler (engine + gRPC server) inside this
   process, built by the same public functions `llmserve scheduler` uses; `Stack`: redis-server + a worker process +
