@@ -145,9 +145,10 @@ def create_app(cfg: APIConfig) -> FastAPI:
         reqs = completion_requests(body, rid)
         echo = None
         if body.echo:
-            tok = bridge.need_tokenizer()
+            tok = await bridge.get_tokenizer()
             echo = [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids)) for r in reqs]
-        reply = Reply(f"cmpl-{rid}", name, body.n, TokenStrings(bridge.tokenizer), chat=False,
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None else None)
+        reply = Reply(f"cmpl-{rid}", name, body.n, strings, chat=False,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(r) for r in reqs]
         return await run(bridge, gens, reply, body.logprobs is not None, body.stream, echo)
@@ -163,7 +164,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
         if not body.messages:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
-        reply = Reply(f"chatcmpl-{rid}", name, body.n, TokenStrings(bridge.tokenizer), chat=True,
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
+        reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(chat_request(body, rid), chat=True)]
         return await run(bridge, gens, reply, body.logprobs, body.stream, None)
@@ -172,7 +174,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
     async def tokenize(body: TokenizeRequest, request: Request):
         bridge = bridge_of(request)
         await check_model(bridge, body.model)
-        tok = bridge.need_tokenizer()
+        tok = await bridge.get_tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise errors.bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
@@ -194,7 +196,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise errors.bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": bridge.need_tokenizer().decode(body.tokens)}
+        return {"prompt": (await bridge.get_tokenizer()).decode(body.tokens)}
 
     app.include_router(v1)
 

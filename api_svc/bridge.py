@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -218,9 +219,10 @@ class Bridge:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
         self._info_lock = asyncio.Lock()
+        self._tokenizer_future: asyncio.Future | None = None
 
     async def model_info(self) -> pb.ModelInfoResponse:
-        """The scheduler's model (asked once; then cached), and the tokenizer loaded from its path."""
+        """The scheduler's model (asked once; then cached); the first answer starts loading the tokenizer."""
         if self.info is not None:
             return self.info
         async with self._info_lock:
@@ -229,22 +231,38 @@ class Bridge:
                     info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=5)
                 except grpc.aio.AioRpcError as e:
                     raise unavailable(f"the scheduler at {self.address} is not ready: {e.details()}") from None
-                await self._load_tokenizer(self.tokenizer_path or info.model_path)
+                self._start_tokenizer(self.tokenizer_path or info.model_path)
                 self.info = info
         return self.info
 
-    async def _load_tokenizer(self, path: str) -> None:
-        try:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        except (OSError, ValueError) as e:  # e.g. the model file lives on the scheduler's machine only
-            self.tokenizer_error = (f"cannot load the tokenizer from {path} ({e}); give --tokenizer a GGUF file or "
-                                    "an HF directory readable by this process")
-            log.warning("%s", self.tokenizer_error)
+    def _start_tokenizer(self, path: str) -> None:
+        """Load the tokenizer on a daemon thread (seconds for a GGUF vocabulary; a process that stops meanwhile
+        does not wait for it). Only /tokenize, /detokenize, echo and logprobs need it."""
+        loop = asyncio.get_running_loop()
+        self._tokenizer_future = loop.create_future()
 
-    def need_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise unavailable(self.tokenizer_error or "the tokenizer is not loaded yet")
-        return self.tokenizer
+        def load() -> None:
+            try:
+                tok, error = load_tokenizer(path), None
+            except Exception as e:  # noqa: BLE001  (e.g. the model file lives on the scheduler's machine only)
+                tok, error = None, (f"cannot load the tokenizer from {path} ({e}); give --tokenizer a GGUF file or "
+                                    "an HF directory readable by this process")
+            loop.call_soon_threadsafe(self._tokenizer_loaded, tok, error)
+
+        threading.Thread(target=load, name="load-tokenizer", daemon=True).start()
+
+    def _tokenizer_loaded(self, tok: Tokenizer | None, error: str | None) -> None:
+        self.tokenizer, self.tokenizer_error = tok, error
+        if error:
+            log.warning("%s", error)
+        self._tokenizer_future.set_result(tok)
+
+    async def get_tokenizer(self) -> Tokenizer:
+        await self.model_info()
+        tok = await asyncio.shield(self._tokenizer_future)
+        if tok is None:
+            raise unavailable(self.tokenizer_error or "the tokenizer could not be loaded")
+        return tok
 
     async def wait_info(self, stop: asyncio.Event) -> None:
         """Ask for the model info until the scheduler answers (at start-up, so the first request finds it)."""

@@ -153,7 +153,7 @@ def test_api_command_and_healthcheck(stack, bundled_model_path):
         while (proc := run_check("api", {"8000": str(hport)})).returncode != 0:
             assert api.poll() is None and time.monotonic() < deadline, proc.stdout + proc.stderr
             time.sleep(0.5)
-        models = httpx.get(f"http://127.0.0.1:{hport}/v1/models", timeout=10).json()
+        models = httpx.get(f"http://127.0.0.1:{hport}/v1/models", timeout=60).json()
         assert models["data"][0]["max_model_len"] == 512
     finally:
         api.terminate()
