@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api_svc import errors
@@ -27,6 +27,7 @@ from scheduler_svc.admission import CHAT_ROLES
 
 log = logging.getLogger("llmserve.api")
 VERSION = "0.1.0"
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -120,7 +121,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
                                             "owned_by": "llmserve", "root": info.model_path, "parent": None,
                                             "max_model_len": info.max_model_len}]}
 
-    async def run(bridge: Bridge, gens: list[Generation], reply: Reply, want_logprobs: bool, stream: bool,
+    async def run(request: Request, gens: list[Generation], reply: Reply, want_logprobs: bool, stream: bool,
                   echo: list[str] | None):
         try:  # admission errors (bad fields, full queue, no worker) become HTTP errors before any byte
             await asyncio.gather(*(g.first() for g in gens))
@@ -132,9 +133,21 @@ def create_app(cfg: APIConfig) -> FastAPI:
             return StreamingResponse(events(reply, gens, want_logprobs=want_logprobs, echo=echo),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         choices = [ChoiceText(prefix=echo[k] if echo else "") for k in range(len(gens)) for _ in range(reply.n)]
-        async for k, delta in merged(gens):
-            reply.count(k, delta)
-            choices[k * reply.n + delta.index].add(delta)
+
+        async def collect() -> None:
+            async for k, delta in merged(gens):
+                reply.count(k, delta)
+                choices[k * reply.n + delta.index].add(delta)
+
+        # A client that goes away before a whole answer is ready aborts it too (its streams close).
+        task = asyncio.create_task(collect())
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        task.result()
         return JSONResponse(whole(reply, choices, want_logprobs))
 
     @v1.post("/v1/completions")
@@ -151,7 +164,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         reply = Reply(f"cmpl-{rid}", name, body.n, strings, chat=False,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(r) for r in reqs]
-        return await run(bridge, gens, reply, body.logprobs is not None, body.stream, echo)
+        return await run(request, gens, reply, body.logprobs is not None, body.stream, echo)
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -168,7 +181,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(chat_request(body, rid), chat=True)]
-        return await run(bridge, gens, reply, body.logprobs, body.stream, None)
+        return await run(request, gens, reply, body.logprobs, body.stream, None)
 
     @v1.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):

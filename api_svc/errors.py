@@ -57,6 +57,8 @@ def _param_of(message: str, chat: bool) -> str | None:
     m = _SAMPLING_FIELD.search(message)
     if m:
         return m.group(1)
+    if "max_tokens (" in message:  # "prompt (N tokens) + max_tokens (M) = ... can never fit the KV pool"
+        return "max_tokens"
     m = _LEADING_FIELD.match(message)
     if m:
         return "messages" if chat or m.group(1) == "chat.messages" else "prompt"
@@ -73,7 +75,7 @@ def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> APIErr
             return APIError(429, details, "RateLimitError", None, "rate_limit_exceeded",
                             {"Retry-After": str(RETRY_AFTER_S)})
         # A request that can never fit the KV pool, even alone: retrying will not help.
-        return bad_request(details, _param_of(details, chat) or "max_tokens")
+        return bad_request(details, _param_of(details, chat))
     if code == grpc.StatusCode.UNAVAILABLE:
         return unavailable(details or "the scheduler is unavailable")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

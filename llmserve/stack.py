@@ -659,6 +659,10 @@ def serve(args: argparse.Namespace) -> None:
         if sup.stopping.is_set():
             return
         sched = InProcessScheduler(args).start(args.host, args.port)
+        api = None
+        if args.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
+            api_cmd, api_log = api_argv(args, sched.port), os.path.join(log_dir, "api.log")
+            api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log))
         deadline = time.monotonic() + 120
         while not sched.engine.ready.wait(0.5) and not sup.stopping.is_set():
             if trouble():
@@ -668,9 +672,7 @@ def serve(args: argparse.Namespace) -> None:
         if sup.stopping.is_set():
             return
         http = ""
-        if args.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
-            api = sup.add("api", lambda: spawn("api", api_argv(args, sched.port), log_path=os.path.join(
-                log_dir, "api.log")))
+        if api is not None:  # started with the scheduler; ready once it listens
             while not api.ready.wait(0.2) and not sup.stopping.is_set():
                 if trouble():
                     raise SystemExit(trouble())

@@ -318,6 +318,11 @@ def test_client_disconnect_aborts_and_frees_kv(st):
         assert st.kv_usage() > 0
     # 900 tokens would take far longer than this on CPU: only the abort frees the blocks so soon.
     assert st.wait_kv_free(timeout=5) == 0
+    # A non-streamed request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=3,
+                   json={"prompt": "Write a long story.", "max_tokens": 900, "ignore_eos": True})
+    assert st.wait_kv_free(timeout=5) == 0
 
 
 # ---- what `vllm bench serve` sends ------------------------------------------------------------------------------
