@@ -123,12 +123,13 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     async def run(request: Request, gens: list[Generation], reply: Reply, want_logprobs: bool, stream: bool,
                   echo: list[str] | None):
-        try:  # admission errors (bad fields, full queue, no worker) become HTTP errors before any byte
-            await asyncio.gather(*(g.first() for g in gens))
-        except BaseException:
-            for g in gens:
+        # Admission errors (bad fields, full queue, no worker) become HTTP errors before any byte.
+        started = await asyncio.gather(*(g.first() for g in gens), return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            for g in gens:  # the other prompts' requests are aborted
                 await g.close()
-            raise
+            raise failed[0]
         if stream:
             return StreamingResponse(events(reply, gens, want_logprobs=want_logprobs, echo=echo),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

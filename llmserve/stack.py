@@ -631,6 +631,7 @@ def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sup.stopping.set())
     sched: InProcessScheduler | None = None
+    api: _Child | None = None
     keep_logs = False  # a failed serve keeps the logs its message points to
 
     def trouble() -> str | None:
@@ -659,7 +660,6 @@ def serve(args: argparse.Namespace) -> None:
         if sup.stopping.is_set():
             return
         sched = InProcessScheduler(args).start(args.host, args.port)
-        api = None
         if args.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
             api_cmd, api_log = api_argv(args, sched.port), os.path.join(log_dir, "api.log")
             api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log))
@@ -690,6 +690,9 @@ def serve(args: argparse.Namespace) -> None:
         keep_logs = log_dir == workdir
         raise
     finally:
+        sup.stopping.set()
+        if api is not None and api.proc is not None and api.proc.alive():
+            api.proc.popen.terminate()  # first: it stops taking requests while its streams drain with the scheduler
         if sched is not None:
             sched.stop(args.shutdown_timeout)
         sup.stop()

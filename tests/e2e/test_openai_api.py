@@ -232,6 +232,7 @@ def test_request_id_header(st):
     ({"logprobs": 21}, "logprobs", "<= 20"),
     ({"prompt": [0, 10**6]}, "prompt", "vocabulary [0, "),
     ({"prompt": [0, -1]}, "prompt", "greater than or equal to 0"),
+    ({"prompt": [[1, 2], [10**6]]}, "prompt", "vocabulary [0, "),  # one bad prompt of two: the other is aborted
     ({"prompt": "x " * 1100}, "prompt", "max_model_len 1024"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
