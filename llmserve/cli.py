@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(w)
     w.set_defaults(func=_worker)
 
-    a = sub.add_parser("api", help="the OpenAI-compatible HTTP API (FastAPI) in front of a scheduler")
+    a = sub.add_parser("api", help=API_HELP)
     add_api_args(a)
     a.set_defaults(func=_api)
 
@@ -123,7 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+API_HELP = "the OpenAI-compatible HTTP API (FastAPI) in front of a scheduler"
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["api"]:  # the HTTP API needs no torch (which the worker's flags import): seconds off its start
+        from api_svc.server import add_api_args
+
+        p = argparse.ArgumentParser(prog="llmserve api", description=API_HELP)
+        add_api_args(p)
+        _api(p.parse_args(argv[1:]))
+        return
     args = build_parser().parse_args(argv)
     args.func(args)
 
