@@ -1,9 +1,11 @@
-# llmserve image: the scheduler and the worker share it (the command picks the role).
+# llmserve image: the scheduler, the worker and the HTTP API share it (the command picks the role).
 FROM python:3.11-slim
 WORKDIR /app
 RUN pip install --no-cache-dir "torch==2.13.0"
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY common common
+COPY api_svc api_svc
 COPY scheduler_svc scheduler_svc
 COPY worker_svc worker_svc
 COPY kernels kernels

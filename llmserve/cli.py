@@ -24,6 +24,12 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def _api(args: argparse.Namespace) -> None:
+    from api_svc.server import serve
+
+    serve(args)
+
+
 def _generate(args: argparse.Namespace) -> None:
     from llmserve.client import generate
 
@@ -55,6 +61,7 @@ def _health(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from api_svc.server import add_api_args
     from common.tls import add_client_tls_args
     from llmserve.client import add_generate_args
     from llmserve.diagnose import add_diagnose_args
@@ -70,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "restarts redis-server and the worker when they die")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port; 0 turns it off")
+    s.add_argument("--served-model-name", default=None, help="the model name HTTP clients use (default: the model's)")
     s.add_argument("--log-dir", default=None,
                    help="the worker's and redis-server's logs (default: a temporary directory, removed at exit)")
     add_scheduler_args(s)
@@ -87,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=50061, help="0 picks a free port")
     add_worker_args(w)
     w.set_defaults(func=_worker)
+
+    a = sub.add_parser("api", help=API_HELP)
+    add_api_args(a)
+    a.set_defaults(func=_api)
 
     h = sub.add_parser("health", help="grpc.health.v1 check of a scheduler or worker: exit 0 when SERVING")
     h.add_argument("--address", default="127.0.0.1:50051")
@@ -110,7 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+API_HELP = "the OpenAI-compatible HTTP API (FastAPI) in front of a scheduler"
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["api"]:  # the HTTP API needs no torch (which the worker's flags import): seconds off its start
+        from api_svc.server import add_api_args
+
+        p = argparse.ArgumentParser(prog="llmserve api", description=API_HELP)
+        add_api_args(p)
+        _api(p.parse_args(argv[1:]))
+        return
     args = build_parser().parse_args(argv)
     args.func(args)
 

@@ -3,10 +3,11 @@ all come through here.
 
 - `free_port()`; `start_redis(data_dir, ...)`: a private redis-server (fixed or free port, append-only file, extra
   flags such as --requirepass or TLS ports).
-- `start_worker(...)`, `start_scheduler(...)`, `start_serve(...)`: `python -m llmserve.cli worker|scheduler|serve` in
-  their own session (process group), stdout+stderr appended to a log file; with `wait` they return once the ready
-  line the server prints is in the log (`worker_svc.server.READY_LINE`, `scheduler_svc.server.LISTENING_LINE`,
-  `SERVE_READY_LINE` below). Every one returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
+- `start_worker(...)`, `start_scheduler(...)`, `start_api(...)`, `start_serve(...)`: `python -m llmserve.cli
+  worker|scheduler|api|serve` in their own session (process group), stdout+stderr appended to a log file; with
+  `wait` they return once the ready line the server prints is in the log (`worker_svc.server.READY_LINE`,
+  `scheduler_svc.server.LISTENING_LINE`, `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one
+  returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
 - `health(address)`, `wait_healthy(address)`: grpc.health.v1.
 - `InProcessScheduler` / `start_scheduler_in_process(...)`: the scheduler (engine + gRPC server) inside this
   process, built by the same public functions `llmserve scheduler` uses; `Stack`: redis-server + a worker process +
@@ -156,6 +157,7 @@ def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: s
 
 def _ready(proc: Proc, text: str) -> bool:
     """Fill in port/epoch from the ready line in `text` (complete lines of this run's log); True once it is there."""
+    from api_svc.server import parse_listening_line as parse_api_line
     from scheduler_svc.server import parse_listening_line
     from worker_svc.server import parse_ready_line
 
@@ -166,6 +168,11 @@ def _ready(proc: Proc, text: str) -> bool:
         return found is not None
     if proc.kind == "scheduler":
         port = parse_listening_line(text)
+        if port is not None:
+            proc.port = port
+        return port is not None
+    if proc.kind == "api":
+        port = parse_api_line(text)
         if port is not None:
             proc.port = port
         return port is not None
@@ -241,13 +248,25 @@ def start_scheduler(redis_url: str, worker, extra_args: Iterable = (), *, namesp
     return wait_ready(proc, timeout) if wait else proc
 
 
-def start_serve(extra_args: Iterable = (), *, port: int | None = None, wait: bool = True,
-                timeout: float | None = 300.0, env: dict[str, str] | None = None, log_dir: str | None = None,
-                log_path: str | None = None, cwd: str | None = None) -> Proc:
-    """`llmserve serve --port PORT *extra_args` (a free port by default); with `wait`, returns once it printed
-    SERVE_READY_LINE (its scheduler leads the pool and sees the worker)."""
-    argv = _cli("serve", "--port", port or free_port(), *extra_args)
-    proc = spawn("serve", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
+def start_serve(extra_args: Iterable = (), *, port: int | None = None, http_port: int | None = None,
+                wait: bool = True, timeout: float | None = 300.0, env: dict[str, str] | None = None,
+                log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
+    """`llmserve serve --port PORT --http-port HTTP_PORT *extra_args` (free ports by default; `--http-port 0` in
+    `extra_args` turns the HTTP API off); with `wait`, returns once it printed SERVE_READY_LINE (its scheduler
+    leads the pool and sees the worker, and the HTTP API listens). `proc.extra["http_port"]` is the HTTP port."""
+    http_port = http_port or free_port()
+    argv = _cli("serve", "--port", port or free_port(), "--http-port", http_port, *extra_args)
+    proc = spawn("serve", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd, extra={"http_port": http_port})
+    return wait_ready(proc, timeout) if wait else proc
+
+
+def start_api(scheduler: str, extra_args: Iterable = (), *, port: int = 0, wait: bool = True,
+              timeout: float | None = START_TIMEOUT_S, env: dict[str, str] | None = None,
+              log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
+    """`llmserve api --host 127.0.0.1 --port PORT --scheduler SCHEDULER *extra_args` (0: a free port); with `wait`
+    it returns once it listens (`proc.port`); /health answers 200 once the scheduler is SERVING."""
+    argv = _cli("api", "--host", "127.0.0.1", "--port", port, "--scheduler", scheduler, *extra_args)
+    proc = spawn("api", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
     return wait_ready(proc, timeout) if wait else proc
 
 
@@ -343,7 +362,7 @@ def live() -> list[Proc]:
 
 def stop_all() -> None:
     """Stop every process in `live()`: schedulers and serve first, redis-servers last."""
-    order = {"serve": 0, "scheduler": 1, "worker": 2, "redis": 3}
+    order = {"serve": 0, "api": 0, "scheduler": 1, "worker": 2, "redis": 3}
     for proc in sorted(live(), key=lambda p: order.get(p.kind, 2)):
         stop(proc)
 
@@ -511,6 +530,18 @@ def worker_argv(args: argparse.Namespace, port: int) -> list[str]:
     return argv
 
 
+def api_argv(args: argparse.Namespace, scheduler_port: int) -> list[str]:
+    """The `llmserve api` command line of `serve`: on --host and --http-port, in front of its scheduler, with the
+    scheduler's --api-key (clients use one key for both APIs) and --tokenizer."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    argv = _cli("api", "--host", args.host, "--port", args.http_port, "--scheduler", f"{host}:{scheduler_port}")
+    for flag, value in (("--api-key", args.api_key), ("--tokenizer", args.tokenizer),
+                        ("--served-model-name", args.served_model_name)):
+        if value:
+            argv += [flag, value]
+    return argv
+
+
 class _Child:
     """One supervised process: started by `start` (which must not wait), restarted whenever it exits."""
 
@@ -600,6 +631,7 @@ def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sup.stopping.set())
     sched: InProcessScheduler | None = None
+    api: _Child | None = None
     keep_logs = False  # a failed serve keeps the logs its message points to
 
     def trouble() -> str | None:
@@ -628,6 +660,9 @@ def serve(args: argparse.Namespace) -> None:
         if sup.stopping.is_set():
             return
         sched = InProcessScheduler(args).start(args.host, args.port)
+        if args.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
+            api_cmd, api_log = api_argv(args, sched.port), os.path.join(log_dir, "api.log")
+            api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log))
         deadline = time.monotonic() + 120
         while not sched.engine.ready.wait(0.5) and not sup.stopping.is_set():
             if trouble():
@@ -636,10 +671,18 @@ def serve(args: argparse.Namespace) -> None:
                 raise SystemExit("the scheduler did not take the pool within 120 s")
         if sup.stopping.is_set():
             return
+        http = ""
+        if api is not None:  # started with the scheduler; ready once it listens
+            while not api.ready.wait(0.2) and not sup.stopping.is_set():
+                if trouble():
+                    raise SystemExit(trouble())
+            http = f"; OpenAI API on http://{args.host}:{args.http_port}/v1"
+        if sup.stopping.is_set():
+            return
         info = sched.engine.worker_info
         print(SERVE_READY_LINE.format(host=args.host, port=sched.port, details=(
             f"{info.model.name} on {info.device} ({info.dtype}), {info.num_blocks} KV blocks of {info.block_size}, "
-            f"redis {redact_url(args.redis_url)}; logs in {log_dir}")), flush=True)
+            f"redis {redact_url(args.redis_url)}{http}; logs in {log_dir}")), flush=True)
         while not sup.stopping.wait(0.5):
             if trouble():
                 raise SystemExit(trouble())
@@ -647,6 +690,9 @@ def serve(args: argparse.Namespace) -> None:
         keep_logs = log_dir == workdir
         raise
     finally:
+        sup.stopping.set()
+        if api is not None and api.proc is not None and api.proc.alive():
+            api.proc.popen.terminate()  # first: it stops taking requests while its streams drain with the scheduler
         if sched is not None:
             sched.stop(args.shutdown_timeout)
         sup.stop()

@@ -23,8 +23,10 @@ API (all blocking, all with timeouts that raise ``ProcError`` naming the process
   is a worker ``Proc``, a port, or a "host:port" string; the namespace defaults to a fresh ``new_namespace()``
   (``Proc.namespace``). ``Proc.port`` comes from ``scheduler_svc.server.LISTENING_LINE``. Listening is not
   ready: call ``wait_healthy`` before sending work.
-- ``start_serve(extra_args=(), wait=True, env=None) -> Proc``: ``llmserve serve`` on a free port, returned once it
-  printed its ready line.
+- ``start_serve(extra_args=(), wait=True, env=None) -> Proc``: ``llmserve serve`` on a free port (and a free
+  ``--http-port``: ``Proc.extra["http_port"]``), returned once it printed its ready line.
+- ``start_api(scheduler_address, extra_args=(), port=0) -> Proc``: ``llmserve api`` (OpenAI HTTP) in front of a
+  scheduler; ``Proc.port`` is its HTTP port.
 - ``wait_ready(proc)``: for ``wait=False`` starts (e.g. two workers loading in parallel).
 - ``wait_healthy(address, timeout=60)``, ``health(address) -> "SERVING" | "NOT_SERVING" | "UNKNOWN" | error code``.
 - ``stop(proc)``, ``kill(proc)``, ``stop_all()`` (every process still registered; for module teardown).
@@ -83,8 +85,15 @@ def start_scheduler(redis_url: str, worker, extra_args=(), namespace: str | None
 
 
 def start_serve(extra_args=(), wait: bool = True, timeout: float = 300.0, env: dict[str, str] | None = None) -> Proc:
-    """`llmserve serve --port FREE *extra_args`; returns once it is ready (with `wait`)."""
+    """`llmserve serve --port FREE --http-port FREE *extra_args`; returns once it is ready (with `wait`)."""
     return stack.start_serve(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
+
+
+def start_api(scheduler: str, extra_args=(), port: int = 0, wait: bool = True, timeout: float = START_TIMEOUT_S,
+              env: dict[str, str] | None = None) -> Proc:
+    """`llmserve api --host 127.0.0.1 --port PORT --scheduler SCHEDULER *extra_args`; returns once it listens."""
+    return stack.start_api(scheduler, extra_args, port=port, wait=wait, timeout=timeout, env=env, log_dir=log_dir(),
+                           cwd=ROOT)
 
 
 def ledger(redis_url: str, namespace: str):

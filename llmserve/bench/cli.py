@@ -66,11 +66,15 @@ def add_bench_commands(subparsers) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = sub.add_parser("serve", help="one run of a workload against a launched or existing server")
-    serve.add_argument("--backend", choices=("llmserve", *HF_BACKENDS), default="llmserve")
+    serve.add_argument("--backend", choices=("llmserve", "openai", *HF_BACKENDS), default="llmserve",
+                       help="openai: the same workload over gRPC and then through the OpenAI HTTP API on the same "
+                            "server, with what HTTP adds (TTFT, ITL, tokens/s, API CPU per token)")
     serve.add_argument("--mode", choices=LLMSERVE_MODES, default="chunked", help="llmserve scheduling mode")
     serve.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf: all at once)")
     serve.add_argument("--target", default=None, help="HOST:PORT of a running server instead of launching one")
     serve.add_argument("--metrics-url", default=None, help="its Prometheus URL (http://HOST:PORT/metrics)")
+    serve.add_argument("--http-target", default=None,
+                       help="--backend openai with --target: the HTTP API's base URL (default http://HOST:8000)")
     _add_common(serve)
     serve.set_defaults(func=_serve)
 
@@ -160,6 +164,9 @@ def _serve(args: argparse.Namespace) -> None:
     from llmserve.bench.runner import Target
 
     settings = _settings(args, args.request_rate)
+    if args.backend == "openai":
+        _serve_http_vs_grpc(args, settings)
+        return
     if args.backend != "llmserve":
         record = _run_and_write(Target(backend=args.backend, mode=args.backend, pid=os.getpid()), settings, args)
     elif args.target:
@@ -169,6 +176,31 @@ def _serve(args: argparse.Namespace) -> None:
         with _launch(args, args.mode) as server:
             record = _run_and_write(_target_for(server, args.mode), settings, args)
     print(report.markdown_table([record]))
+
+
+def _serve_http_vs_grpc(args: argparse.Namespace, settings) -> None:
+    """The workload over gRPC, then through the HTTP API in front of the same scheduler; both records and the
+    comparison."""
+    import dataclasses
+
+    from llmserve.bench import report
+    from llmserve.bench.runner import Target
+
+    if args.target:
+        grpc_target = Target(backend="llmserve", mode=args.mode, address=args.target, metrics_url=args.metrics_url)
+        http_url = args.http_target or f"http://{args.target.rpartition(':')[0]}:8000"
+        records = [_run_and_write(grpc_target, settings, args),
+                   _run_and_write(dataclasses.replace(grpc_target, backend="openai", http_url=http_url), settings,
+                                  args)]
+    else:
+        with _launch(args, args.mode) as server:
+            grpc_target = _target_for(server, args.mode)
+            records = [_run_and_write(grpc_target, settings, args)]
+            http_target = dataclasses.replace(grpc_target, backend="openai", http_url=server.http_url,
+                                              api_pid=server.api_pid(), model=dict(grpc_target.model))
+            records.append(_run_and_write(http_target, settings, args))
+    print(report.markdown_table(records))
+    print(report.http_vs_grpc(*records))
 
 
 def _sweep(args: argparse.Namespace) -> None:

@@ -9,7 +9,10 @@ import re
 
 
 def run_label(record: dict) -> str:
-    """'chunked' for the llmserve stack, 'hf-static' for a baseline."""
+    """'chunked' for the llmserve stack over gRPC, 'chunked-http' through its OpenAI API, 'hf-static' for a
+    baseline."""
+    if record["backend"] == "openai":
+        return f"{record['mode']}-http"
     return record["mode"] if record["backend"] == "llmserve" else record["backend"]
 
 
@@ -108,3 +111,19 @@ def plot_sweep(records: list[dict], result_dir: str, prefix: str = "sweep") -> l
     fig.savefig(throughput_path, dpi=100)
     plt.close(fig)
     return [latency_path, throughput_path]
+
+
+def http_vs_grpc(grpc_run: dict, http_run: dict) -> str:
+    """What the HTTP layer adds on the same workload and server: TTFT and ITL p50 (HTTP minus gRPC), output
+    tokens/s (HTTP / gRPC) and the API process's CPU time per output token."""
+
+    def diff(key: str) -> str:
+        a, b = grpc_run[key]["p50"], http_run[key]["p50"]
+        return "-" if a is None or b is None else f"{b - a:+.2f}"
+
+    ratio = (http_run["output_throughput"] / grpc_run["output_throughput"]
+             if http_run["output_throughput"] and grpc_run["output_throughput"] else None)
+    rows = [("TTFT p50 added by HTTP (ms)", diff("ttft_ms")), ("ITL p50 added by HTTP (ms)", diff("itl_ms")),
+            ("output tokens/s, HTTP / gRPC", "-" if ratio is None else f"{ratio:.3f}"),
+            ("API process CPU per output token (ms)", _fmt(http_run.get("api_cpu_ms_per_output_token"), 3))]
+    return "| HTTP vs gRPC | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)

@@ -13,6 +13,7 @@ Backends hf-naive, hf-static and hf-continuous run Hugging Face transformers in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import math
 import os
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from llmserve import stack
-from llmserve.bench import loadgen, metrics, workloads
+from llmserve.bench import loadgen, metrics, openai_loadgen, workloads
 from llmserve.bench.common import RequestResult, RequestSpec
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
@@ -56,7 +57,7 @@ class LocalServer:
 
     def __init__(self, mode: str, max_model_len: int, extra: list[str], log_path: str, timeout_s: float = 300):
         self.mode = mode
-        self.port, self.metrics_port = stack.free_port(), stack.free_port()
+        self.port, self.metrics_port, self.http_port = stack.free_port(), stack.free_port(), stack.free_port()
         self.flags = server_flags(mode, max_model_len, extra)
         self.server_args = ["--metrics-port", str(self.metrics_port), *self.flags]
         self.argv = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), *self.server_args]
@@ -71,12 +72,26 @@ class LocalServer:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def api_pid(self) -> int | None:
+        """The pid of `serve`'s HTTP API process (its CPU time is measured per run)."""
+        import psutil
+
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "api" in child.cmdline()[3:4]:  # python -m llmserve.cli api ...
+                    return child.pid
+        return None
+
     def __enter__(self) -> LocalServer:
         if os.path.exists(self.log_path):
             os.remove(self.log_path)  # one run per log file
         try:
-            self.proc = stack.start_serve(self.server_args, port=self.port, timeout=self.timeout_s,
-                                          log_path=self.log_path)
+            self.proc = stack.start_serve(self.server_args, port=self.port, http_port=self.http_port,
+                                          timeout=self.timeout_s, log_path=self.log_path)
         except stack.ProcError as e:
             raise RuntimeError(f"`{' '.join(self.argv)}` did not get ready; {e}") from None
         return self
@@ -99,7 +114,7 @@ def model_info(address: str, api_key: str | None = None) -> dict:
 class Target:
     """Where requests go: a launched LocalServer, an existing server (--target), or an in-process HF backend."""
 
-    backend: str  # llmserve | hf-naive | hf-static | hf-continuous
+    backend: str  # llmserve (gRPC) | openai (the HTTP API in front of it) | hf-naive | hf-static | hf-continuous
     mode: str  # the llmserve mode, or the backend name for HF
     address: str | None = None
     metrics_url: str | None = None
@@ -107,6 +122,8 @@ class Target:
     server_argv: list[str] | None = None
     server_flags: list[str] = field(default_factory=list)
     model: dict = field(default_factory=dict)
+    http_url: str | None = None  # openai: the HTTP API's base URL
+    api_pid: int | None = None  # openai: the API process, whose CPU time per output token is reported
 
 
 @dataclass
@@ -137,14 +154,31 @@ def _hf_results(target: Target, specs: list[RequestSpec], s: RunSettings) -> lis
     return run_hf_backend(target.backend, path, specs, s.max_num_seqs, progress=s.progress)
 
 
+def _cpu_seconds(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return t.user + t.system
+
+
 async def _measure_llmserve(target: Target, specs: list[RequestSpec], s: RunSettings, tag: str):
-    await loadgen.warm_up(target.address, s.warmup, s.api_key)
+    http = target.backend == "openai"
+    gen, where = (openai_loadgen, target.http_url) if http else (loadgen, target.address)
+    await gen.warm_up(where, s.warmup, s.api_key)
     before = metrics.scrape(target.metrics_url) if target.metrics_url else None
+    cpu_before = _cpu_seconds(target.api_pid) if http else None
     with metrics.Watcher(target.metrics_url, target.pid, s.poll_interval_s) as watcher:
-        results, reattaches = await loadgen.run(target.address, specs, max_concurrency=s.max_concurrency,
-                                                api_key=s.api_key, tag=tag, progress=s.progress)
+        results, reattaches = await gen.run(where, specs, max_concurrency=s.max_concurrency, api_key=s.api_key,
+                                            tag=tag, progress=s.progress)
+    cpu_after = _cpu_seconds(target.api_pid) if http else None
     after = metrics.scrape(target.metrics_url) if target.metrics_url else None
-    return results, reattaches, watcher.peaks, before, after
+    api_cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+    return results, reattaches, watcher.peaks, before, after, api_cpu
 
 
 def run(target: Target, s: RunSettings) -> dict:
@@ -153,11 +187,11 @@ def run(target: Target, s: RunSettings) -> dict:
     tag = f"{target.mode}-{uuid.uuid4().hex[:8]}"
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     server: dict = {}
-    reattaches = None
-    if target.backend == "llmserve":
-        if not target.model:
+    reattaches = api_cpu = None
+    if target.backend in ("llmserve", "openai"):
+        if not target.model and target.address:
             target.model = model_info(target.address, s.api_key)
-        results, reattaches, peaks, before, after = asyncio.run(_measure_llmserve(target, specs, s, tag))
+        results, reattaches, peaks, before, after, api_cpu = asyncio.run(_measure_llmserve(target, specs, s, tag))
         if before is not None and after is not None:
             server = metrics.server_deltas(before, after)
     else:
@@ -179,6 +213,10 @@ def run(target: Target, s: RunSettings) -> dict:
         "peak_waiting": peaks.waiting,
         "peak_rss_mb": peaks.rss_bytes / 2**20 if peaks.rss_bytes else None,
         "peak_hwm_mb": hwm / 2**20 if hwm else None,
+        # openai: CPU time of the HTTP API process during the run, per output token
+        "api_cpu_s": api_cpu,
+        "api_cpu_ms_per_output_token": (1000 * api_cpu / summary["total_output_tokens"]
+                                        if api_cpu is not None and summary["total_output_tokens"] else None),
     })
     p = workloads.resolved(s.workload, s.params) if s.workload != "trace" else s.params
     record = {
@@ -192,7 +230,8 @@ def run(target: Target, s: RunSettings) -> dict:
         "burstiness": s.params.burstiness,
         "max_concurrency": s.max_concurrency,
         "warmup_requests": s.warmup,
-        "server": {"address": target.address, "metrics_url": target.metrics_url, "argv": target.server_argv,
+        "server": {"address": target.address, "http_url": target.http_url, "metrics_url": target.metrics_url,
+                   "argv": target.server_argv,
                    "launched": target.server_argv is not None},
         "server_flags": target.server_flags,  # the key `llmserve diagnose --bench-json` reads
         "machine": {**metrics.machine(), **target.model},

@@ -99,3 +99,24 @@ def test_results_page(tmp_path):
     assert "## KV waste" in text
     runs = json.loads((tmp_path / "out" / "runs.json").read_text())
     assert [(r["section"], r["rc"]) for r in runs] == [("chat", 0), ("kv-waste", 0)]
+
+
+def test_llmserve_bench_openai_backend(tmp_path):
+    """`llmserve bench serve --backend openai`: the same workload over gRPC and through the HTTP API of one
+    launched server, both records written, and the comparison printed."""
+    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "serve", "--backend", "openai", "--workload", "cancel",
+           "--cancel-share", "0.25", "--num-requests", "4", "--prompt-len", "8:16", "--output-len", "6",
+           "--max-concurrency", "4", "--warmup", "1", "--max-model-len", "512",
+           "--server-args=--num-gpu-blocks-override 128", "--no-progress", "--result-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = {r["backend"]: r for r in (json.load(open(p)) for p in tmp_path.glob("*.json"))}
+    grpc_run, http_run = records["llmserve"], records["openai"]
+    for r in (grpc_run, http_run):
+        assert r["completed"] == 3 and r["cancelled"] == 1 and r["failed"] == 0, r["errors"]
+        assert r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
+    assert http_run["total_input_tokens"] == grpc_run["total_input_tokens"]  # the same workload
+    assert http_run["total_output_tokens"] >= 3 * 6  # the 3 that ran to the end made all their tokens
+    assert http_run["server"]["http_url"].startswith("http://127.0.0.1:")
+    assert http_run["api_cpu_ms_per_output_token"] > 0 and grpc_run["api_cpu_s"] is None
+    assert "| TTFT p50 added by HTTP (ms) |" in proc.stdout and "| output tokens/s, HTTP / gRPC |" in proc.stdout

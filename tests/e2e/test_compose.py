@@ -58,9 +58,9 @@ def test_compose_file_matches_the_compose_spec():
 
 def test_compose_services_and_policies():
     svc = COMPOSE["services"]
-    assert {"redis", "scheduler", "worker", "otel-collector"} <= set(svc)
+    assert {"redis", "scheduler", "worker", "api", "otel-collector"} <= set(svc)
     assert svc["otel-collector"]["profiles"] == ["tracing"]
-    for name in ("redis", "scheduler", "worker"):
+    for name in ("redis", "scheduler", "worker", "api"):
         assert svc[name]["restart"] in ("unless-stopped", "always", "on-failure"), name
         assert "healthcheck" in svc[name], name
     assert svc["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -134,6 +134,30 @@ def test_scheduler_healthcheck(stack):
         assert time.monotonic() < deadline, proc.stdout + log[-4000:]
         time.sleep(0.5)
     assert proc.stdout.strip() == "SERVING"
+
+
+def test_api_command_and_healthcheck(stack, bundled_model_path):
+    """The api service's command (local ports, the bundled model as --tokenizer) serves OpenAI's API, and its
+    health check passes once the scheduler behind it is SERVING."""
+    import httpx
+
+    hport = cluster.free_port()
+    cmd = [_sub(unescape(a), {"8000": str(hport), "scheduler:50051": f"127.0.0.1:{stack['scheduler_port']}",
+                              "0.0.0.0": "127.0.0.1", "${LLMSERVE_MODEL:-/models/model.gguf}": bundled_model_path})
+           for a in COMPOSE["services"]["api"]["command"]]
+    assert cmd[0] == "api"
+    api = subprocess.Popen([sys.executable, "-m", "llmserve.cli", *cmd], env=env(), cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while (proc := run_check("api", {"8000": str(hport)})).returncode != 0:
+            assert api.poll() is None and time.monotonic() < deadline, proc.stdout + proc.stderr
+            time.sleep(0.5)
+        models = httpx.get(f"http://127.0.0.1:{hport}/v1/models", timeout=60).json()
+        assert models["data"][0]["max_model_len"] == 512
+    finally:
+        api.terminate()
+        api.wait(timeout=15)
 
 
 def test_healthcheck_fails_when_nothing_listens():

@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import psutil
 import pytest
 
@@ -28,7 +29,7 @@ STREAMS, MAX_TOKENS = 8, 56
 
 
 def children(serve: cluster.Proc) -> dict[str, psutil.Process]:
-    """serve's live redis-server and worker processes, by role."""
+    """serve's live redis-server, worker and HTTP API processes, by role."""
     out = {}
     for p in psutil.Process(serve.pid).children():
         try:
@@ -39,6 +40,8 @@ def children(serve: cluster.Proc) -> dict[str, psutil.Process]:
             out["redis"] = p
         elif "llmserve.cli worker" in cmd:
             out["worker"] = p
+        elif "llmserve.cli api" in cmd:
+            out["api"] = p
     return out
 
 
@@ -59,8 +62,13 @@ def test_serve_with_a_pool_below_max_model_len_answers(tmp_path):
     serve = cluster.start_serve(["--device", "cpu", "--num-gpu-blocks-override", 16, "--max-model-len", 512,
                                  "--allow-kv-pool-below-max-model-len"])
     kids = children(serve)
-    assert set(kids) == {"redis", "worker"}
+    assert set(kids) == {"redis", "worker", "api"}
     try:
+        http = f"http://127.0.0.1:{serve.extra['http_port']}"
+        assert f"OpenAI API on {http}/v1" in serve.log_text()  # the ready line names the URL
+        chat = httpx.post(http + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4, chat.text
         with grpc.insecure_channel(serve.address) as ch:
             info = pb_grpc.LLMServeStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert (info.num_blocks, info.max_model_len) == (16, 512)
@@ -113,8 +121,9 @@ class Streams:
 @pytest.mark.slow
 def test_serve_restarts_killed_redis_and_worker_and_streams_lose_nothing():
     serve = cluster.start_serve(["--device", "cpu", "--num-gpu-blocks-override", 256, "--max-model-len", 1024,
-                                 "--max-num-batched-tokens", 256])
+                                 "--max-num-batched-tokens", 256, "--http-port", 0])  # 0: no HTTP API
     try:
+        assert set(children(serve)) == {"redis", "worker"}
         reference = Streams(serve.address, "ref").outputs()
         assert all(len(r) == MAX_TOKENS for r in reference)
 

@@ -81,6 +81,11 @@ def test_ready_lines_round_trip_through_their_parsers():
     listening = scheduler_server.LISTENING_LINE.format(port=50051)
     assert scheduler_server.parse_listening_line(f"x\n{listening}\n") == 50051
     assert scheduler_server.parse_listening_line(worker_line) is None
+    from api_svc import server as api_server
+
+    api_line = api_server.LISTENING_LINE.format(port=8000)
+    assert api_server.parse_listening_line(f"x\n{api_line}\n") == 8000
+    assert api_server.parse_listening_line(listening) is None
     serve_line = stack.SERVE_READY_LINE.format(host="0.0.0.0", port=50051, details="model on cpu")
     assert stack.parse_serve_ready_line(f"log\n{serve_line}\n") == ("0.0.0.0", 50051)
 

@@ -19,6 +19,8 @@ FORBIDDEN = {
     "kernels": {"llmserve", "scheduler_svc", "worker_svc", "api_svc"},
     "scheduler_svc": {"llmserve", "worker_svc", "api_svc"},
     "worker_svc": {"llmserve", "scheduler_svc", "api_svc"},
+    # The HTTP API reuses the scheduler's tokenizer and request-id rules, and reaches it only over gRPC.
+    "api_svc": {"llmserve", "worker_svc", "kernels"},
 }
 # The scheduling core is plain data in, plain data out: no I/O library, no wire format.
 PURE_MODULES = ("scheduler_svc/core.py", "scheduler_svc/policy.py", "scheduler_svc/request.py",

@@ -1,0 +1,232 @@
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
+(/health, /version, /tokenize, /detokenize, /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api_svc import errors
+from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
+from api_svc.errors import APIError
+from api_svc.metrics import HTTPMetrics, MetricsMiddleware
+from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
+from api_svc.streaming import events, merged
+from scheduler_svc.admission import CHAT_ROLES
+
+log = logging.getLogger("llmserve.api")
+VERSION = "0.1.0"
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _is_type_name(part) -> bool:
+    """pydantic names the alternative of a union in an error's location (`str`, `list[int]`): not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-int"))
+
+
+@dataclass
+class APIConfig:
+    scheduler: str  # HOST:PORT of the scheduler's public gRPC API
+    api_key: str | None = None  # clients must send it (Authorization: Bearer)
+    scheduler_api_key: str | None = None  # what this process sends to the scheduler
+    served_model_name: str | None = None  # default: the scheduler's model name
+    tokenizer: str | None = None  # default: the model path the scheduler reports
+    reattach_timeout: float = 60.0
+
+
+def create_app(cfg: APIConfig) -> FastAPI:
+    metrics = HTTPMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        bridge = Bridge(cfg.scheduler, cfg.scheduler_api_key, cfg.reattach_timeout, cfg.tokenizer)
+        app.state.bridge = bridge
+        stop = asyncio.Event()
+        waiter = asyncio.create_task(bridge.wait_info(stop))  # the model info and tokenizer before the first call
+        yield
+        stop.set()
+        waiter.cancel()
+        await bridge.close()
+
+    app = FastAPI(title="llmserve OpenAI-compatible API", version=VERSION, lifespan=lifespan)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, e: RequestValidationError):
+        found = e.errors() or [{"loc": (), "msg": "invalid request body", "type": ""}]
+        # A union (prompt: string | token ids | ...) fails once per alternative: report a violated limit rather than
+        # a type mismatch, and the most specific place.
+        first = min(found, key=lambda err: (str(err.get("type", "")).endswith("_type"), -len(err.get("loc", ()))))
+        if first.get("type") == "json_invalid":
+            return errors.bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                                      ).response()
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_name(x)]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        return errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception):
+        log.exception("unexpected error")  # the log has the traceback; the client gets a plain message
+        return APIError(500, f"internal error: {type(e).__name__}", "InternalServerError").response()
+
+    def bridge_of(request: Request) -> Bridge:
+        return request.app.state.bridge
+
+    async def require_key(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise errors.unauthorized()
+
+    async def served_name(bridge: Bridge) -> str:
+        info = await bridge.model_info()
+        return cfg.served_model_name or info.model_name
+
+    async def check_model(bridge: Bridge, model: str | None) -> str:
+        name = await served_name(bridge)
+        if model is not None and model != name:
+            raise errors.model_not_found(model, name)
+        return name
+
+    def request_id(request: Request) -> str:
+        return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+    v1 = APIRouter(dependencies=[Depends(require_key)])
+
+    @v1.get("/v1/models")
+    async def models(request: Request):
+        bridge = bridge_of(request)
+        info = await bridge.model_info()
+        name = await served_name(bridge)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "llmserve", "root": info.model_path, "parent": None,
+                                            "max_model_len": info.max_model_len}]}
+
+    async def run(request: Request, gens: list[Generation], reply: Reply, want_logprobs: bool, stream: bool,
+                  echo: list[str] | None):
+        # Admission errors (bad fields, full queue, no worker) become HTTP errors before any byte.
+        started = await asyncio.gather(*(g.first() for g in gens), return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            for g in gens:  # the other prompts' requests are aborted
+                await g.close()
+            raise failed[0]
+        if stream:
+            return StreamingResponse(events(reply, gens, want_logprobs=want_logprobs, echo=echo),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        choices = [ChoiceText(prefix=echo[k] if echo else "") for k in range(len(gens)) for _ in range(reply.n)]
+
+        async def collect() -> None:
+            async for k, delta in merged(gens):
+                reply.count(k, delta)
+                choices[k * reply.n + delta.index].add(delta)
+
+        # A client that goes away before a whole answer is ready aborts it too (its streams close).
+        task = asyncio.create_task(collect())
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        task.result()
+        return JSONResponse(whole(reply, choices, want_logprobs))
+
+    @v1.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        bridge = bridge_of(request)
+        name = await check_model(bridge, body.model)
+        rid = request_id(request)
+        reqs = completion_requests(body, rid)
+        echo = None
+        if body.echo:
+            tok = await bridge.get_tokenizer()
+            echo = [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids)) for r in reqs]
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None else None)
+        reply = Reply(f"cmpl-{rid}", name, body.n, strings, chat=False,
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
+        gens = [bridge.generation(r) for r in reqs]
+        return await run(request, gens, reply, body.logprobs is not None, body.stream, echo)
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        bridge = bridge_of(request)
+        name = await check_model(bridge, body.model)
+        for i, m in enumerate(body.messages):  # checked here too, to name the OpenAI field
+            if m.role not in CHAT_ROLES:
+                raise errors.bad_request(f"messages[{i}].role {m.role!r} is unknown; allowed: "
+                                         f"{', '.join(CHAT_ROLES)}", "messages")
+        if not body.messages:
+            raise errors.bad_request("messages is empty", "messages")
+        rid = request_id(request)
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
+        reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
+        gens = [bridge.generation(chat_request(body, rid), chat=True)]
+        return await run(request, gens, reply, body.logprobs, body.stream, None)
+
+    @v1.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        bridge = bridge_of(request)
+        await check_model(bridge, body.model)
+        tok = await bridge.get_tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise errors.bad_request("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            except Exception as e:  # a template error from the model's own template names the problem
+                raise errors.bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": bridge.info.max_model_len, "tokens": ids}
+
+    @v1.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        bridge = bridge_of(request)
+        await check_model(bridge, body.model)
+        vocab = bridge.info.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise errors.bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": (await bridge.get_tokenizer()).decode(body.tokens)}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health(request: Request):
+        status = await bridge_of(request).health()
+        if status != "SERVING":
+            return errors.unavailable(f"the scheduler at {cfg.scheduler} is {status}").response()
+        return PlainTextResponse("")
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,299 @@
+"""The gRPC bridge: OpenAI request bodies -> llmserve.v1 GenerateRequests, and one Generate stream per request,
+re-attached by request id after a scheduler fail-over so that the HTTP client sees one uninterrupted stream.
+
+Stateless: everything a request needs is in its own stream; several API processes may share one scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from api_svc.errors import APIError, bad_request, from_grpc, unavailable
+from api_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
+from scheduler_svc.admission import sequence_ids
+from scheduler_svc.tokenizer import Tokenizer
+
+log = logging.getLogger("llmserve.api")
+
+MAX_MESSAGE_BYTES = 64 << 20
+REATTACH_PAUSE_S = 0.2
+# Reconnect quickly to a restarted scheduler (gRPC's default backoff grows to minutes).
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_hf_dir(path)
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
+    s = pb.SamplingParams(min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stop_list(),
+                          stop_token_ids=body.stop_token_ids or [], n=body.n,
+                          include_stop_str_in_output=body.include_stop_str_in_output,
+                          skip_special_tokens=body.skip_special_tokens)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    if logprobs is not None:
+        s.logprobs = logprobs
+    return s
+
+
+def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt (a string, a list of strings, token ids or lists of token ids)."""
+    p = body.prompt
+    if isinstance(p, str):
+        prompts: list[str | list[int]] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise bad_request("prompt is empty: give a string, a list of strings or token ids", "prompt")
+    sampling = _sampling(body, body.max_tokens, body.logprobs)
+    reqs = []
+    for k, prompt in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{k}"
+        req = pb.GenerateRequest(request_id=rid, sampling=sampling, priority=body.priority,
+                                 cache_salt=body.cache_salt or "")
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        reqs.append(req)
+    return reqs
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
+    """The messages go to the scheduler as they are, which renders them with the model's chat template exactly as
+    for `llmserve generate --chat`."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    req = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, max_tokens, logprobs),
+                             priority=body.priority, cache_salt=body.cache_salt or "")
+    for m in body.messages:
+        req.chat.messages.add(role=m.role, content=m.text())
+    return req
+
+
+@dataclass
+class Delta:
+    """New output of one sequence since the last Delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[pb.TokenLogprobs]
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+
+
+@dataclass
+class _Progress:
+    """What has been forwarded to the HTTP client, per sequence: a re-attach resumes from here."""
+
+    tokens: int = 0
+    chars: int = 0
+    done: bool = False
+
+
+class Generation:
+    """One request's Generate stream. `first()` waits for the first output (so that admission errors become HTTP
+    errors before any byte is sent); iterating yields every Delta; `close()` (or leaving the iteration early)
+    aborts the request in the scheduler."""
+
+    def __init__(self, bridge: Bridge, req: pb.GenerateRequest, chat: bool):
+        self.bridge, self.req, self.chat = bridge, req, chat
+        self.n = max(1, req.sampling.n)
+        self.progress = [_Progress() for _ in range(self.n)]
+        self.call = None
+        self.started = False  # the scheduler has accepted the request: from now on UNAVAILABLE means re-attach
+        self.reattaches = 0
+        self._events = self._run()
+        self._head: Delta | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(p.done for p in self.progress)
+
+    async def first(self) -> None:
+        try:
+            self._head = await self._events.__anext__()
+        except StopAsyncIteration:
+            raise APIError(502, "the scheduler ended the stream without output", "BadGatewayError") from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            if self._head is not None:
+                head, self._head = self._head, None
+                yield head
+            async for delta in self._events:
+                yield delta
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.started and not self.finished:
+            self.call.cancel()
+            self.bridge.abort_later(self.req.request_id, self.n)
+        await self._events.aclose()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        bridge, req, progress = self.bridge, self.req, self.progress
+        deadline = None
+        while not self.finished:
+            # One sequence: resume from the next token. Several: from the start, skipping what was forwarded
+            # (the server resumes every sequence from the same index).
+            req.resume_from_token = progress[0].tokens if self.n == 1 else 0
+            seen_chars = [p.chars for p in progress] if self.n == 1 else [0] * self.n
+            self.call = bridge.stub.Generate(req, metadata=bridge.metadata)
+            try:
+                async for msg in self.call:
+                    self.started, deadline = True, None
+                    i, p = msg.index, progress[msg.index]
+                    if p.done:
+                        continue
+                    skip = max(0, p.tokens - msg.first_token_index)
+                    ids, lps = list(msg.token_ids[skip:]), list(msg.logprobs[skip:])
+                    cut = max(0, p.chars - seen_chars[i])
+                    seen_chars[i] += len(msg.text)
+                    text = msg.text[cut:]
+                    p.tokens += len(ids)
+                    p.chars += len(text)
+                    finish = msg.finish_reason or None
+                    p.done = finish is not None
+                    if ids or text or finish:
+                        yield Delta(i, text, ids, lps, finish, msg.usage if finish else None)
+                if not self.finished:
+                    raise APIError(502, "the scheduler ended the stream before every sequence finished",
+                                   "BadGatewayError")
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or not self.started:
+                    raise from_grpc(e.code(), e.details() or "", self.chat) from None
+                # A scheduler restart or fail-over: the request lives on in Redis; re-attach by its id.
+                deadline = deadline or time.monotonic() + bridge.reattach_timeout
+                if time.monotonic() >= deadline:
+                    raise unavailable(f"the scheduler stayed unavailable for {bridge.reattach_timeout:g}s "
+                                      f"(--reattach-timeout): {e.details()}") from None
+                self.reattaches += 1
+                await asyncio.sleep(REATTACH_PAUSE_S)
+
+
+@dataclass
+class Bridge:
+    """The API process's connection to one scheduler address (a load balancer or a leader's address)."""
+
+    address: str
+    api_key: str | None = None
+    reattach_timeout: float = 60.0
+    tokenizer_path: str | None = None
+    info: pb.ModelInfoResponse | None = None
+    tokenizer: Tokenizer | None = None
+    tokenizer_error: str | None = None
+    _pending: set = field(default_factory=set)
+
+    def __post_init__(self):
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.LLMServeStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+        self._info_lock = asyncio.Lock()
+        self._tokenizer_future: asyncio.Future | None = None
+
+    async def model_info(self) -> pb.ModelInfoResponse:
+        """The scheduler's model (asked once; then cached); the first answer starts loading the tokenizer."""
+        if self.info is not None:
+            return self.info
+        async with self._info_lock:
+            if self.info is None:
+                try:
+                    info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    raise unavailable(f"the scheduler at {self.address} is not ready: {e.details()}") from None
+                self._start_tokenizer(self.tokenizer_path or info.model_path)
+                self.info = info
+        return self.info
+
+    def _start_tokenizer(self, path: str) -> None:
+        """Load the tokenizer on a daemon thread (seconds for a GGUF vocabulary; a process that stops meanwhile
+        does not wait for it). Only /tokenize, /detokenize, echo and logprobs need it."""
+        loop = asyncio.get_running_loop()
+        self._tokenizer_future = loop.create_future()
+
+        def load() -> None:
+            try:
+                tok, error = load_tokenizer(path), None
+            except Exception as e:  # noqa: BLE001  (e.g. the model file lives on the scheduler's machine only)
+                tok, error = None, (f"cannot load the tokenizer from {path} ({e}); give --tokenizer a GGUF file or "
+                                    "an HF directory readable by this process")
+            loop.call_soon_threadsafe(self._tokenizer_loaded, tok, error)
+
+        threading.Thread(target=load, name="load-tokenizer", daemon=True).start()
+
+    def _tokenizer_loaded(self, tok: Tokenizer | None, error: str | None) -> None:
+        self.tokenizer, self.tokenizer_error = tok, error
+        if error:
+            log.warning("%s", error)
+        self._tokenizer_future.set_result(tok)
+
+    async def get_tokenizer(self) -> Tokenizer:
+        await self.model_info()
+        tok = await asyncio.shield(self._tokenizer_future)
+        if tok is None:
+            raise unavailable(self.tokenizer_error or "the tokenizer could not be loaded")
+        return tok
+
+    async def wait_info(self, stop: asyncio.Event) -> None:
+        """Ask for the model info until the scheduler answers (at start-up, so the first request finds it)."""
+        while not stop.is_set() and self.info is None:
+            try:
+                await self.model_info()
+            except APIError:
+                await asyncio.sleep(0.5)
+
+    async def health(self) -> str:
+        try:
+            resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def generation(self, req: pb.GenerateRequest, chat: bool = False) -> Generation:
+        return Generation(self, req, chat)
+
+    def abort_later(self, request_id: str, n: int) -> None:
+        """Abort every sequence of a request without waiting (a client went away)."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id, n))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _abort(self, request_id: str, n: int) -> None:
+        for rid in sequence_ids(request_id, n):
+            try:
+                await self.stub.Abort(pb.AbortRequest(request_id=rid), metadata=self.metadata, timeout=5)
+            except grpc.aio.AioRpcError as e:  # the stream's cancellation aborts it too
+                log.info("abort of %s: %s", rid, e.code().name)
+
+    async def close(self) -> None:
+        await self.channel.close()

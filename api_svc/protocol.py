@@ -1,0 +1,105 @@
+"""Request bodies of the OpenAI API (vLLM's field names and defaults). Unknown fields are accepted and ignored,
+as OpenAI clients send many (tools, response_format, ...) that this server does not act on.
+
+Ranges that depend on the model or the scheduler (max_model_len, n, top_p, penalties, ...) are checked by the
+scheduler, whose messages name the field and the limit; here only what the wire types need (unsigned, int32).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = (1 << 31) - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: float | None = None
+    n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Annotated[int, Field(ge=0, le=(1 << 64) - 1)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
+    cache_salt: str | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice (and chunk) also carries its output token ids
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16  # OpenAI's completions default
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
