@@ -94,12 +94,10 @@ class Outbox:
     def _ring(self, request_ids: Iterable[str] | None) -> None:
         """On the loop: wake the streams of `request_ids` (None: every stream)."""
         if request_ids is None:
-            for w in {w for ws in self._watches.values() for w in ws}:
-                w.ring()
-            return
-        for rid in request_ids:
-            for w in self._watches.get(rid, ()):
-                w.ring()
+            request_ids = self._watches
+        # Once per stream, even when several of its sequences (n > 1) got news in this step.
+        for w in {w for rid in request_ids for w in self._watches.get(rid, ())}:
+            w.ring()
 
     def _hand_to_loop(self, request_ids: Iterable[str] | None) -> None:
         loop = self.loop

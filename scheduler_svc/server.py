@@ -369,6 +369,9 @@ class PublicServer:
         except BaseException:
             self._close_loop()
             raise
+        if self.port == 0:
+            self._close_loop()
+            raise SystemExit(f"cannot listen on {address}")
         engine.outbox.attach(self.loop)
         engine.on_ready_change = self._on_ready
 
@@ -385,11 +388,11 @@ class PublicServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.server)
-        port = (self.server.add_insecure_port(address) if credentials is None
-                else self.server.add_secure_port(address, credentials))
-        if port == 0:
-            raise SystemExit(f"cannot listen on {address}")
-        return port
+        try:
+            return (self.server.add_insecure_port(address) if credentials is None
+                    else self.server.add_secure_port(address, credentials))
+        except RuntimeError:  # the address is taken or invalid
+            return 0
 
     def _run(self, coro, timeout: float | None = None):
         """Run `coro` on the loop from another thread and return its result."""
