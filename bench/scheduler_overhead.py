@@ -11,8 +11,10 @@ running, one token each) are measured, from `engine.step_stats`:
 
 The overhead is split by timing wrappers installed around the engine's pieces (policy, plan build, the RPC, the
 commit; "other" is the rest of the step: token bookkeeping and metrics), and the engine thread's CPU time per
-iteration is reported beside it (steadier than wall time on a shared machine). Redis cost per step comes from the
-server's own counters over the measured window: `INFO commandstats` (calls, script time) and `INFO stats` (bytes).
+iteration is reported beside it (steadier than wall time on a shared machine), and so is the whole scheduler
+process's CPU time per generated token (driver, the gRPC API's event loop, every stream). Redis cost per step
+comes from the server's own counters over the measured window: `INFO commandstats` (calls, script time) and
+`INFO stats` (bytes).
 `--direct` submits straight to the engine with no gRPC streams: the loop without the API layer.
 
     .venv/bin/python -m bench.scheduler_overhead --repeats 3              # N = 16, 64, 256, median of 3 runs
