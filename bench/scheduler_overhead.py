@@ -11,8 +11,10 @@ running, one token each) are measured, from `engine.step_stats`:
 
 The overhead is split by timing wrappers installed around the engine's pieces (policy, plan build, the RPC, the
 commit; "other" is the rest of the step: token bookkeeping and metrics), and the engine thread's CPU time per
-iteration is reported beside it (steadier than wall time on a shared machine). Redis cost per step comes from the
-server's own counters over the measured window: `INFO commandstats` (calls, script time) and `INFO stats` (bytes).
+iteration is reported beside it (steadier than wall time on a shared machine), and so is the whole scheduler
+process's CPU time per generated token (driver, the gRPC API's event loop, every stream). Redis cost per step
+comes from the server's own counters over the measured window: `INFO commandstats` (calls, script time) and
+`INFO stats` (bytes).
 `--direct` submits straight to the engine with no gRPC streams: the loop without the API layer.
 
     .venv/bin/python -m bench.scheduler_overhead --repeats 3              # N = 16, 64, 256, median of 3 runs
@@ -414,9 +416,9 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
         # Engine-thread CPU time, not wall: waits (GIL, locks, sockets) on a shared machine would swamp it.
         probe.profiler = cProfile.Profile(time.thread_time)
         probe.profile_window.set()
-    t_a = time.perf_counter()
+    t_a, cpu_a = time.perf_counter(), time.process_time()
     wait_for(warmup + measure)
-    t_b = time.perf_counter()
+    t_b, cpu_b = time.perf_counter(), time.process_time()
     probe.profile_window.clear()
     b_idx, b_red, b_it = len(engine.step_stats), redis_counters(stack.redis), len(probe.iterations)
     commit_script_ms = script_times_end(stack.redis, probe.commit_sha)
@@ -490,6 +492,10 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
         "forward_p50_ms": percentile([s.forward * 1e3 for s in stats[a_idx:b_idx]], 50),
         "forward_share": sum(s.forward for s in stats[a_idx:b_idx]) / (t_b - t_a),
         "tokens_per_s": sum(s.tokens for s in stats[a_idx:b_idx]) / (t_b - t_a),
+        # CPU of the whole scheduler process (driver, gRPC API, streams; the clients and the worker run elsewhere)
+        # per generated token: what serving a token costs the scheduler host, whatever thread spends it.
+        "sched_cpu_us_per_token": (cpu_b - cpu_a) * 1e6 / max(1, sum(s.tokens for s in stats[a_idx:b_idx])),
+        "sched_cpu_share": (cpu_b - cpu_a) / (t_b - t_a),  # cores' worth of scheduler CPU over the window
     }
     if profile and probe.profiler is not None:
         buf = io.StringIO()
@@ -505,15 +511,16 @@ def print_table(rows: list[dict]) -> None:
     print("\n| scheduling | running | steady steps | tokens/s | forward share | worker gap p50 (ms) | idle p50 | "
           "prepare p50 | sample p50 | forward p50 | step wall p50 | wall - worker p50 | driver CPU / iteration p50 | "
           "round trips / step | Redis cmds / step | Redis script time (ms) | Redis bytes in / step | plan bytes | "
-          "result bytes |")
-    print("|" + "---|" * 19)
+          "result bytes | scheduler CPU / token (us) | scheduler CPU (cores) |")
+    print("|" + "---|" * 21)
     for r in rows:
         print(f"| {r.get('scheduling', 'async')} | {r['running']} | {r['steady_steps']} | {r['tokens_per_s']:.0f} | "
               f"{r['forward_share']:.0%} | {r['worker_gap_p50_ms']:.2f} | {r['worker_idle_p50_ms']:.2f} | "
               f"{r['worker_prepare_p50_ms']:.2f} | {r['worker_sample_p50_ms']:.2f} | {r['forward_p50_ms']:.2f} | "
               f"{r['wall_p50_ms']:.2f} | {r['overhead_p50_ms']:.2f} | {r['engine_cpu_p50_ms']:.2f} | "
               f"{r['evalsha_per_step']:.2f} | {r['redis_cmds_per_step']:.0f} | {r['redis_evalsha_ms']:.2f} | "
-              f"{r['redis_in_bytes_per_step']:.0f} | {r['plan_bytes_p50']:.0f} | {r['result_bytes_p50']:.0f} |")
+              f"{r['redis_in_bytes_per_step']:.0f} | {r['plan_bytes_p50']:.0f} | {r['result_bytes_p50']:.0f} | "
+              f"{r['sched_cpu_us_per_token']:.1f} | {r['sched_cpu_share']:.2f} |")
     print("\n| scheduling | running | Redis cmds / step | Redis bytes in / step | commit payload (B) | "
           "commit script p50 (ms) | commit round trip p50 (ms) |")
     print("|" + "---|" * 7)
@@ -567,7 +574,9 @@ def run_mode(args, mode: str, model_dir: str, blocks: int, max_model_len: int) -
                       f"{r['redis_evalsha_ms']:.2f} ms (commit script p50 {r['commit_script_p50_ms']:.3f} ms), "
                       f"iteration p50 {r['loop_period_ms']:.2f} ms, "
                       f"plan {r['plan_bytes_p50']:.0f} B, "
-                      f"result {r['result_bytes_p50']:.0f} B, {r['steps_per_s']:.1f} steps/s", flush=True)
+                      f"result {r['result_bytes_p50']:.0f} B, {r['steps_per_s']:.1f} steps/s, "
+                      f"{r['tokens_per_s']:.0f} tokens/s, scheduler CPU {r['sched_cpu_us_per_token']:.1f} us/token "
+                      f"({r['sched_cpu_share']:.2f} cores)", flush=True)
                 if prof:
                     print(prof, flush=True)
             runs.sort(key=lambda r: r["overhead_p50_ms"])

@@ -51,10 +51,31 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return self.deny_stream if details.method.endswith(self.stream_methods) else self.deny
 
 
-def api_key_interceptor(api_key: str) -> BearerTokenInterceptor:
+class AsyncBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """`BearerTokenInterceptor` for a grpc.aio server (the scheduler's public API): same rule, same answer."""
+
+    def __init__(self, token: str, message: str, stream_methods: tuple[str, ...] = ()):
+        self.expected = f"Bearer {token}"
+        self.stream_methods = stream_methods
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+        self.deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+            return await continuation(details)
+        return self.deny_stream if details.method.endswith(self.stream_methods) else self.deny
+
+
+def api_key_interceptor(api_key: str) -> AsyncBearerTokenInterceptor:
     """The scheduler's public API with --api-key."""
-    return BearerTokenInterceptor(api_key, "missing or wrong API key: send metadata 'authorization: Bearer <key>'",
-                                  stream_methods=("/Generate",))
+    return AsyncBearerTokenInterceptor(api_key, "missing or wrong API key: send metadata "
+                                       "'authorization: Bearer <key>'", stream_methods=("/Generate",))
 
 
 def worker_token_interceptor(token: str) -> BearerTokenInterceptor:

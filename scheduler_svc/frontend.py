@@ -40,7 +40,7 @@ class Frontend:
 
     def __init__(self):
         self.outbox = Outbox()
-        self.lock, self.changed = self.outbox.lock, self.outbox.changed
+        self.lock = self.outbox.lock
         self.inbox: list[AddRequest | AbortRequest] = []
         self.wake = threading.Event()
         self.stopping = threading.Event()

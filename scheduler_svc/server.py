@@ -1,8 +1,9 @@
-"""The public gRPC API (llmserve.v1): Generate (streaming), Abort, GetModelInfo, health, reflection."""
+"""The public gRPC API (llmserve.v1): Generate (streaming), Abort, GetModelInfo, health, reflection, on grpc.aio."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import re
@@ -10,7 +11,6 @@ import signal
 import threading
 import urllib.parse
 import uuid
-from concurrent import futures
 
 import grpc
 import redis
@@ -64,6 +64,10 @@ def _tokenizer_for(model_path: str) -> Tokenizer:
 
 
 class LLMServeServicer(pb_grpc.LLMServeServicer):
+    """The public API on one asyncio event loop (grpc.aio). Streams sleep until the outbox rings them: a committed
+    step wakes only the streams whose requests got tokens or finished. Admission (tokenizing, Redis look-ups,
+    loading the tokenizer) runs in the loop's thread pool so that it never stalls the streams."""
+
     def __init__(self, engine: Driver, tokenizer_path: str | None = None):
         self.engine = engine
         self._tokenizer: Tokenizer | None = None
@@ -81,10 +85,10 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         return Limits(max_model_len=info.max_model_len, vocab_size=info.model.vocab_size,
                       kv_pool_tokens=info.num_blocks * info.block_size, block_size=info.block_size)
 
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         info = self.engine.worker_info
         if info is None or not self.engine.ready.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
         pol = self.engine.cfg.policy
         return pb.ModelInfoResponse(
             model_name=info.model.name, model_path=info.model.path, max_model_len=info.max_model_len,
@@ -92,76 +96,101 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             dtype=info.dtype, device=info.device, worker_epoch=info.epoch, max_num_seqs=pol.max_num_seqs,
             max_num_batched_tokens=pol.max_num_batched_tokens)
 
-    def Abort(self, request, context):
+    async def Abort(self, request, context):
         if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
 
-    def Generate(self, request: pb.GenerateRequest, context):
+    def _admit(self, request: pb.GenerateRequest, metadata) -> tuple[str, list[_SequenceStream]]:
+        """In the thread pool: find the request (memory, then Redis) or validate, tokenize and submit it."""
+        engine = self.engine
+        check_sampling(request.sampling)
+        seq_ids = sequence_ids(request.request_id, request.sampling.n) if request.request_id else []
+        pubs = [p for rid in seq_ids if (p := engine.lookup(rid)) is not None]
+        if not pubs:
+            limits = self.limits()
+            ids = prompt_ids(request, self.tokenizer(), limits)
+            reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex)
+            if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis
+                parent = tracing.extract(metadata)
+                for req in reqs:
+                    req.trace_context = parent
+            pubs = engine.submit(reqs)
+        tokenizer = self.tokenizer()
+        streams = [_SequenceStream(tokenizer, p, i, request.resume_from_token) for i, p in enumerate(pubs)]
+        return request.request_id or pubs[0].request.request_id, streams
+
+    async def Generate(self, request: pb.GenerateRequest, context):
         engine = self.engine
         if not engine.ready.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
-                          "(or it is a standby, or draining); retry shortly")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
+                                "(or it is a standby, or draining); retry shortly")
+        admitted = asyncio.get_running_loop().run_in_executor(None, self._admit, request,
+                                                              context.invocation_metadata())
         try:
-            check_sampling(request.sampling)
-            seq_ids = sequence_ids(request.request_id, request.sampling.n) if request.request_id else []
-            pubs = [p for rid in seq_ids if (p := engine.lookup(rid)) is not None]
-            if not pubs:
-                limits = self.limits()
-                ids = prompt_ids(request, self.tokenizer(), limits)
-                rid = request.request_id or uuid.uuid4().hex
-                reqs = build_requests(request, ids, limits, rid)
-                if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis
-                    parent = tracing.extract(context.invocation_metadata())
-                    for req in reqs:
-                        req.trace_context = parent
-                pubs = engine.submit(reqs)
+            rid, streams = await asyncio.shield(admitted)
         except AdmissionError as e:
-            context.abort(e.code, str(e))
+            await context.abort(e.code, str(e))
         except SubmitError as e:
-            context.abort(grpc.StatusCode[e.code], str(e))
-        yield from self._stream(request.request_id or pubs[0].request.request_id, pubs, request.resume_from_token,
-                                context)
+            await context.abort(grpc.StatusCode[e.code], str(e))
+        except asyncio.CancelledError:  # the client left while its request was being admitted
+            admitted.add_done_callback(_abort_when_admitted(engine))
+            raise
+        async for msg in self._stream(rid, streams, context):
+            yield msg
 
-    def _stream(self, rid: str, pubs: list[Published], resume_from: int, context):
+    async def _stream(self, rid: str, streams: list[_SequenceStream], context):
         """Stream every sequence of a request (index i for sequence i) until all have finished."""
-        engine = self.engine
-        done = threading.Event()
-        # A client that goes away mid-stream aborts its request (freed at the next iteration boundary).
-        context.add_callback(lambda: None if done.is_set() else [engine.abort(p.request.request_id) for p in pubs])
-        streams = [_SequenceStream(self.tokenizer(), p, i, resume_from) for i, p in enumerate(pubs)]
+        engine, outbox = self.engine, self.engine.outbox
+        watch = outbox.watch([s.pub.request.request_id for s in streams])
         live = list(streams)
-        while live:
-            with engine.changed:
-                engine.changed.wait_for(lambda: any(s.has_news() for s in live) or not context.is_active(),
-                                        timeout=1.0)
-                news = [(s, *s.take()) for s in live]
-            if not context.is_active():
-                return
-            for stream, new, lps, finish in news:
-                msg, finish = stream.advance(rid, new, lps, finish)
-                if stream.stopped_by_string:
-                    engine.abort(stream.pub.request.request_id, FINISH_STOP)
-                if finish is None:
-                    if msg.token_ids or msg.text:
-                        yield msg
+        ended = False  # finished (or handed over): a client leaving now aborts nothing
+        try:
+            while live:
+                with engine.lock:
+                    news = [(s, *s.take()) for s in live if s.has_news()]
+                if not news:
+                    await watch.wait()
                     continue
-                live.remove(stream)
-                if finish == FINISH_TIMEOUT:
-                    done.set()
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"request {rid} waited longer than --queue-timeout "
-                                  f"{engine.cfg.queue_timeout:g}s before being scheduled")
-                if finish == FINISH_REJECTED:
-                    done.set()
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {stream.pub.request.request_id} was "
-                                  f"refused by the worker: {stream.pub.error}")
-                if finish == UNAVAILABLE:
-                    done.set()
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; re-attach with "
-                                  f"request_id={rid!r} and resume_from_token={stream.sent}")
-                yield msg
-        done.set()
+                for stream, new, lps, finish in news:
+                    msg, finish = stream.advance(rid, new, lps, finish)
+                    if stream.stopped_by_string:
+                        engine.abort(stream.pub.request.request_id, FINISH_STOP)
+                    if finish is None:
+                        if msg.token_ids or msg.text:
+                            yield msg
+                        continue
+                    live.remove(stream)
+                    if finish in (FINISH_TIMEOUT, FINISH_REJECTED, UNAVAILABLE):
+                        ended = True
+                        await context.abort(*_error_status(engine, rid, stream, finish))
+                    yield msg
+            ended = True
+        finally:
+            outbox.unwatch(watch)
+            if not ended:  # the client went away mid-stream: free its KV at the next iteration boundary
+                for s in streams:
+                    engine.abort(s.pub.request.request_id)
+
+
+def _abort_when_admitted(engine: Driver):
+    def abort(fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            for s in fut.result()[1]:
+                engine.abort(s.pub.request.request_id)
+    return abort
+
+
+def _error_status(engine: Driver, rid: str, stream: _SequenceStream, finish: str) -> tuple[grpc.StatusCode, str]:
+    """The status that ends a stream whose request ended without a result."""
+    if finish == FINISH_TIMEOUT:
+        return (grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} waited longer than --queue-timeout "
+                f"{engine.cfg.queue_timeout:g}s before being scheduled")
+    if finish == FINISH_REJECTED:
+        return (grpc.StatusCode.INVALID_ARGUMENT, f"request {stream.pub.request.request_id} was refused by the "
+                f"worker: {stream.pub.error}")
+    return (grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; re-attach with "
+            f"request_id={rid!r} and resume_from_token={stream.sent}")
 
 
 class _SequenceStream:
@@ -325,34 +354,89 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Driver, RedisLedger]:
     return Driver(cfg, ledger, Metrics()), ledger
 
 
-def build_server(engine: Driver, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
-                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
-    interceptors = [api_key_interceptor(api_key)] if api_key else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=512), interceptors=interceptors,
-                         options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    servicer = LLMServeServicer(engine, tokenizer_path)
-    pb_grpc.add_LLMServeServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
-    if port == 0:
-        raise SystemExit(f"cannot listen on {address}")
+class PublicServer:
+    """The grpc.aio server of the public API and the event loop it runs on, in a thread of its own ("grpc-aio"), so
+    that `llmserve scheduler` and the in-process stacks of the tests drive it the same way: start(), stop(grace)."""
 
-    def on_ready(ready: bool) -> None:
+    def __init__(self, engine: Driver, address: str, api_key: str | None, tokenizer_path: str | None,
+                 credentials: grpc.ServerCredentials | None):
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self.thread.start()
+        try:
+            self.port = self._run(self._build(address, api_key, tokenizer_path, credentials))
+        except BaseException:
+            self._close_loop()
+            raise
+        if self.port == 0:
+            self._close_loop()
+            raise SystemExit(f"cannot listen on {address}")
+        engine.outbox.attach(self.loop)
+        engine.on_ready_change = self._on_ready
+
+    async def _build(self, address: str, api_key: str | None, tokenizer_path: str | None,
+                     credentials: grpc.ServerCredentials | None) -> int:
+        interceptors = [api_key_interceptor(api_key)] if api_key else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.servicer = LLMServeServicer(self.engine, tokenizer_path)
+        pb_grpc.add_LLMServeServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
+        try:
+            return (self.server.add_insecure_port(address) if credentials is None
+                    else self.server.add_secure_port(address, credentials))
+        except RuntimeError:  # the address is taken or invalid
+            return 0
+
+    def _run(self, coro, timeout: float | None = None):
+        """Run `coro` on the loop from another thread and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _on_ready(self, ready: bool) -> None:
+        """From the driver thread: health follows the engine's readiness."""
         if ready:
             # Load the tokenizer now rather than on the first request (seconds for a GGUF's vocabulary).
-            threading.Thread(target=servicer.tokenizer, daemon=True).start()
+            threading.Thread(target=self.servicer.tokenizer, daemon=True).start()
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, status)
+        if not self.loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._set_health(status), self.loop)
 
-    engine.on_ready_change = on_ready
-    return server, port, health_servicer
+    def start(self) -> None:
+        self._run(self.server.start())
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let those in progress end for up to `grace` seconds (then cancel them), close."""
+        if self.loop.is_closed():
+            return
+        try:
+            self._run(self.server.stop(grace))
+        finally:
+            self.engine.outbox.attach(None)
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def build_server(engine: Driver, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[PublicServer, int, object]:
+    """The public API server (not started), its port and its health servicer. `credentials` None serves plaintext;
+    otherwise TLS (mutual TLS when they require client certificates)."""
+    server = PublicServer(engine, address, api_key, tokenizer_path, credentials)
+    return server, server.port, server.health
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -405,7 +489,7 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"scheduler: {engine.fatal}")
 
 
-def shutdown(engine: Driver, server: grpc.Server, timeout: float) -> None:
+def shutdown(engine: Driver, server: PublicServer, timeout: float) -> None:
     """Graceful drain: NOT_SERVING and no admission at once, in-flight requests finish (up to `timeout`), the rest
     are aborted; with timeout 0 they are left in Redis for the next leader (streams end UNAVAILABLE)."""
     log.info("draining (shutdown timeout %gs)", timeout)
@@ -413,4 +497,4 @@ def shutdown(engine: Driver, server: grpc.Server, timeout: float) -> None:
     if aborted:
         log.warning("aborted %d requests still running after --shutdown-timeout %gs", aborted, timeout)
     engine.stop()
-    server.stop(grace=2).wait()
+    server.stop(grace=2)

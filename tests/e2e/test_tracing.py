@@ -92,7 +92,7 @@ def traced_stack(redis_server, tmp_path_factory):  # noqa: F811
         yield argparse.Namespace(engine=engine, address=f"127.0.0.1:{port}", exporter=exporter, worker=worker)
     finally:
         engine.stop()
-        server.stop(grace=1).wait()
+        server.stop(grace=1)
         tracing.disable()
         cluster.stop(worker)
 
