@@ -57,7 +57,7 @@ class Driver(Frontend):
         super().__init__()
         self.worker = WorkerClient(cfg.worker_address, cfg.worker_credentials, cfg.worker_server_name,
                                    cfg.worker_token, cfg.step_timeout)
-        self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms)
+        self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms, cfg.step_timeout)
         self.core: SchedulerCore | None = None  # while leading
         self.step_id = 0
         self.in_flight: StepRecord | None = None  # pipelined: the step sent last, whose result is not applied yet
@@ -155,7 +155,6 @@ class Driver(Frontend):
         self._set_ready(False)
         self.core = None
         self._abandon_in_flight()
-        self.lease.steps_in_flight(False)
         self.lease.token = None
         with self.lock:
             self.inbox.clear()
@@ -175,6 +174,7 @@ class Driver(Frontend):
         """One step. Pipelined (--async-scheduling): plan k + 1 is built and sent while step k runs (each request
         assumed to get its token in k); then k's result is applied, committed and published while k + 1 runs."""
         core = self.core
+        self.lease.progress()
         self._drain_inbox()
         if not core.has_work and self.in_flight is None:
             if core.has_uncommitted:
@@ -198,7 +198,6 @@ class Driver(Frontend):
             done = record
         if done is not None:
             self._finish_step(done, also_changed=self.in_flight)
-        self.lease.steps_in_flight(self.in_flight is not None)
 
     def _send(self, out: SchedulerOutput) -> StepRecord | None:
         """Encode and send a scheduled step; None when it schedules nothing (its changes go with the next commit)."""
@@ -213,7 +212,6 @@ class Driver(Frontend):
         core.reset_worker, core.to_drop = False, []
         self._notify("step_started", record)
         record.wait = self.worker.send(plan, record.trace)
-        self.lease.steps_in_flight(True)
         return record
 
     def _finish_step(self, record: StepRecord, also_changed: StepRecord | None) -> None:

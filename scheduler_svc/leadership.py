@@ -27,14 +27,16 @@ log = logging.getLogger("llmserve.scheduler")
 
 
 class Lease:
-    def __init__(self, ledger: RedisLedger, holder: str | None, ttl_ms: int):
+    def __init__(self, ledger: RedisLedger, holder: str | None, ttl_ms: int, stall_limit_s: float = 600.0):
         self.ledger = ledger
         self.holder = holder or uuid.uuid4().hex[:12]
         self.ttl_ms = ttl_ms
+        self.stall_limit_s = stall_limit_s  # the heartbeat stops renewing for a driver stuck longer than this
         self.token: int | None = None  # while leading
-        self._step_started: float | None = None  # monotonic start of the worker call in flight
+        self._last_progress = time.monotonic()  # when the driver last started an iteration (or took the lease)
 
     def acquire(self) -> int | None:
+        self.progress()
         self.token = self.ledger.try_acquire_lease(self.holder, self.ttl_ms)
         return self.token
 
@@ -47,29 +49,27 @@ class Lease:
             with contextlib.suppress(Exception):
                 self.ledger.release_lease(self.holder, self.token)
 
-    def steps_in_flight(self, busy: bool) -> None:
-        """Whether a worker step is outstanding (sent, its result not yet applied): while one is, the heartbeat
-        renews the lease once it has lasted a third of the TTL."""
-        if not busy:
-            self._step_started = None
-        elif self._step_started is None:
-            self._step_started = time.monotonic()
+    def progress(self) -> None:
+        """The driver is alive: called at the start of every iteration."""
+        self._last_progress = time.monotonic()
 
     def start_heartbeat(self, stopping: threading.Event) -> None:
-        """Each commit renews the lease, but one worker step can outlast the TTL (a static batch or an unchunked
-        prompt of thousands of tokens on a CPU). While the driver waits on such a step the process is alive and
-        still leads, so renew from here; a lost lease still fails the step's commit."""
+        """Commits renew the lease, but anything the driver thread waits on can outlast a short TTL on a loaded host:
+        a worker step of thousands of prompt tokens, a slow worker probe while idle, the GIL held by the API's
+        threads. While we lead and the driver made progress within `stall_limit_s` (the step timeout), the process
+        is alive and still leads, so renew from here every third of the TTL. A driver stuck for longer lets the
+        lease lapse, and a standby takes the pool over. A lost lease still fails the next commit."""
         period = self.ttl_ms / 3000
 
         def beat() -> None:
             while not stopping.wait(period):
-                started, token = self._step_started, self.token
-                if started is None or token is None or time.monotonic() - started < period:
+                token = self.token
+                if token is None or time.monotonic() - self._last_progress > self.stall_limit_s:
                     continue
                 try:
                     self.ledger.renew_lease(self.holder, token, self.ttl_ms)
                 except Exception:  # Redis down: the driver thread finds out and handles it
-                    log.warning("could not renew the lease during a long step", exc_info=True)
+                    log.warning("could not renew the lease from the heartbeat", exc_info=True)
 
         threading.Thread(target=beat, name="lease", daemon=True).start()
 
