@@ -71,6 +71,9 @@ class SchedulerCore:
         front, in order) and recompute; their cached blocks make that cheap."""
         for req in requests:
             self.requests[req.request_id] = req
+            if req.scheduled_time is None and (req.status == Status.RUNNING or req.output_ids or req.num_preemptions):
+                # A previous leader already scheduled it: the queue timeout bounds only the wait for a first step.
+                req.scheduled_time = req.arrival_time
             (self.running if req.status == Status.RUNNING else self.waiting).append(req)
         self.requeue_running()
 

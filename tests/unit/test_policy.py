@@ -642,3 +642,20 @@ def test_self_preemption_stops_the_victim_search_even_if_blocks_still_short():
     assert out.preempted == [b]  # b gives up its own block (2 free then, still < 4) and stops there
     assert out.num_tokens == {"a": 1} and e.running == [a] and a.num_preemptions == 0
     assert list(e.waiting) == [b] and e.pool.num_free == 2
+
+
+def test_queue_timeout_spares_requests_a_previous_leader_already_scheduled():
+    """After a fail-over the new leader recomputes resumed requests from the queue: the queue timeout (a bound on
+    the wait for a first step) must not expire them, only requests that never ran."""
+    core = SchedulerCore(cfg_(max_num_batched_tokens=8), BlockPool(64), queue_timeout=1.0)
+    ran = make_req("ran", 8, seq=0)
+    ran.status, ran.output_ids = Status.RUNNING, [5, 6]
+    preempted = make_req("preempted", 8, seq=1)
+    preempted.num_preemptions = 1
+    never = make_req("never", 8, seq=2)
+    for req in (ran, preempted, never):
+        req.arrival_time = 100.0
+    core.resume([ran, preempted, never])
+    core.schedule(now=200.0)
+    assert never.finish_reason == "timeout"
+    assert ran.finish_reason is None and preempted.finish_reason is None
