@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 
@@ -153,3 +154,31 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "--tensor-parallel-size 2 does not divide the model's 9 attention heads" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_two_torchrun_hosts_on_loopback(redis_server, hf_reference):  # noqa: F811
+    """Two torchrun launches (`--nnodes 2`: "hosts" 0 and 1 on 127.0.0.1, 2 + 1 ranks) form one group of 3."""
+    port, master_port = cluster.free_port(), cluster.free_port()
+
+    def torchrun(node_rank: int, nproc: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+                "-m", "llmserve.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
+                *map(str, WORKER_ARGS)]
+
+    other = cluster.stack.spawn("torchrun", torchrun(1, 1), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
+    first = cluster.stack.spawn("worker", torchrun(0, 2), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
+    sched = None
+    try:
+        cluster.stack.wait_ready(first, timeout=600)
+        info = _describe(port)
+        assert info.tensor_parallel_size == TP and list(info.rank_num_blocks) == [NUM_BLOCKS] * TP
+        sched = cluster.start_scheduler(redis_server, port, SCHEDULER_ARGS)
+        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
+        _assert_reference(_run(sched.address, "torchrun"), hf_reference)
+    finally:
+        if sched is not None:
+            cluster.stop(sched)
+        cluster.stop(first)
+        assert other.popen.wait(timeout=60) == 0, other.log_tail()
