@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from worker_svc.config import ModelConfig
-from worker_svc.tensor_parallel import FULL, Shard, check_shardable, shard_tensor
+from worker_svc.tensor_parallel import FULL, Shard, check_shardable, pad_vocab_rows, param_slice, shard_tensor
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -147,7 +147,6 @@ def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, to
     """Dequantize every tensor of a llama-family GGUF to float32 with HF names and shapes (a tensor-parallel
     rank dequantizes each tensor whole, then keeps its slice: quantized blocks do not split along heads)."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(path)
     tensor_names = {t.name for t in reader.tensors}
@@ -161,22 +160,39 @@ def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, to
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        # dequantize returns numpy in row-major HF order ([out, in]); t.shape is GGML's reversed order.
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
-            array = array.copy()
-        hf_shape = tuple(int(d) for d in reversed(t.shape))
-        tensor = torch.from_numpy(array.reshape(hf_shape))
+        hf_shape = tuple(int(d) for d in reversed(t.shape))  # t.shape is GGML's reversed order
         if t.name == "rope_freqs.weight":
             # Llama 3.x GGUFs store their rope scaling as precomputed per-frequency divisors.
-            config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": tensor.tolist()}
+            factors = _dequantize(t.data, t, hf_shape).tolist()
+            config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors}
             continue
+        name = _gguf_to_hf_name(t.name)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        part = param_slice(name, config, shard)
+        if part is not None and part[0] == 0:
+            # A slice of whole rows: quantized blocks run along a row, so only this rank's rows are dequantized
+            # (q/k rows are permuted within each head only: a head-aligned slice unpermutes on its own).
+            _, start, stop = part
+            tensor = _dequantize(t.data[start:stop], t, (stop - start, *hf_shape[1:]))
+            if kind in unpermute and t.name.endswith(".weight"):
+                tensor = _unpermute_rope_rows(tensor, (stop - start) // config.head_dim)
+            weights[name] = pad_vocab_rows(name, tensor, config, shard)
+            continue
+        tensor = _dequantize(t.data, t, hf_shape)
         if kind in unpermute and t.name.endswith(".weight"):
             tensor = _unpermute_rope_rows(tensor, unpermute[kind])
-        name = _gguf_to_hf_name(t.name)
-        weights[name] = shard_tensor(name, tensor, config, shard)
+        weights[name] = shard_tensor(name, tensor, config, shard)  # whole, or dequantized then sliced (columns)
     return config, weights
+
+
+def _dequantize(data: np.ndarray, t, hf_shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 [out, in] (HF's row-major order) from GGUF rows of any type."""
+    from gguf.quants import dequantize
+
+    array = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+        array = array.copy()
+    return torch.from_numpy(array.reshape(hf_shape))
 
 
 def _gguf_to_hf_name(name: str) -> str:

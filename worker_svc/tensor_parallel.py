@@ -100,11 +100,16 @@ def shard_tensor(name: str, tensor, cfg: ModelConfig, shard: Shard) -> torch.Ten
         return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
     dim, start, stop = s
     part = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        missing = vocab_rows(cfg, shard.size) - (stop - start)
-        if missing:
-            part = torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
-    return part.contiguous()
+    return pad_vocab_rows(name, part, cfg, shard).contiguous()
+
+
+def pad_vocab_rows(name: str, part: torch.Tensor, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
+    """A vocabulary shard with zero rows added up to `vocab_rows` (the last rank's, when the vocabulary does not
+    divide); any other tensor as it is."""
+    if shard.size == 1 or name not in ("model.embed_tokens.weight", "lm_head.weight"):
+        return part
+    missing = vocab_rows(cfg, shard.size) - part.shape[0]
+    return torch.cat([part, part.new_zeros(missing, *part.shape[1:])]) if missing else part
 
 
 def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ SCHEDULER_ARGS = ["--max-num-batched-tokens", 32, "--debug-invariants"]
 _rng = random.Random(14)
 PROMPTS = [[_rng.randrange(300, 40000) for _ in range(n)] for n in (5, 70, 12, 45, 90, 21)]
 TIMEOUT_S = 600
+START_S = 600  # three ranks each dequantizing the GGUF, on a loaded 2-core box
 
 
 def _request(ids: list[int], rid: str) -> pb.GenerateRequest:
@@ -112,7 +113,7 @@ def _assert_reference(streams: list[Stream], reference: list[list[int]]) -> None
 @pytest.mark.slow
 def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference):  # noqa: F811
     port = cluster.free_port()
-    worker = cluster.start_worker([*WORKER_ARGS, "--port", port])
+    worker = cluster.start_worker([*WORKER_ARGS, "--port", port], timeout=START_S)
     sched = None
     try:
         info = _describe(port)
@@ -139,7 +140,8 @@ def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference): 
             psutil.Process(rank.pid).wait(timeout=60) if psutil.pid_exists(rank.pid) else None
         assert cluster.health(f"127.0.0.1:{port}") != "SERVING"
 
-        worker = cluster.start_worker([*WORKER_ARGS, "--port", port])  # a new group: new epoch, empty pools
+        # A new group: new epoch, empty pools.
+        worker = cluster.start_worker([*WORKER_ARGS, "--port", port], timeout=START_S)
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
         _assert_reference(streams, hf_reference)
     finally:
