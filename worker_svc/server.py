@@ -200,16 +200,17 @@ def serve(args: argparse.Namespace) -> None:
                                      args.master_port, resolve_device(opts.device), args.distributed_timeout)
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
-    if group is not None and group.rank != 0:
-        parallel.run_follower(ModelRunner(opts, group))  # no gRPC: rank 0 sends the steps
-        return
-    tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
+    if group is None or group.rank == 0:
+        tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
     try:
         runner = ModelRunner(opts, group)
-    except ValueError as e:
+    except ValueError as e:  # e.g. a --tensor-parallel-size that does not divide the heads
         if group is None:
             raise
         group.fail(f"worker: {e}")
+    if group is not None and group.rank != 0:
+        parallel.run_follower(runner)  # no gRPC: rank 0 sends the steps
+        return
     if args.max_model_len is not None and not args.allow_kv_pool_below_max_model_len:
         from common.validation import check_pool
 
