@@ -179,6 +179,15 @@ def test_two_torchrun_hosts_on_loopback(redis_server, hf_reference):  # noqa: F8
         sched = cluster.start_scheduler(redis_server, port, SCHEDULER_ARGS)
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
         _assert_reference(_run(sched.address, "torchrun"), hf_reference)
+        # n = 2 over the sharded pools: the siblings share the prompt's blocks (copy-on-write of the partial last
+        # block is broadcast to every rank) and, greedy, both equal Hugging Face.
+        req = _request(PROMPTS[2], "torchrun-n2")
+        req.sampling.n = 2
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        with grpc.insecure_channel(sched.address) as channel:
+            for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=TIMEOUT_S):
+                tokens[msg.index].extend(msg.token_ids)
+        assert tokens == {0: hf_reference[2], 1: hf_reference[2]}
     finally:
         if sched is not None:
             cluster.stop(sched)
