@@ -81,11 +81,16 @@ class Stream(threading.Thread):
 @pytest.fixture(scope="module")
 def hf_reference(hf_model) -> list[list[int]]:
     out = []
-    for ids in PROMPTS:
-        with torch.no_grad():
-            gen = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(gen[0, len(ids):].tolist())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls: on a shared box, OpenMP barriers between 2 threads cost more
+    try:
+        for ids in PROMPTS:
+            with torch.no_grad():
+                gen = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        max_new_tokens=MAX_TOKENS, do_sample=False)
+            out.append(gen[0, len(ids):].tolist())
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
