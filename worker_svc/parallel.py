@@ -316,6 +316,8 @@ def start_group(tensor_parallel_size: int, nnodes: int, node_rank: int, master_a
     procs = [] if p.under_torchrun else start_local_ranks(p)
     if device.type == "cuda":
         device = torch.device("cuda", p.local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:  # (torchrun sets it) the host's cores shared among its ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // p.local_size))
     try:
         group = RankGroup.join(p.rank, p.size, p.local_rank, device, timeout_s)
     except Exception as e:
