@@ -318,6 +318,8 @@ def start_group(tensor_parallel_size: int, nnodes: int, node_rank: int, master_a
         device = torch.device("cuda", p.local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:  # (torchrun sets it) the host's cores shared among its ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // p.local_size))
+    # From the start: a rank whose starter dies while it still waits for the others to join exits at once.
+    watch_parent(lambda message: end_group(procs, message))
     try:
         group = RankGroup.join(p.rank, p.size, p.local_rank, device, timeout_s)
     except Exception as e:
@@ -328,7 +330,6 @@ def start_group(tensor_parallel_size: int, nnodes: int, node_rank: int, master_a
     if len(set(sizes)) > 1:
         group.fail(f"the ranks were started with different --tensor-parallel-size values: {sizes} (by rank)")
     watch_children(group)
-    watch_parent(group.fail)
     log.info("rank %d of %d joined (%s, %s:%d)", p.rank, p.size, "nccl" if device.type == "cuda" else "gloo",
              p.master_addr, p.master_port)
     return group
