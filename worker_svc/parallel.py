@@ -237,16 +237,10 @@ def placement(tensor_parallel_size: int, nnodes: int, node_rank: int, master_add
         raise ValueError(f"--node-rank {node_rank} must be in [0, --nnodes {nnodes})")
     if nnodes > 1 and master_port is None:
         raise ValueError("--master-port is needed with --nnodes > 1 (the same on every host)")
+    from llmserve.stack import free_port
+
     local_size = n // nnodes
-    return GroupPlacement(node_rank * local_size, n, 0, local_size, master_addr, master_port or _free_port(), False)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return GroupPlacement(node_rank * local_size, n, 0, local_size, master_addr, master_port or free_port(), False)
 
 
 def start_local_ranks(p: GroupPlacement) -> list[subprocess.Popen]:
