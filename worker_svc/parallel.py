@@ -101,13 +101,15 @@ class RankGroup:
         self.stopping = False  # an orderly stop: ranks exiting now are not a failure
 
     @classmethod
-    def join(cls, rank: int, size: int, local_rank: int, device: torch.device, timeout_s: float) -> RankGroup:
-        """Join the torch.distributed world (MASTER_ADDR / MASTER_PORT rendezvous): nccl on CUDA, else gloo."""
+    def join(cls, rank: int, size: int, local_rank: int, device: torch.device, timeout_s: float,
+             store: dist.Store | None = None) -> RankGroup:
+        """Join the torch.distributed world (MASTER_ADDR / MASTER_PORT rendezvous, or `store`): nccl on CUDA, else
+        gloo."""
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, store=store)
         # Step messages on CPU tensors, whatever the model's backend.
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         return cls(rank, size, local_rank, device, None, control)
@@ -212,7 +214,7 @@ class GroupPlacement:
     local_rank: int
     local_size: int
     master_addr: str
-    master_port: int
+    master_port: int | None  # None: one host, rank 0 picks a free port for its rendezvous store
     under_torchrun: bool  # the ranks were started by torchrun (one process per rank); else this host starts them
 
 
@@ -237,10 +239,8 @@ def placement(tensor_parallel_size: int, nnodes: int, node_rank: int, master_add
         raise ValueError(f"--node-rank {node_rank} must be in [0, --nnodes {nnodes})")
     if nnodes > 1 and master_port is None:
         raise ValueError("--master-port is needed with --nnodes > 1 (the same on every host)")
-    from llmserve.stack import free_port
-
     local_size = n // nnodes
-    return GroupPlacement(node_rank * local_size, n, 0, local_size, master_addr, master_port or free_port(), False)
+    return GroupPlacement(node_rank * local_size, n, 0, local_size, master_addr, master_port, False)
 
 
 def start_local_ranks(p: GroupPlacement) -> list[subprocess.Popen]:
@@ -307,6 +307,13 @@ def start_group(tensor_parallel_size: int, nnodes: int, node_rank: int, master_a
     if tensor_parallel_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
     p = placement(tensor_parallel_size, nnodes, node_rank, master_addr, master_port)
+    store = None
+    if not p.under_torchrun or "LLMSERVE_TP_PARENT" in os.environ:
+        # Ranks started by llmserve meet at rank 0's store; with no --master-port on a port the OS picks (no race
+        # for a free one). Under torchrun, its environment (env://) is the rendezvous.
+        store = dist.TCPStore(p.master_addr, p.master_port or 0, p.size, is_master=p.rank == 0,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        p.master_port = store.port
     procs = [] if p.under_torchrun else start_local_ranks(p)
     if device.type == "cuda":
         device = torch.device("cuda", p.local_rank)
@@ -315,7 +322,7 @@ def start_group(tensor_parallel_size: int, nnodes: int, node_rank: int, master_a
     # From the start: a rank whose starter dies while it still waits for the others to join exits at once.
     watch_parent(lambda message: end_group(procs, message))
     try:
-        group = RankGroup.join(p.rank, p.size, p.local_rank, device, timeout_s)
+        group = RankGroup.join(p.rank, p.size, p.local_rank, device, timeout_s, store)
     except Exception as e:
         end_group(procs, f"rank {p.rank} could not join the group of --tensor-parallel-size {p.size} at "
                          f"{p.master_addr}:{p.master_port} within {timeout_s:.0f} s: {e}")
