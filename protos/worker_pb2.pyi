@@ -57,7 +57,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rope_theta: _Optional[float] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "block_size", "num_blocks", "max_model_len", "epoch", "attention_backend", "kv_bytes_per_block", "last_step_id", "fencing_token")
+    __slots__ = ("model", "dtype", "device", "block_size", "num_blocks", "max_model_len", "epoch", "attention_backend", "kv_bytes_per_block", "last_step_id", "fencing_token", "tensor_parallel_size", "rank_num_blocks", "rank_kv_bytes_per_block")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,9 @@ class WorkerInfo(_message.Message):
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     dtype: str
     device: str
@@ -80,7 +83,10 @@ class WorkerInfo(_message.Message):
     kv_bytes_per_block: int
     last_step_id: int
     fencing_token: int
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    rank_num_blocks: _containers.RepeatedScalarFieldContainer[int]
+    rank_kv_bytes_per_block: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_num_blocks: _Optional[_Iterable[int]] = ..., rank_kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs")

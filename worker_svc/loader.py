@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from worker_svc.config import ModelConfig
+from worker_svc.tensor_parallel import FULL, Shard, check_shardable, pad_vocab_rows, param_slice, shard_tensor
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,12 +62,13 @@ def default_model_path() -> str:
     return path
 
 
-def load_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a `.gguf` file or an HF directory (config.json + *.safetensors)."""
+def load_model_weights(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a `.gguf` file or an HF directory (config.json + *.safetensors): the whole model's config and the
+    weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path)
+        return load_gguf(path, shard)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return load_hf_dir(path)
+        return load_hf_dir(path, shard)
     raise ValueError(
         f"unsupported model path {path!r}: expected a .gguf file or a directory with "
         "config.json and *.safetensors"
@@ -141,38 +143,56 @@ def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
     )
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of a llama-family GGUF to float32 with HF names and shapes."""
+def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of a llama-family GGUF to float32 with HF names and shapes (a tensor-parallel
+    rank dequantizes each tensor whole, then keeps its slice: quantized blocks do not split along heads)."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(path)
     tensor_names = {t.name for t in reader.tensors}
     config = _gguf_config(reader, tensor_names)
     if not config.name:
         config.name = os.path.basename(path)
+    check_shardable(config, shard.size)
+    # Only llama-style converters permute q/k; Qwen2 is stored in HF (neox) order already.
+    unpermute = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} \
+        if config.architecture in ("llama", "mistral") else {}
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        # dequantize returns numpy in row-major HF order ([out, in]); t.shape is GGML's reversed order.
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
-            array = array.copy()
-        hf_shape = tuple(int(d) for d in reversed(t.shape))
-        tensor = torch.from_numpy(array.reshape(hf_shape))
+        hf_shape = tuple(int(d) for d in reversed(t.shape))  # t.shape is GGML's reversed order
         if t.name == "rope_freqs.weight":
             # Llama 3.x GGUFs store their rope scaling as precomputed per-frequency divisors.
-            config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": tensor.tolist()}
+            factors = _dequantize(t.data, t, hf_shape).tolist()
+            config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors}
             continue
-        weights[_gguf_to_hf_name(t.name)] = tensor
-
-    # Only llama-style converters permute q/k; Qwen2 is stored in HF (neox) order already.
-    if config.architecture in ("llama", "mistral"):
-        for i in range(config.num_layers):
-            q, k = f"model.layers.{i}.self_attn.q_proj", f"model.layers.{i}.self_attn.k_proj"
-            weights[f"{q}.weight"] = _unpermute_rope_rows(weights[f"{q}.weight"], config.num_heads)
-            weights[f"{k}.weight"] = _unpermute_rope_rows(weights[f"{k}.weight"], config.num_kv_heads)
+        name = _gguf_to_hf_name(t.name)
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        part = param_slice(name, config, shard)
+        if part is not None and part[0] == 0:
+            # A slice of whole rows: quantized blocks run along a row, so only this rank's rows are dequantized
+            # (q/k rows are permuted within each head only: a head-aligned slice unpermutes on its own).
+            _, start, stop = part
+            tensor = _dequantize(t.data[start:stop], t, (stop - start, *hf_shape[1:]))
+            if kind in unpermute and t.name.endswith(".weight"):
+                tensor = _unpermute_rope_rows(tensor, (stop - start) // config.head_dim)
+            weights[name] = pad_vocab_rows(name, tensor, config, shard)
+            continue
+        tensor = _dequantize(t.data, t, hf_shape)
+        if kind in unpermute and t.name.endswith(".weight"):
+            tensor = _unpermute_rope_rows(tensor, unpermute[kind])
+        weights[name] = shard_tensor(name, tensor, config, shard)  # whole, or dequantized then sliced (columns)
     return config, weights
+
+
+def _dequantize(data: np.ndarray, t, hf_shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 [out, in] (HF's row-major order) from GGUF rows of any type."""
+    from gguf.quants import dequantize
+
+    array = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+        array = array.copy()
+    return torch.from_numpy(array.reshape(hf_shape))
 
 
 def _gguf_to_hf_name(name: str) -> str:
@@ -187,9 +207,10 @@ def _gguf_to_hf_name(name: str) -> str:
 # ------------------------------------------------------------------- HF directory
 
 
-def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json."""
-    from safetensors.torch import load_file
+def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json. A
+    tensor-parallel rank reads only its slices from the files (safetensors slices are lazy)."""
+    from safetensors import safe_open
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
@@ -217,10 +238,10 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    weights: dict[str, torch.Tensor] = {}
+    names: set[str] = set()
     for file in files:
-        for name, tensor in load_file(file).items():
-            weights[name] = tensor.float()
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
 
     config = ModelConfig(
         architecture=arch,
@@ -236,13 +257,19 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         rope_scaling=rope_scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         # The head is tied when the checkpoint has no lm_head (save_pretrained drops tied copies).
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in names,
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         sliding_window=sliding_window,
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
         name=cfg.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
     )
+    check_shardable(config, shard.size)
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = shard_tensor(name, f.get_slice(name), config, shard).float()
     return config, weights
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -129,8 +129,24 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
+class Collectives(Protocol):
+    """What a tensor-parallel rank's model needs from its process group (worker_svc.parallel.RankGroup)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, t: torch.Tensor) -> None: ...  # in place, sum over ranks
+
+    def gather_to_first(self, t: torch.Tensor) -> torch.Tensor | None: ...  # cat on the last dim, rank 0 only
+
+
 class LlamaModel:
-    """Inference-only decoder. Weights are plain tensors; there is no autograd anywhere."""
+    """Inference-only decoder. Weights are plain tensors; there is no autograd anywhere.
+
+    With `tp`, this is one rank of a tensor-parallel group: `config` is the rank's local config
+    (tensor_parallel.local_config) and `weights` its shard (tensor_parallel.shard_weights); `forward` returns
+    the logits on rank 0 and None on the others.
+    """
 
     def __init__(
         self,
@@ -141,9 +157,11 @@ class LlamaModel:
         attention: Any = None,
         max_position: int | None = None,
         prepack: bool | None = None,
+        tp: Collectives | None = None,
     ):
         """prepack: oneDNN-prepacked matmul weights (None: where `prepack_supported`, i.e. float32 on CPU)."""
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.dtype = dtype
         self.device = torch.device(device)
         if prepack is None:
@@ -165,6 +183,8 @@ class LlamaModel:
             return prepack_linear_weight(t.contiguous()) if prepack else t
 
         self.embed = w("model.embed_tokens.weight")
+        # Vocabulary-parallel: this rank's token rows start here (its shard is padded to the same rows on all ranks).
+        self.vocab_start = self.tp.rank * self.embed.shape[0] if self.tp else 0
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -212,14 +232,14 @@ class LlamaModel:
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
         attn_meta: Any,  # kernels.AttentionMetadata
         logits_indices: torch.Tensor,  # [R] int64: rows whose next-token logits are needed
-    ) -> torch.Tensor:  # [R, vocab] float32
+    ) -> torch.Tensor | None:  # [R, vocab] float32 (None on tensor-parallel ranks other than 0)
         c = self.config
         num_tokens = input_ids.shape[0]
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
         sin = self.sin_signed_cache[positions].unsqueeze(1)
         qk_heads = c.num_heads + c.num_kv_heads
 
-        h = F.embedding(input_ids, self.embed)  # a fresh tensor: linear_add may update it in place
+        h = self._embed(input_ids)  # a fresh tensor: linear_add may update it in place
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
@@ -243,14 +263,39 @@ class LlamaModel:
                 self.scale,
                 plan=attn_meta.plan,
             )
-            h = linear_add(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias, h)
+            h = self._row_parallel_add(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias, h)
 
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate = F.silu(linear(x, layer.gate), inplace=True)  # in place: two fewer allocations
-            h = linear_add(gate.mul_(linear(x, layer.up)), layer.down, None, h)
+            h = self._row_parallel_add(gate.mul_(linear(x, layer.up)), layer.down, None, h)
 
         # The head is the most expensive matmul per row: run it only where a token is sampled.
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head).float()
+        if self.tp is None:
+            return logits
+        logits = self.tp.gather_to_first(logits)  # [R, size * vocab rows] on rank 0, padding rows last
+        return None if logits is None else logits[:, : c.vocab_size]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        # Each rank looks up the ids in its range (zeros elsewhere); the sum over ranks is the embedding.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        h.masked_fill_(outside.unsqueeze(-1), 0.0)
+        self.tp.all_reduce(h)
+        return h
+
+    def _row_parallel_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T + bias where weight holds this rank's input columns: rank 0 adds the residual
+        and the bias into its partial product, the others contribute theirs, one all-reduce sums them."""
+        if self.tp is None:
+            return linear_add(x, weight, bias, residual)
+        out = linear_add(x, weight, bias, residual) if self.tp.rank == 0 else linear(x, weight)
+        self.tp.all_reduce(out)
+        return out
 
     __call__ = forward

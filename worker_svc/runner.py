@@ -7,6 +7,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,8 +20,12 @@ from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.config import ModelConfig
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
-from worker_svc.model_inputs import build_model_inputs
+from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.sampler import greedy_batch, sample_batch
+from worker_svc.tensor_parallel import FULL, Shard, local_config
+
+if TYPE_CHECKING:
+    from worker_svc.parallel import RankGroup, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +81,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, opts: RunnerOptions):
+    """With `group`, one rank of a tensor-parallel group: it holds its shard of the weights and of the KV pool.
+    Rank 0 serves (`execute`) and sends every step's inputs to the other ranks, which run `follow`."""
+
+    def __init__(self, opts: RunnerOptions, group: RankGroup | None = None):
         self.opts = opts
+        self.group = group
         self.device = resolve_device(opts.device)
+        if group is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", group.local_rank)
         self.dtype = resolve_dtype(opts.dtype, self.device)
         self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
-        self.config, weights = load_model_weights(opts.model)
-        self.model = LlamaModel(self.config, weights, self.dtype, self.device,
-                                attention=kernels.get_backend(self.attention_backend))
+        tp_size = group.size if group is not None else 1
+        self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL)
+        self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
+        self.model = LlamaModel(self.local_config, weights, self.dtype, self.device,
+                                attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size
-        self.num_blocks = self._size_kv_pool()
+        num_blocks = self._size_kv_pool()
+        # Block tables are the same on every rank: every rank's pool holds as many blocks as the smallest.
+        self.rank_num_blocks = group.all_gather_int(num_blocks) if group is not None else [num_blocks]
+        self.num_blocks = min(self.rank_num_blocks)
         if self.num_blocks * self.block_size < self.max_model_len:
             log.warning("KV pool holds %d tokens, below max_model_len %d", self.num_blocks * self.block_size,
                         self.max_model_len)
-        self.kv = kv_cache.allocate(cfg, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = kv_cache.allocate(self.local_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.eos_token_ids = np.array(sorted(self.eos_ids), dtype=np.int64)
         self.epoch = secrets.token_hex(8)
@@ -108,16 +124,15 @@ class ModelRunner:
             budget = kv_cache.cuda_kv_budget(self.device, o.gpu_memory_utilization)
         else:
             budget = o.kv_cache_memory
-        n = kv_cache.num_blocks_for_bytes(self.config, self.block_size, self.dtype, budget)
+        n = kv_cache.num_blocks_for_bytes(self.local_config, self.block_size, self.dtype, budget)
         if n < 1:
             raise RuntimeError(f"no room for a single KV block of {self.block_size} tokens in {budget} bytes")
         return n
 
     def _warm_up(self, num_tokens: int) -> None:
         """One forward at the largest batch, so the KV budget sees the activation peak."""
-        cfg = self.config
         blocks = -(-num_tokens // self.block_size)
-        scratch = kv_cache.allocate(cfg, blocks, self.block_size, self.dtype, self.device)
+        scratch = kv_cache.allocate(self.local_config, blocks, self.block_size, self.dtype, self.device)
         meta = kernels.build_attention_metadata([num_tokens], [num_tokens], [list(range(blocks))], self.block_size,
                                                 self.device, build_plan=self.attention_backend == "torch")
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -143,6 +158,9 @@ class ModelRunner:
             epoch=self.epoch, attention_backend=self.attention_backend,
             kv_bytes_per_block=kv_cache.bytes_per_block(cfg, self.block_size, self.dtype),
             last_step_id=self.batch.last_step_id, fencing_token=self.batch.fencing_token,
+            tensor_parallel_size=self.group.size if self.group is not None else 1,
+            rank_num_blocks=self.rank_num_blocks,
+            rank_kv_bytes_per_block=kv_cache.bytes_per_block(self.local_config, self.block_size, self.dtype),
         )
 
     def execute(self, plan: pb.StepPlan) -> pb.StepResult:
@@ -151,22 +169,18 @@ class ModelRunner:
         cached = self.batch.check_plan(plan, self.epoch)
         previous = self.batch.last_step_id
         sched = self.batch.apply_plan(plan, cached)
-        if plan.copy_blocks:
-            # Copy-on-write before anything writes: every layer, K and V.
-            src = torch.tensor([c.src for c in plan.copy_blocks], device=self.device)
-            dst = torch.tensor([c.dst for c in plan.copy_blocks], device=self.device)
-            self.kv[:, :, dst] = self.kv[:, :, src]
+        copies = (np.array([c.src for c in plan.copy_blocks], dtype=np.int64),
+                  np.array([c.dst for c in plan.copy_blocks], dtype=np.int64))
         result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sched.num_tokens,
                                previous_step_id=previous)
         if not len(sched):
+            if len(copies[0]):
+                self._run(copies, None)
             return result
         inputs = build_model_inputs(sched, self.block_size, self.device,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         t1 = time.perf_counter()
-        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv, inputs.attn_metadata,
-                                    inputs.logits_indices)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        logits = self._run(copies, inputs)
         t2 = time.perf_counter()
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
@@ -176,6 +190,48 @@ class ModelRunner:
         if tracing.enabled:
             _trace_phases(plan, sched, len(inputs.sample_rows), t0, t1, t2, t3)
         return result
+
+    def _run(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None) -> torch.Tensor | None:
+        """Copy-on-write, then the forward; in a group, on every rank (the step's inputs sent to them first)."""
+        if self.group is None:
+            return self._forward(copies, inputs)
+        from worker_svc.parallel import step_inputs
+
+        with self.group.lock:  # no heartbeat between this step's message and its collectives
+            try:
+                self.group.send_step(step_inputs(copies, inputs))
+                return self._forward(copies, inputs)
+            except RuntimeError as e:  # a rank died or timed out mid-step: the group cannot go on
+                self.group.fail(f"step failed on rank 0: {e}")
+                raise
+
+    def _forward(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None) -> torch.Tensor | None:
+        if len(copies[0]):
+            # Copy-on-write before anything writes: every layer, K and V.
+            src, dst = (torch.from_numpy(a).to(self.device) for a in copies)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+        if inputs is None:
+            return None
+        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv, inputs.attn_metadata,
+                                    inputs.logits_indices)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return logits
+
+    def follow(self) -> None:
+        """Ranks other than 0: run the steps rank 0 sends until it stops the group (or fails, which raises)."""
+        while (step := self.group.receive()) is not None:
+            self._forward((step.copy_src, step.copy_dst), self._inputs_of(step) if len(step.input_ids) else None)
+
+    def _inputs_of(self, step: StepInputs) -> ModelInputs:
+        meta = kernels.attention_metadata_from_arrays(step.query_lens, step.seq_lens, step.block_tables,
+                                                      self.block_size, self.device,
+                                                      build_plan=self.attention_backend == "torch")
+        dev = self.device
+        return ModelInputs(input_ids=torch.from_numpy(step.input_ids).to(dev),
+                           positions=torch.from_numpy(step.positions).to(dev), attn_metadata=meta,
+                           logits_indices=torch.from_numpy(step.logits_indices).to(dev),
+                           sample_rows=np.zeros(0, dtype=np.int64))
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, result: pb.StepResult) -> None:
         """Sample for `rows`, append the tokens and their messages; finished requests leave the batch."""

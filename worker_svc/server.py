@@ -126,6 +126,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     tracing.add_otlp_arg(g)
     add_worker_token_arg(g)
     tls.add_server_tls_args(g)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many rank processes (torch.distributed: nccl on CUDA, gloo on "
+                        "CPU); on one host the worker starts them itself, across hosts see --nnodes")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over (each runs "
+                   "this command with its --node-rank; or start every rank with torchrun)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index in [0, --nnodes); host 0 serves gRPC")
+    g.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address of the tensor-parallel group "
+                   "(the host of --node-rank 0)")
+    g.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one; needed "
+                   "with --nnodes > 1)")
+    g.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds a rank waits for the others (joining, or inside a step) before the group ends")
     g.add_argument("--allow-kv-pool-below-max-model-len", action="store_true",
                    help="start even if the KV pool cannot hold one --max-model-len sequence (such requests are "
                         "then refused at admission; for tests and tiny pools)")
@@ -146,7 +158,8 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
 
 
 def build_server(runner: ModelRunner, address: str, token: str | None = None,
-                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+                 credentials: grpc.ServerCredentials | None = None,
+                 health_servicer: health.HealthServicer | None = None) -> tuple[grpc.Server, int]:
     """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8), interceptors=[worker_token_interceptor(token)] if token else [],
@@ -154,7 +167,7 @@ def build_server(runner: ModelRunner, address: str, token: str | None = None,
                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -178,10 +191,26 @@ def serve(args: argparse.Namespace) -> None:
         check_server_tls(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
     except ConfigError as e:
         raise SystemExit(f"worker: {e}") from None
-    from worker_svc.runner import ModelRunner, config_summary
+    from worker_svc import parallel
+    from worker_svc.runner import ModelRunner, config_summary, resolve_device
 
-    tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
-    runner = ModelRunner(runner_options(args))
+    opts = runner_options(args)
+    try:  # a worker group: this host's ranks start here, each joins torch.distributed
+        group = parallel.start_group(args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr,
+                                     args.master_port, resolve_device(opts.device), args.distributed_timeout)
+    except ValueError as e:
+        raise SystemExit(f"worker: {e}") from None
+    if group is None or group.rank == 0:
+        tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
+    try:
+        runner = ModelRunner(opts, group)
+    except ValueError as e:  # e.g. a --tensor-parallel-size that does not divide the heads
+        if group is None:
+            raise
+        group.fail(f"worker: {e}")
+    if group is not None and group.rank != 0:
+        parallel.run_follower(runner)  # no gRPC: rank 0 sends the steps
+        return
     if args.max_model_len is not None and not args.allow_kv_pool_below_max_model_len:
         from common.validation import check_pool
 
@@ -190,7 +219,12 @@ def serve(args: argparse.Namespace) -> None:
         except ConfigError as e:
             raise SystemExit(f"worker: {e}") from None
     credentials = tls.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-    server, port = build_server(runner, f"{args.host}:{args.port}", args.worker_token, credentials)
+    health_servicer = health.HealthServicer()
+    server, port = build_server(runner, f"{args.host}:{args.port}", args.worker_token, credentials, health_servicer)
+    if group is not None:  # a dead or stuck rank ends the group: NOT_SERVING, then a non-zero exit
+        group.before_exit.append(lambda: [health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                                          for name in ("", SERVICE_NAME)])
+        group.start_heartbeat(group.fail)
     server.start()
     info = runner.describe()
     log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
@@ -204,4 +238,8 @@ def serve(args: argparse.Namespace) -> None:
         pass
     # Let the step in flight finish, then go.
     server.stop(grace=5).wait()
+    if group is not None:
+        group.stop_others()
+        for proc in group.local_procs:
+            proc.wait(timeout=30)
     tracing.shutdown()

@@ -79,6 +79,18 @@ def test_worker_forward(tmp_path):
     assert all(r["argmax_agreement"] == 1.0 and r["ours_execute"]["tokens_per_s"] > 0 for r in cases.values())
 
 
+def test_tensor_parallel(tmp_path):
+    out = tmp_path / "tp.json"
+    text = run_bench("tensor_parallel", "--batch-sizes", "1,4", "--steps", 2, "--warmup", 1, "--layers", 2,
+                     "--json", out)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["ranks"], r["batch"]) for r in rows] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    for r in rows:
+        assert r["step_s"] > 0 and 0 <= r["comm_s"] < r["step_s"]
+        assert r["all_reduces_per_step"] == (0 if r["ranks"] == 1 else 2 * 2 + 1)  # 2 per layer + the embedding
+    assert "| 2 x 1 |" in text
+
+
 def test_step_profile():
     stdout = run_bench("step_profile", "--smoke")
     assert "4 decodes + the whole prompt" in stdout and "Hugging Face forward of the prompt" in stdout

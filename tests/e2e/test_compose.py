@@ -87,7 +87,8 @@ def stack():
         # The worker's command, with a free port and the bundled model, plus a test-sized pool.
         from worker_svc.loader import default_model_path
 
-        wargs = [_sub(unescape(a), {"50061": "0", "${LLMSERVE_MODEL:-/models/model.gguf}": default_model_path()})
+        wargs = [_sub(unescape(a), {"50061": "0", "${LLMSERVE_MODEL:-/models/model.gguf}": default_model_path(),
+                                           "${LLMSERVE_TENSOR_PARALLEL_SIZE:-1}": "1"})
                  for a in svc["worker"]["command"]]
         assert wargs[0] == "worker"
         w = cluster.start_worker([*wargs[1:], "--host", "127.0.0.1", "--device", "cpu",
