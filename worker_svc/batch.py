@@ -176,7 +176,7 @@ class PersistentBatch:
 
         for r in plan.new_requests:
             with _blame(r.slot, r.request_id):
-                where = f"new_requests[slot {r.slot}]"
+                where = f"new_requests[slot {r.slot}, {r.request_id!r}]"
                 join(r.slot, r.request_id, where)
                 self._check_tokens(where, r.prompt_token_ids, len(r.prompt_token_ids))
                 self._check_sampling(where, r.sampling)
@@ -184,7 +184,7 @@ class PersistentBatch:
                                   r.num_scheduled_tokens)
         for r in plan.resumed_requests:
             with _blame(r.slot, r.request_id):
-                where = f"resumed_requests[slot {r.slot}]"
+                where = f"resumed_requests[slot {r.slot}, {r.request_id!r}]"
                 join(r.slot, r.request_id, where)
                 self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
                 self._check_sampling(where, r.sampling)
@@ -231,8 +231,9 @@ class PersistentBatch:
         ends = np.cumsum(d.new_counts)
         for i, slot in enumerate(d.slots.tolist()):
             known = 0 <= slot < len(live) and bool(live[slot])
-            with _blame(slot, inputs.request_ids[slot] if known else ""):
-                where = f"cached[slot {slot}]"
+            rid = inputs.request_ids[slot] if known else ""
+            with _blame(slot, rid):
+                where = f"cached[slot {slot}, {rid!r}]" if known else f"cached[slot {slot}]"
                 if slot in seen or slot in joining:
                     raise _invalid(f"{where}: slot {slot} appears more than once in the plan")
                 seen.add(slot)
