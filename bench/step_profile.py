@@ -24,6 +24,7 @@ class Steps:
     def __init__(self, num_blocks: int) -> None:
         self.runner = ModelRunner(RunnerOptions(model=default_model_path(), num_gpu_blocks_override=num_blocks))
         self.free = list(range(num_blocks))
+        self.slot_of: dict[str, int] = {}  # the worker protocol addresses requests by slot
         self.step_id = 0
         self.sampling = pb.SamplingParams(max_tokens=1000, temperature=0)
 
@@ -38,18 +39,19 @@ class Steps:
         print(f"{label:<44} {time.perf_counter() - t:6.3f} s", flush=True)
 
     def new(self, plan: pb.StepPlan, rid: str, prompt: list[int], n: int) -> None:
-        plan.new_requests.add(request_id=rid, prompt_token_ids=prompt, sampling=self.sampling,
+        slot = self.slot_of.setdefault(rid, len(self.slot_of))
+        plan.new_requests.add(slot=slot, request_id=rid, prompt_token_ids=prompt, sampling=self.sampling,
                               block_ids=self.blocks(-(-(len(prompt) + 64) // BLOCK)), num_scheduled_tokens=n)
 
     def decodes(self, n: int) -> pb.StepPlan:
         plan = pb.StepPlan()
-        for i in range(n):
-            plan.cached_requests.add(request_id=f"d{i}", num_scheduled_tokens=1)
+        plan.cached.slots.extend(self.slot_of[f"d{i}"] for i in range(n))
+        plan.cached.num_scheduled_tokens.extend([1] * n)
         return plan
 
-    @staticmethod
-    def more(plan: pb.StepPlan, rid: str, n: int) -> pb.StepPlan:
-        plan.cached_requests.add(request_id=rid, num_scheduled_tokens=n)
+    def more(self, plan: pb.StepPlan, rid: str, n: int) -> pb.StepPlan:
+        plan.cached.slots.append(self.slot_of[rid])
+        plan.cached.num_scheduled_tokens.append(n)
         return plan
 
 

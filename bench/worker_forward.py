@@ -121,6 +121,7 @@ class Ours:
         self.runner = ModelRunner(RunnerOptions(model=model_path, device="cpu", dtype="float32",
                                                 num_gpu_blocks_override=num_blocks))
         self.step_id = 0
+        self.slot_of: dict[str, int] = {}  # the worker protocol addresses requests by slot
         self.next_block = 0
         self.backend = getattr(self.runner, "attention_backend", "torch")
         self.prefill_blocks: list[int] = []
@@ -147,22 +148,25 @@ class Ours:
             plan = self.plan()
             for i in range(start, min(len(prompts), start + per_step)):
                 rid = f"seq-{i}"
-                plan.new_requests.add(request_id=rid, prompt_token_ids=prompts[i], sampling=sampling,
+                slot = self.slot_of.setdefault(rid, len(self.slot_of))
+                plan.new_requests.add(slot=slot, request_id=rid, prompt_token_ids=prompts[i], sampling=sampling,
                                       block_ids=self.blocks(blocks_each), num_scheduled_tokens=context)
                 ids.append(rid)
             res = self.runner.execute(plan)
-            assert len(res.tokens) == len(plan.new_requests), res
+            assert len(res.slots) == len(plan.new_requests), res
         return ids
 
     def states(self, rids: list[str]):
         return [self.runner.batch.requests[r] for r in rids]
 
-    def decode_step(self, rids: list[str]) -> list[int]:
+    def decode_plan(self, rids: list[str]) -> pb.StepPlan:
         plan = self.plan()
-        for rid in rids:
-            plan.cached_requests.add(request_id=rid, num_scheduled_tokens=1)
-        res = self.runner.execute(plan)
-        return [t.token_id for t in res.tokens]
+        plan.cached.slots.extend(self.slot_of[rid] for rid in rids)
+        plan.cached.num_scheduled_tokens.extend([1] * len(rids))
+        return plan
+
+    def decode_step(self, rids: list[str]) -> list[int]:
+        return list(self.runner.execute(self.decode_plan(rids)).token_ids)
 
     def rewind(self, rids: list[str], context: int) -> None:
         """Back to C computed tokens + the token to decode: the next step recomputes the same position."""
@@ -187,12 +191,12 @@ class Ours:
     def prefill(self, prompt: list[int], rid: str) -> int:
         plan = self.plan()
         # max_tokens=1: the request finishes with its first token and leaves the batch (its blocks are reused).
-        plan.new_requests.add(request_id=rid, prompt_token_ids=prompt,
+        plan.new_requests.add(slot=len(self.slot_of), request_id=rid, prompt_token_ids=prompt,  # freed at once
                               sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1),
                               block_ids=self.prefill_blocks, num_scheduled_tokens=len(prompt))
         res = self.runner.execute(plan)
-        assert len(res.tokens) == 1 and rid not in self.runner.batch.requests
-        return res.tokens[0].token_id
+        assert len(res.slots) == 1 and rid not in self.runner.batch.requests
+        return res.token_ids[0]
 
     def hf_cache_tensors(self, rids: list[str], context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V) as [B, Hkv, C, D], read from our paged pool."""
@@ -294,10 +298,7 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 t = time.perf_counter()
-                plan = ours.plan()
-                for rid in rids:
-                    plan.cached_requests.add(request_id=rid, num_scheduled_tokens=1)
-                res = ours.runner.execute(plan)
+                res = ours.runner.execute(ours.decode_plan(rids))
                 wall += time.perf_counter() - t
                 forward += res.forward_seconds
                 ours.rewind(rids, context)

@@ -11,7 +11,8 @@ Cases: `greedy` (every request greedy) and `mixed` (an eighth each seeded top-p,
 penalties, min_tokens with a stop token; the rest greedy). The plans are deterministic, so the sampled tokens of
 two versions can be compared: with `--baseline-ref REV` the same measurement also runs on REV (checked out with
 `git worktree` in a temporary directory, each version in its own process, `--rounds` times alternately) and the
-table shows both side by side, with whether their outputs are identical.
+table shows both side by side, with whether their outputs are identical. The plans are built in the measured
+version's worker protocol (v1: by request id; v2: by slot, packed), so a revision before the v2 wire compares too.
 
     .venv/bin/python -m bench.worker_host_path
     .venv/bin/python -m bench.worker_host_path --baseline-ref HEAD~1 --rounds 2 --json /tmp/host.json
@@ -107,6 +108,27 @@ def sampling_for(case: str, i: int):
     return pb.SamplingParams(**kw)
 
 
+def speaks_v2(pb) -> bool:
+    """The measured version's worker protocol: v2 addresses requests by slot in packed arrays, v1 by id."""
+    return pb.DESCRIPTOR.package.endswith(".v2")
+
+
+def result_tokens(pb, res, rids: list[str]) -> list[tuple[str, int, int, float | None, list[tuple[int, float]]]]:
+    """(request id, token, finish reason, logprob, top logprobs) per sampled token, from either version's result
+    (v2: the slot of request i is i)."""
+    if not speaks_v2(pb):
+        return [(t.request_id, t.token_id, t.finish_reason, t.logprob if t.HasField("logprob") else None,
+                 [(x.token_id, x.logprob) for x in t.top_logprobs]) for t in res.tokens]
+    reasons = list(res.finish_reasons) or [0] * len(res.slots)
+    out = [(rids[s], t, f, None, []) for s, t, f in zip(res.slots, res.token_ids, reasons, strict=True)]
+    at = 0
+    for i, lp, k in zip(res.logprob_indices, res.logprobs, res.num_top_logprobs, strict=True):
+        top = list(zip(res.top_logprob_token_ids[at: at + k], res.top_logprobs[at: at + k], strict=True))
+        out[i] = (*out[i][:3], lp, top)
+        at += k
+    return out
+
+
 def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
     """Prefill n requests in one step, then time decode steps of all n (a new block every BLOCK_SIZE tokens)."""
     import random
@@ -127,12 +149,15 @@ def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
     rng.shuffle(free)
     rids = [f"req-{case}-{i:04d}-{rng.getrandbits(32):08x}" for i in range(n)]
     blocks = {rid: [free.pop() for _ in range(-(-args.prompt_len // BLOCK_SIZE))] for rid in rids}
+    v2 = speaks_v2(pb)
     plan = pb.StepPlan(step_id=1)
     for i, rid in enumerate(rids):
         prompt = [rng.randrange(3, VOCAB) for _ in range(args.prompt_len)]
-        plan.new_requests.add(request_id=rid, prompt_token_ids=prompt,
-                              sampling=sampling_for(case, i), block_ids=blocks[rid],
-                              num_scheduled_tokens=args.prompt_len)
+        entry = plan.new_requests.add(request_id=rid, prompt_token_ids=prompt,
+                                      sampling=sampling_for(case, i), block_ids=blocks[rid],
+                                      num_scheduled_tokens=args.prompt_len)
+        if v2:
+            entry.slot = i
     digest = hashlib.sha256()
 
     def step(plan: pb.StepPlan) -> tuple[pb.StepResult, float]:
@@ -142,23 +167,33 @@ def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             res = runner.execute(plan)
             wall = time.perf_counter() - t
-        for tok in res.tokens:
-            lp = struct.pack("<f", tok.logprob) if tok.HasField("logprob") else b""
-            top = b"".join(struct.pack("<if", x.token_id, x.logprob) for x in tok.top_logprobs)
-            digest.update(f"{tok.request_id}:{tok.token_id}:{tok.finish_reason}:".encode() + lp + top)
-        return res, wall
+        tokens = result_tokens(pb, res, rids)
+        for rid, tok, finish, logprob, top_logprobs in tokens:
+            lp = struct.pack("<f", logprob) if logprob is not None else b""
+            top = b"".join(struct.pack("<if", t, v) for t, v in top_logprobs)
+            digest.update(f"{rid}:{tok}:{finish}:".encode() + lp + top)
+        return res, tokens, wall
 
     step(plan)
     num_tokens = args.prompt_len + 1
     times: dict[str, list[float]] = {k: [] for k in PHASES}
     for s in range(total_steps):
         plan = pb.StepPlan(step_id=s + 2)
+        news = []
         for rid in rids:
             new = [free.pop()] if num_tokens > len(blocks[rid]) * BLOCK_SIZE else []
             blocks[rid] += new
-            plan.cached_requests.add(request_id=rid, new_block_ids=new, num_scheduled_tokens=1)
-        res, wall = step(plan)
-        assert len(res.tokens) == n and not any(t.finish_reason for t in res.tokens), "a request finished early"
+            news.append(new)
+            if not v2:
+                plan.cached_requests.add(request_id=rid, new_block_ids=new, num_scheduled_tokens=1)
+        if v2:
+            plan.cached.slots.extend(range(n))
+            plan.cached.num_scheduled_tokens.extend([1] * n)
+            if any(news):
+                plan.cached.num_new_blocks.extend(map(len, news))
+                plan.cached.new_block_ids.extend(b for new in news for b in new)
+        res, tokens, wall = step(plan)
+        assert len(tokens) == n and not any(t[2] for t in tokens), "a request finished early"
         num_tokens += 1
         if s >= args.warmup:
             times["prepare"].append(res.prepare_seconds)

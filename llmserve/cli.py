@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_args(sc)
     sc.set_defaults(func=_scheduler)
 
-    w = sub.add_parser("worker", help="run one model worker (gRPC llmserve.worker.v1)")
+    w = sub.add_parser("worker", help="run one model worker (gRPC llmserve.worker.v2)")
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=50061, help="0 picks a free port")
     add_worker_args(w)

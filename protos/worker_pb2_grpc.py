@@ -35,12 +35,12 @@ class WorkerStub:
             channel: A grpc.Channel.
         """
         self.Describe = channel.unary_unary(
-                '/llmserve.worker.v1.Worker/Describe',
+                '/llmserve.worker.v2.Worker/Describe',
                 request_serializer=protos_dot_worker__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.ExecuteStep = channel.unary_unary(
-                '/llmserve.worker.v1.Worker/ExecuteStep',
+                '/llmserve.worker.v2.Worker/ExecuteStep',
                 request_serializer=protos_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
@@ -59,8 +59,8 @@ class WorkerServicer:
     def ExecuteStep(self, request, context):
         """Run one fused prefill+decode forward pass and sample.
         A refused plan changes nothing on the worker; the error carries trailing metadata `llmserve-plan-error`
-        (fenced | stale_step | epoch_mismatch | invalid) and, when one request's entry is at fault,
-        `llmserve-plan-request-id` (see common/plan_errors.py).
+        (fenced | stale_step | epoch_mismatch | predecessor_refused | invalid) and, when one request's entry is at fault,
+        `llmserve-plan-slot` and `llmserve-plan-request-id` (see common/plan_errors.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,9 +81,9 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'llmserve.worker.v1.Worker', rpc_method_handlers)
+            'llmserve.worker.v2.Worker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('llmserve.worker.v1.Worker', rpc_method_handlers)
+    server.add_registered_method_handlers('llmserve.worker.v2.Worker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -104,7 +104,7 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.worker.v1.Worker/Describe',
+            '/llmserve.worker.v2.Worker/Describe',
             protos_dot_worker__pb2.DescribeRequest.SerializeToString,
             protos_dot_worker__pb2.WorkerInfo.FromString,
             options,
@@ -131,7 +131,7 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.worker.v1.Worker/ExecuteStep',
+            '/llmserve.worker.v2.Worker/ExecuteStep',
             protos_dot_worker__pb2.StepPlan.SerializeToString,
             protos_dot_worker__pb2.StepResult.FromString,
             options,

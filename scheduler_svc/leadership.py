@@ -15,6 +15,7 @@ import uuid
 from dataclasses import replace
 
 from common.validation import ConfigError, check_limits
+from common.worker_protocol import MAX_SLOTS
 from protos import worker_pb2 as wpb
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.metrics import Metrics
@@ -159,6 +160,10 @@ def sized_policy(policy, info: wpb.WorkerInfo):
                     max_num_seqs=policy.max_num_seqs or (256 if gpu else 64))
     check_limits(block_size=info.block_size, budget=sized.max_num_batched_tokens, max_model_len=info.max_model_len,
                  chunked=not whole_prompts_in_budget, budget_is_default=not policy.max_num_batched_tokens)
+    if sized.max_num_seqs > MAX_SLOTS // 2:
+        # Headroom: a request's slot is freed only when the next plan drops it or a result reports its finish.
+        raise ConfigError(f"--max-num-seqs {sized.max_num_seqs} is above {MAX_SLOTS // 2}: the worker protocol "
+                          f"addresses at most {MAX_SLOTS} requests by slot, twice --max-num-seqs at most")
     return sized
 
 

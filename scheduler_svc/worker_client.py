@@ -1,8 +1,10 @@
-"""The scheduler's side of the worker protocol (llmserve.worker.v1): the channel, plans out, results in, typed errors.
+"""The scheduler's side of the worker protocol (llmserve.worker.v2): the channel, plans out, results in, typed errors.
 
-The core's plain `SchedulerOutput` becomes a delta `StepPlan` here (a request the worker holds is sent as its new
-blocks and token count only) and the wire `StepResult` becomes a plain `WorkerOutput`. A refused plan is told apart
-by the worker's trailing metadata (`common.plan_errors`), never by its message text.
+The core's plain `SchedulerOutput` becomes a delta `StepPlan` here (a request the worker holds is sent as its slot,
+new blocks and token count only, in packed arrays) and the wire `StepResult` becomes a plain `WorkerOutput`; the
+slot table that maps request ids to the worker's slots lives here (`slot_table.py`). A refused plan is told apart
+by the worker's trailing metadata (`common.plan_errors`), never by its message text. A worker that speaks another
+protocol version has no service for our calls (UNIMPLEMENTED): that is a configuration error, not a lost worker.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import grpc
 
 from common import plan_errors, tls, tracing
 from common.auth import with_worker_token
+from common.validation import ConfigError
+from common.worker_protocol import MAX_SLOTS, PACKAGE, SERVICE
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.outputs import (
@@ -24,6 +28,7 @@ from scheduler_svc.outputs import (
     SchedulerOutput,
     WorkerOutput,
 )
+from scheduler_svc.slot_table import SlotTable
 from scheduler_svc.worker_wire import sampling_to_wire
 
 _FINISH = {wpb.FINISH_REASON_EOS: WORKER_EOS, wpb.FINISH_REASON_STOP_TOKEN: WORKER_STOP_TOKEN,
@@ -53,13 +58,18 @@ class WorkerLost(WorkerError):
     """The call failed (unreachable, restarted, timed out, stale step or epoch): what the worker did is unknown."""
 
 
-def _typed_error(err: grpc.RpcError) -> WorkerError:
+def _typed_error(err: grpc.RpcError, owners: list[str | None] | None = None) -> WorkerError:
+    """`owners`: the slot table as the plan saw it, to name the request at fault by the slot the worker names."""
     trailing = dict(err.trailing_metadata() or ())
     reason, code, message = trailing.get(plan_errors.REASON_KEY), err.code(), err.details() or ""
     if reason == plan_errors.FENCED:
         return WorkerFenced(code, message)
     if reason == plan_errors.INVALID and code == grpc.StatusCode.INVALID_ARGUMENT:
-        return PlanRejected(code, message, trailing.get(plan_errors.REQUEST_ID_KEY, ""))
+        request_id = trailing.get(plan_errors.REQUEST_ID_KEY, "")
+        slot = trailing.get(plan_errors.SLOT_KEY, "")
+        if not request_id and owners and slot.isdigit() and int(slot) < len(owners):
+            request_id = owners[int(slot)] or ""
+        return PlanRejected(code, message, request_id)
     return WorkerLost(code, message)
 
 
@@ -75,6 +85,7 @@ class WorkerClient:
         self.reopen()
         self.info: wpb.WorkerInfo | None = None  # the last Describe
         self.previous_epoch: str | None = None  # the epoch the pool's registry had before `info`
+        self.slots = SlotTable(MAX_SLOTS)  # which request holds which slot of the worker's batch
 
     def reopen(self) -> None:
         """A fresh channel: a restarted worker is reached at once, not after the old channel's reconnect backoff."""
@@ -87,6 +98,11 @@ class WorkerClient:
         try:
             return self.stub.Describe(wpb.DescribeRequest(), timeout=timeout)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ConfigError(
+                    f"the worker at {self.address} does not serve {SERVICE} ({e.code().name}: {e.details()}): it "
+                    f"speaks another version of the worker protocol than this scheduler ({PACKAGE}); run the same "
+                    "llmserve version on both") from None
             raise _typed_error(e) from None
 
     def connect_hint(self, err: WorkerError) -> str:
@@ -96,6 +112,7 @@ class WorkerClient:
     def fence(self, step_id: int, token: int) -> int:
         """Reset the worker's batch under our fencing token; returns the last step id it executed before."""
         plan = wpb.StepPlan(step_id=step_id, fencing_token=token, expected_epoch=self.info.epoch, reset_batch=True)
+        self.slots.clear()
         return self._call(plan, 30, None)().previous_step_id
 
     def execute(self, plan: wpb.StepPlan, trace_parent=None) -> WorkerOutput:
@@ -104,9 +121,17 @@ class WorkerClient:
     def send(self, plan: wpb.StepPlan, trace_parent=None) -> Callable[..., WorkerOutput]:
         """Send the plan now; the returned function (optional `timeout`) waits for the step's result while the
         caller works meanwhile."""
-        return self._call(plan, self.step_timeout, trace_parent, _decode)
+        owners = self.slots.snapshot()
+        return self._call(plan, self.step_timeout, trace_parent, lambda r: self._decode(r, owners), owners)
 
-    def _call(self, plan: wpb.StepPlan, timeout: float, trace_parent, decode=lambda r: r):
+    def _decode(self, result: wpb.StepResult, owners: list[str | None]) -> WorkerOutput:
+        output = decode_result(result, owners)
+        for tok, slot in zip(output.tokens, result.slots, strict=True):
+            if tok.finish:  # the worker forgot the request: its slot is free for the next plan to give away
+                self.slots.finished(slot, tok.request_id)
+        return output
+
+    def _call(self, plan: wpb.StepPlan, timeout: float, trace_parent, decode=lambda r: r, owners=None):
         span = None
         metadata = None
         if trace_parent is not None:
@@ -114,7 +139,7 @@ class WorkerClient:
 
             span = tracing.tracer.start_span(
                 "llmserve.worker/ExecuteStep", context=tracing.context_with(trace_parent), kind=SpanKind.CLIENT,
-                attributes={"rpc.system": "grpc", "rpc.service": "llmserve.worker.v1.Worker",
+                attributes={"rpc.system": "grpc", "rpc.service": SERVICE,
                             "rpc.method": "ExecuteStep", "llmserve.step.id": plan.step_id})
             metadata = tracing.inject(span)
         future = self.stub.ExecuteStep.future(plan, timeout=timeout, metadata=metadata)
@@ -123,11 +148,13 @@ class WorkerClient:
             try:
                 result = future.result(timeout=timeout)
             except grpc.FutureTimeoutError:
+                self.slots.stale = True
                 raise WorkerLost(grpc.StatusCode.DEADLINE_EXCEEDED, f"no result within {timeout} s") from None
             except grpc.RpcError as e:
+                self.slots.stale = True
                 if span is not None:
                     span.set_attribute("rpc.grpc.status_code", e.code().value[0])
-                raise _typed_error(e) from None
+                raise _typed_error(e, owners) from None
             finally:
                 if span is not None:
                     span.end()
@@ -140,35 +167,63 @@ class WorkerClient:
         return wait
 
 
-def _decode(result: wpb.StepResult) -> WorkerOutput:
-    tokens = [SampledToken(t.request_id, t.token_id, _FINISH.get(t.finish_reason),
-                           Logprobs(t.logprob, [(x.token_id, x.logprob) for x in t.top_logprobs])
-                           if t.HasField("logprob") else None)
-              for t in result.tokens]
+def decode_result(result: wpb.StepResult, owners: list[str | None]) -> WorkerOutput:
+    """The packed result as plain tokens; `owners` is the slot table as the step's plan saw it."""
+    rids = [owners[s] for s in result.slots]
+    finish = [_FINISH.get(r) for r in result.finish_reasons] if result.finish_reasons else [None] * len(rids)
+    tokens = [SampledToken(rid, tok, fin) for rid, tok, fin in zip(rids, result.token_ids, finish, strict=True)]
+    top_ids, top_lps, at = result.top_logprob_token_ids, result.top_logprobs, 0
+    for i, lp, n in zip(result.logprob_indices, result.logprobs, result.num_top_logprobs, strict=True):
+        tokens[i].logprobs = Logprobs(lp, list(zip(top_ids[at: at + n], top_lps[at: at + n], strict=True)))
+        at += n
     return WorkerOutput(tokens, result.prepare_seconds, result.forward_seconds, result.sample_seconds,
                         result.idle_seconds)
 
 
-def encode_plan(out: SchedulerOutput, *, step_id: int, token: int, epoch: str, reset: bool,
+def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: int, epoch: str, reset: bool,
                 dropped: list[str], after_step_id: int = 0) -> wpb.StepPlan:
-    """The step as a delta plan. Marks every scheduled request as held by the worker from now on."""
+    """The step as a delta plan. Frees the dropped requests' slots, gives joining requests one, and marks every
+    scheduled request as held by the worker from now on."""
+    if reset:
+        slots.clear()
+    elif slots.stale:
+        raise RuntimeError("a plan after a failed step must reset the worker's batch: its slots are unknown")
     plan = wpb.StepPlan(step_id=step_id, fencing_token=token, expected_epoch=epoch, reset_batch=reset,
-                        dropped_request_ids=dropped, after_step_id=after_step_id)
+                        after_step_id=after_step_id)
+    plan.dropped_slots.extend(s for s in map(slots.leave, dropped) if s is not None)
     plan.copy_blocks.extend(wpb.BlockCopy(src=src, dst=dst) for src, dst in out.copies)
+    cached_slots: list[int] = []
+    scheduled: list[int] = []
+    counts: list[int] = []
+    new_blocks: list[int] = []
     for req in out.scheduled:
         rid, n = req.request_id, out.num_tokens[req.request_id]
-        if req.on_worker and rid in out.replaced_tables:
-            plan.cached_requests.add(request_id=rid, block_table=req.block_ids, num_scheduled_tokens=n)
-        elif req.on_worker:
-            plan.cached_requests.add(request_id=rid, new_block_ids=out.new_blocks[rid], num_scheduled_tokens=n)
+        if req.on_worker:
+            slot = slots.slot_of[rid]
+            cached_slots.append(slot)
+            scheduled.append(n)
+            if rid in out.replaced_tables:
+                plan.replaced_tables.add(slot=slot, block_ids=req.block_ids)
+                counts.append(0)
+            else:
+                blocks = out.new_blocks[rid]
+                counts.append(len(blocks))
+                new_blocks += blocks
         elif req.output_ids:
             plan.resumed_requests.add(
-                request_id=rid, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
-                sampling=sampling_to_wire(req.sampling), block_ids=req.block_ids,
-                num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
+                slot=slots.join(rid), request_id=rid, token_ids=req.all_token_ids,
+                num_prompt_tokens=req.num_prompt_tokens, sampling=sampling_to_wire(req.sampling),
+                block_ids=req.block_ids, num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
         else:
             plan.new_requests.add(
-                request_id=rid, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
-                block_ids=req.block_ids, num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
+                slot=slots.join(rid), request_id=rid, prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_wire(req.sampling), block_ids=req.block_ids,
+                num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
         req.on_worker = True
+    cached = plan.cached
+    cached.slots.extend(cached_slots)
+    cached.num_scheduled_tokens.extend(scheduled)
+    if new_blocks:  # most decode steps allocate none: the counts are then left out
+        cached.num_new_blocks.extend(counts)
+        cached.new_block_ids.extend(new_blocks)
     return plan

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protos import worker_pb2 as pb
+from tests.plans import Cached, Wire
 
 
 @dataclass
@@ -45,29 +46,31 @@ def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list
     running: list[DriverRequest] = []
     step = first_step_id
     tick = 0
+    wire = Wire()
     while pending or running:
         while pending and pending[0].arrival_step <= tick:
             running.append(pending.pop(0))
         tick += 1
-        plan = pb.StepPlan(step_id=step)
-        step += 1
+        new, cached = [], []
         for r in running:
             n = min(chunk, len(r.tokens) - r.computed)
             need = -(-(r.computed + n) // block_size) - len(r.blocks)
             new_blocks = [free.pop() for _ in range(need)]
             r.blocks += new_blocks
             if not r.sent:
-                plan.new_requests.add(request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
-                                      block_ids=r.blocks, num_scheduled_tokens=n)
+                new.append(pb.NewRequest(request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
+                                         block_ids=r.blocks, num_scheduled_tokens=n))
                 r.sent = True
             else:
-                plan.cached_requests.add(request_id=r.request_id, new_block_ids=new_blocks, num_scheduled_tokens=n)
+                cached.append(Cached(r.request_id, n, new_blocks))
             r.computed += n
         if not running:
             continue
+        plan = wire.plan(step_id=step, new_requests=new, cached_requests=cached)
+        step += 1
         result = execute(plan)
         by_id = {r.request_id: r for r in running}
-        for t in result.tokens:
+        for t in wire.tokens(result):
             r = by_id[t.request_id]
             r.tokens.append(t.token_id)
             r.output.append(t.token_id)

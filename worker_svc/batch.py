@@ -3,9 +3,10 @@
 `check_plan` validates a whole plan against the current state without touching it, so a bad
 plan changes nothing; `apply_plan` then mutates. Both walk the plan in the same order.
 
-Steady state is mostly cached requests (decodes), so those are checked together with array
-operations; only a plan that fails that check is walked request by request, to name the first
-offender with the message it always had. `requests` and the chunks a Schedule yields are views
+Requests are addressed by slot, and slot s lives in row s of the InputBatch, so the plan's
+packed arrays index the batch's columns directly. Steady state is mostly cached requests
+(decodes), so those are checked together with array operations; only a plan that fails that
+check is walked entry by entry, to name the first offender. `requests` and the chunks a Schedule yields are views
 of the rows (worker_svc/request_views.py) for code that wants one request at a time (tests,
 tools); the step itself never builds them.
 """
@@ -13,14 +14,14 @@ tools); the step itself never builds them.
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from common import plan_errors
+from common.worker_protocol import MAX_SLOTS
 from protos import worker_pb2 as pb
 from worker_svc.input_batch import InputBatch
 from worker_svc.request_views import Requests, RequestState, ScheduledChunk
@@ -30,14 +31,18 @@ from worker_svc.sampling import SamplingParams
 class PlanError(Exception):
     """A plan the worker refuses; carries the gRPC status it maps to, why, and the request at fault."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = plan_errors.INVALID, request_id: str = ""):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = plan_errors.INVALID, request_id: str = "",
+                 slot: int | None = None):
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.request_id = request_id
+        self.slot = slot
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         md = ((plan_errors.REASON_KEY, self.reason),)
+        if self.slot is not None:
+            md += ((plan_errors.SLOT_KEY, str(self.slot)),)
         return md + ((plan_errors.REQUEST_ID_KEY, self.request_id),) if self.request_id else md
 
 
@@ -77,33 +82,35 @@ class Schedule:
 class CachedDeltas:
     """A plan's cached requests as arrays, parsed once: check_plan returns them for apply_plan."""
 
-    request_ids: list[str]
-    rows: np.ndarray  # int64; -1 where the request is not live
+    slots: np.ndarray  # int64: the rows
     scheduled: np.ndarray  # int64
-    # The entries with block changes (few but for steps that cross a block boundary): their index, their new
-    # block table if they have one, and their new blocks, flat, with how many each.
-    changed: np.ndarray  # int64
+    new_counts: np.ndarray  # int64, per entry (zeros when the plan sends none)
+    new_blocks: np.ndarray  # int64, flat
     tables: dict[int, list[int]]  # entry index -> replacement block table
-    new_blocks: np.ndarray  # int64
-    new_counts: np.ndarray  # int64, per changed entry
 
     @staticmethod
-    def parse(plan: pb.StepPlan, row_of: Mapping[str, int]) -> CachedDeltas:
-        # One pass over the messages (each field access costs a fraction of a microsecond), then C-level maps.
-        entries = [(r.request_id, r.num_scheduled_tokens, r.new_block_ids, r.block_table) for r in plan.cached_requests]
-        rids, scheduled, news, tables = zip(*entries, strict=True) if entries else ((), (), (), ())
-        n = len(rids)
-        has_blocks = np.fromiter(map(len, news), np.int64, n) + np.fromiter(map(len, tables), np.int64, n)
-        changed = np.flatnonzero(has_blocks).tolist()
-        return CachedDeltas(
-            request_ids=list(rids),
-            rows=np.fromiter(map(row_of.get, rids, itertools.repeat(-1)), np.int64, n),
-            scheduled=np.array(scheduled, dtype=np.int64),
-            changed=np.array(changed, dtype=np.int64),
-            tables={i: list(tables[i]) for i in changed if tables[i]},
-            new_blocks=np.fromiter(itertools.chain.from_iterable(news[i] for i in changed), dtype=np.int64),
-            new_counts=np.array([len(news[i]) for i in changed], dtype=np.int64),
-        )
+    def parse(plan: pb.StepPlan) -> CachedDeltas:
+        c = plan.cached
+        slots = np.array(c.slots, dtype=np.int64)
+        n = len(slots)
+        if len(c.num_scheduled_tokens) != n:
+            raise _invalid(f"cached: num_scheduled_tokens has {len(c.num_scheduled_tokens)} entries, slots {n}")
+        if len(c.num_new_blocks) not in (0, n):
+            raise _invalid(f"cached: num_new_blocks has {len(c.num_new_blocks)} entries, slots {n} (or none)")
+        counts = np.array(c.num_new_blocks, dtype=np.int64) if len(c.num_new_blocks) else np.zeros(n, np.int64)
+        if int(counts.sum()) != len(c.new_block_ids):
+            raise _invalid(f"cached: num_new_blocks add up to {int(counts.sum())}, new_block_ids has "
+                           f"{len(c.new_block_ids)}")
+        tables: dict[int, list[int]] = {}
+        for t in plan.replaced_tables:
+            where = np.flatnonzero(slots == t.slot)
+            if not len(where):
+                raise _invalid(f"replaced_tables[slot {t.slot}]: the slot is not among the cached requests")
+            if int(where[0]) in tables:
+                raise _invalid(f"replaced_tables[slot {t.slot}]: the slot appears more than once")
+            tables[int(where[0])] = list(t.block_ids)
+        return CachedDeltas(slots=slots, scheduled=np.array(c.num_scheduled_tokens, dtype=np.int64),
+                            new_counts=counts, new_blocks=np.array(c.new_block_ids, dtype=np.int64), tables=tables)
 
 
 def _invalid(msg: str) -> PlanError:
@@ -111,12 +118,13 @@ def _invalid(msg: str) -> PlanError:
 
 
 @contextlib.contextmanager
-def _blame(request_id: str):
+def _blame(slot: int, request_id: str):
     """A PlanError raised while checking one request's entry names that request."""
     try:
         yield
     except PlanError as e:
         e.request_id = e.request_id or request_id
+        e.slot = slot if e.slot is None else e.slot
         raise
 
 
@@ -144,90 +152,101 @@ class PersistentBatch:
             raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"expected_epoch {plan.expected_epoch!r} does not match this worker's epoch {epoch!r}: "
                             "its KV cache was lost, resume the requests", plan_errors.EPOCH_MISMATCH)
-        row_of = {} if plan.reset_batch else self.inputs.row_of
-        dropped = set(plan.dropped_request_ids)
-        seen: set[str] = set()
+        inputs = self.inputs
+        # Which rows hold a request once the plan's reset and drops are applied.
+        live = np.zeros(inputs.num_rows, dtype=bool) if plan.reset_batch else inputs.live.copy()
+        dropped = np.array(plan.dropped_slots, dtype=np.int64)
+        live[dropped[dropped < len(live)]] = False
+        joining: set[int] = set()  # slots of new and resumed entries
 
-        def live(rid: str) -> bool:
-            return rid in row_of and rid not in dropped
-
-        def claim(rid: str, where: str) -> None:
+        def join(slot: int, rid: str, where: str) -> None:
+            if slot >= MAX_SLOTS:
+                raise _invalid(f"{where}: slot {slot} is not below {MAX_SLOTS}")
+            if slot in joining:
+                raise _invalid(f"{where}: slot {slot} joins more than once in the plan")
+            if slot < len(live) and live[slot]:
+                raise _invalid(f"{where}: slot {slot} still holds request {inputs.request_ids[slot]!r} "
+                               "(drop it first)")
             if not rid:
                 raise _invalid(f"{where}: request_id is empty")
-            if rid in seen:
-                raise _invalid(f"{where}: request_id {rid!r} appears more than once in the plan")
-            seen.add(rid)
+            other = inputs.row_of.get(rid)
+            if other is not None and live[other]:
+                raise _invalid(f"{where}: request_id {rid!r} is already on this worker in slot {other}")
+            joining.add(slot)
 
         for r in plan.new_requests:
-            with _blame(r.request_id):
-                where = f"new_requests[{r.request_id!r}]"
-                claim(r.request_id, where)
-                if live(r.request_id):
-                    raise _invalid(f"{where}: request_id {r.request_id!r} already exists on this worker")
+            with _blame(r.slot, r.request_id):
+                where = f"new_requests[slot {r.slot}, {r.request_id!r}]"
+                join(r.slot, r.request_id, where)
                 self._check_tokens(where, r.prompt_token_ids, len(r.prompt_token_ids))
                 self._check_sampling(where, r.sampling)
                 self._check_chunk(where, r.block_ids, len(r.prompt_token_ids), r.num_computed_tokens,
                                   r.num_scheduled_tokens)
         for r in plan.resumed_requests:
-            with _blame(r.request_id):
-                where = f"resumed_requests[{r.request_id!r}]"
-                claim(r.request_id, where)
+            with _blame(r.slot, r.request_id):
+                where = f"resumed_requests[slot {r.slot}, {r.request_id!r}]"
+                join(r.slot, r.request_id, where)
                 self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
                 self._check_sampling(where, r.sampling)
                 self._check_chunk(where, r.block_ids, len(r.token_ids), r.num_computed_tokens,
                                   r.num_scheduled_tokens)
-        cached = CachedDeltas.parse(plan, row_of)
-        if not self._cached_valid(cached, dropped, seen):
-            self._check_each_cached(plan, live, claim)  # names the first offender
+        cached = CachedDeltas.parse(plan)
+        if not self._cached_valid(cached, live, joining):
+            self._check_each_cached(cached, live, joining)  # names the first offender
         n = self.limits.num_blocks
         for i, c in enumerate(plan.copy_blocks):
             if not (0 <= c.src < n and 0 <= c.dst < n) or c.src == c.dst:
                 raise _invalid(f"copy_blocks[{i}]: src {c.src} and dst {c.dst} must be distinct blocks in [0, {n})")
         return cached
 
-    def _cached_valid(self, d: CachedDeltas, dropped: set[str], seen: set[str]) -> bool:
+    def _cached_valid(self, d: CachedDeltas, live: np.ndarray, joining: set[int]) -> bool:
         """Every check of `_check_each_cached` at once, with array operations: True when it would pass."""
-        if not len(d.rows):
+        if not len(d.slots):
             return True
         inputs, n = self.inputs, self.limits.num_blocks
-        if (d.rows < 0).any():
+        if d.slots.min() < 0 or d.slots.max() >= len(live) or not live[d.slots].all():
             return False
-        once = np.zeros(inputs.num_rows, dtype=bool)
-        once[d.rows] = True  # distinct live ids have distinct rows
-        if once.sum() < len(d.rows):
+        once = np.zeros(len(live), dtype=bool)
+        once[d.slots] = True
+        if once.sum() < len(d.slots):
             return False
-        if (seen and not seen.isdisjoint(d.request_ids)) or (dropped and not dropped.isdisjoint(d.request_ids)):
+        if joining and np.isin(d.slots, list(joining)).any():
             return False
         # The blocks a request already holds were checked when they came; new ones and replacement tables now.
         ids = np.concatenate([d.new_blocks, *(np.array(t, dtype=np.int64) for t in d.tables.values())])
         if len(ids) and (ids.min() < 0 or ids.max() >= n):
             return False
-        blocks = inputs.num_blocks[d.rows]
+        blocks = inputs.num_blocks[d.slots]
         for i, table in d.tables.items():
             if len(table) < blocks[i]:
                 return False
             blocks[i] = len(table)
-        blocks[d.changed] += d.new_counts
-        need = inputs.num_computed_tokens[d.rows] + d.scheduled
-        return bool((need <= inputs.num_tokens[d.rows]).all() and (need <= blocks * self.limits.block_size).all())
+        blocks += d.new_counts
+        need = inputs.num_computed_tokens[d.slots] + d.scheduled
+        return bool((need <= inputs.num_tokens[d.slots]).all() and (need <= blocks * self.limits.block_size).all())
 
-    def _check_each_cached(self, plan: pb.StepPlan, live: Callable[[str], bool],
-                           claim: Callable[[str, str], None]) -> None:
+    def _check_each_cached(self, d: CachedDeltas, live: np.ndarray, joining: set[int]) -> None:
         inputs = self.inputs
-        for r in plan.cached_requests:
-            with _blame(r.request_id):
-                where = f"cached_requests[{r.request_id!r}]"
-                claim(r.request_id, where)
-                if not live(r.request_id):
-                    raise _invalid(f"{where}: unknown request_id {r.request_id!r} (not on this worker, or dropped)")
-                row = inputs.row_of[r.request_id]
-                held = inputs.block_table[row, : inputs.num_blocks[row]].tolist()
-                table = list(r.block_table) if r.block_table else held
-                if r.block_table and len(r.block_table) < len(held):
-                    raise _invalid(f"{where}: block_table has {len(r.block_table)} blocks, fewer than the "
+        seen: set[int] = set()
+        ends = np.cumsum(d.new_counts)
+        for i, slot in enumerate(d.slots.tolist()):
+            known = 0 <= slot < len(live) and bool(live[slot])
+            rid = inputs.request_ids[slot] if known else ""
+            with _blame(slot, rid):
+                where = f"cached[slot {slot}, {rid!r}]" if known else f"cached[slot {slot}]"
+                if slot in seen or slot in joining:
+                    raise _invalid(f"{where}: slot {slot} appears more than once in the plan")
+                seen.add(slot)
+                if not known:
+                    raise _invalid(f"{where}: slot {slot} holds no request on this worker (never joined, or dropped)")
+                held = inputs.block_table[slot, : inputs.num_blocks[slot]].tolist()
+                table = d.tables.get(i, held)
+                if len(table) < len(held):
+                    raise _invalid(f"{where}: the replaced block table has {len(table)} blocks, fewer than the "
                                    f"{len(held)} the request holds")
-                self._check_chunk(where, table + list(r.new_block_ids), int(inputs.num_tokens[row]),
-                                  int(inputs.num_computed_tokens[row]), r.num_scheduled_tokens)
+                new = d.new_blocks[ends[i] - d.new_counts[i]: ends[i]].tolist()
+                self._check_chunk(where, table + new, int(inputs.num_tokens[slot]),
+                                  int(inputs.num_computed_tokens[slot]), int(d.scheduled[i]))
 
     def _check_tokens(self, where: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         if num_prompt_tokens < 1 or num_prompt_tokens > len(token_ids):
@@ -275,37 +294,35 @@ class PersistentBatch:
         self.fencing_token = plan.fencing_token
         inputs = self.inputs
         if cached is None:
-            cached = CachedDeltas.parse(plan, {} if plan.reset_batch else inputs.row_of)
+            cached = CachedDeltas.parse(plan)
         if plan.reset_batch:
             inputs.clear()
-        for rid in plan.dropped_request_ids:
-            if rid in inputs.row_of:
-                inputs.free(inputs.row_of[rid])
+        for slot in plan.dropped_slots:
+            if slot < inputs.num_rows and inputs.live[slot]:
+                inputs.free(slot)
         rows: list[int] = []
         starts: list[int] = []
         lengths: list[int] = []
 
-        def join(rid: str, token_ids: Sequence[int], num_prompt_tokens: int, sampling: pb.SamplingParams,
-                 block_ids: Sequence[int], computed: int, scheduled: int) -> None:
-            if rid in inputs.row_of:  # a resumed request replaces what the worker had of it
-                inputs.free(inputs.row_of[rid])
-            row = inputs.add(rid, token_ids, num_prompt_tokens, SamplingParams.from_proto(sampling), block_ids,
-                             computed)
+        def join(slot: int, rid: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                 sampling: pb.SamplingParams, block_ids: Sequence[int], computed: int, scheduled: int) -> None:
+            inputs.add(slot, rid, token_ids, num_prompt_tokens, SamplingParams.from_proto(sampling), block_ids,
+                       computed)
             if scheduled > 0:
-                rows.append(row)
+                rows.append(slot)
                 starts.append(computed)
                 lengths.append(scheduled)
 
         for r in plan.new_requests:
-            join(r.request_id, r.prompt_token_ids, len(r.prompt_token_ids), r.sampling, r.block_ids,
+            join(r.slot, r.request_id, r.prompt_token_ids, len(r.prompt_token_ids), r.sampling, r.block_ids,
                  r.num_computed_tokens, r.num_scheduled_tokens)
         for r in plan.resumed_requests:
-            join(r.request_id, r.token_ids, r.num_prompt_tokens, r.sampling, r.block_ids, r.num_computed_tokens,
-                 r.num_scheduled_tokens)
+            join(r.slot, r.request_id, r.token_ids, r.num_prompt_tokens, r.sampling, r.block_ids,
+                 r.num_computed_tokens, r.num_scheduled_tokens)
         for i, table in cached.tables.items():
-            inputs.set_blocks(int(cached.rows[i]), table)
-        inputs.append_blocks(cached.rows[cached.changed], cached.new_counts, cached.new_blocks)
-        on = cached.rows[cached.scheduled > 0]
+            inputs.set_blocks(int(cached.slots[i]), table)
+        inputs.append_blocks(cached.slots, cached.new_counts, cached.new_blocks)
+        on = cached.slots[cached.scheduled > 0]
         return Schedule(
             inputs,
             rows=np.concatenate([np.array(rows, dtype=np.int64), on]),

@@ -1,10 +1,11 @@
 """The worker's persistent input batch: one row per request, its state as columns of numpy arrays.
 
 A plan carries only deltas (requests that join, new blocks, how many tokens to compute), so the state lives here
-between steps, as in vLLM's InputBatch: a request gets a row when it joins and gives it back when it is dropped,
-finishes, or the batch is reset. A step then reads the scheduled rows with a few vectorized gathers instead of
-walking Python objects per request and per token. Arrays start small and double when a row, a sequence or a
-block table outgrows them (max_model_len may be huge where it is only a bound).
+between steps, as in vLLM's InputBatch: a request takes the row of its slot (the scheduler's address for it on the
+wire) when it joins and frees it when it is dropped, finishes, or the batch is reset. A step then reads the
+scheduled rows with a few vectorized gathers instead of walking Python objects per request and per token. Arrays
+start small and double when a row, a sequence or a block table outgrows them
+(max_model_len may be huge where it is only a bound).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _COLUMNS: dict[str, tuple[type, object]] = {
     "num_prompt_tokens": (np.int64, 0),
     "num_computed_tokens": (np.int64, 0),
     "num_blocks": (np.int64, 0),
+    "live": (np.bool_, False),  # the row holds a request
     # sampling parameters (SamplingParams as columns)
     "temperature": (np.float32, 0.0),
     "top_k": (np.int64, 0),
@@ -55,12 +57,13 @@ def _capacity(current: int, need: int, limit: int | None = None) -> int:
 
 class InputBatch:
     """Rows of requests: the columns of _COLUMNS ([num_rows]) and token_ids, block_table, stop_token_ids
-    ([num_rows, capacity]); row_of maps a request id to its row."""
+    ([num_rows, capacity]); row_of maps a request id to its row (for logs and tools; the step uses rows)."""
 
     num_tokens: np.ndarray
     num_prompt_tokens: np.ndarray
     num_computed_tokens: np.ndarray
     num_blocks: np.ndarray
+    live: np.ndarray
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
@@ -80,7 +83,6 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.request_ids: list[str | None] = [None] * rows
         self.params: list[SamplingParams | None] = [None] * rows  # the objects behind the sampling columns
-        self._free = list(range(rows - 1, -1, -1))  # a stack: the lowest free row first
         for name, (dtype, fill) in _COLUMNS.items():
             setattr(self, name, np.full(rows, fill, dtype=dtype))
         self.token_ids = np.zeros((rows, min(tokens, max_model_len)), dtype=np.int32)
@@ -96,11 +98,13 @@ class InputBatch:
 
     # -- rows ---------------------------------------------------------------------------------
 
-    def add(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, params: SamplingParams,
-            block_ids: Sequence[int], num_computed_tokens: int) -> int:
-        if not self._free:
-            self._grow_rows(2 * self.num_rows)
-        row = self._free.pop()
+    def add(self, row: int, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+            params: SamplingParams, block_ids: Sequence[int], num_computed_tokens: int) -> int:
+        """Put a request into free row `row` (its slot), growing the arrays to hold it."""
+        if row >= self.num_rows:
+            self._grow_rows(_capacity(self.num_rows, row + 1))
+        assert not self.live[row], f"row {row} is taken"
+        self.live[row] = True
         self.row_of[request_id] = row
         self.request_ids[row] = request_id
         self.params[row] = params
@@ -120,7 +124,6 @@ class InputBatch:
         self.block_table[row, : self.num_blocks[row]] = 0
         for name, (_, fill) in _COLUMNS.items():
             getattr(self, name)[row] = fill
-        self._free.append(row)
 
     def clear(self) -> None:
         for row in list(self.row_of.values()):
@@ -172,7 +175,6 @@ class InputBatch:
         self.stop_token_ids = _grown(self.stop_token_ids, (rows, self.stop_token_ids.shape[1]), -1)
         self.request_ids += [None] * (rows - old)
         self.params += [None] * (rows - old)
-        self._free = list(range(rows - 1, old - 1, -1)) + self._free
 
     def _set_sampling(self, row: int, p: SamplingParams) -> None:
         self.temperature[row] = p.temperature

@@ -234,7 +234,8 @@ class ModelRunner:
                            sample_rows=np.zeros(0, dtype=np.int64))
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, result: pb.StepResult) -> None:
-        """Sample for `rows`, append the tokens and their messages; finished requests leave the batch."""
+        """Sample for `rows`, append the tokens and fill the result's packed arrays; finished requests leave the
+        batch."""
         b = self.batch.inputs
         if b.plain[rows].all():
             out = greedy_batch(logits.cpu())
@@ -243,17 +244,19 @@ class ModelRunner:
         b.append_tokens(rows, out.token_ids)
         reasons = b.finish_reasons(rows, self.eos_token_ids)
         finished = np.flatnonzero(reasons)
-        add = result.tokens.add  # in place: building messages to extend with would copy each once more
-        for rid, tok in zip([b.request_ids[r] for r in rows.tolist()], out.token_ids.tolist(), strict=True):
-            add(request_id=rid, token_id=tok)
-        for i, reason in zip(finished.tolist(), reasons[finished].tolist(), strict=True):
-            result.tokens[i].finish_reason = reason
-        for i, lp, top in zip(out.logprob_rows, out.logprobs, out.top_logprobs, strict=True):
-            msg = result.tokens[i]
-            msg.logprob = lp
-            msg.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in top)
+        result.slots.extend(rows.tolist())  # a request's slot is its row
+        result.token_ids.extend(out.token_ids.tolist())
+        if len(finished):
+            result.finish_reasons.extend(reasons.tolist())
+        if out.logprob_rows:
+            result.logprob_indices.extend(out.logprob_rows)
+            result.logprobs.extend(out.logprobs)
+            for top in out.top_logprobs:
+                result.num_top_logprobs.append(len(top))
+                result.top_logprob_token_ids.extend(t for t, _ in top)
+                result.top_logprobs.extend(v for _, v in top)
         for row in rows[finished].tolist():
-            # The worker forgets a finished request at once; a later drop of its id is a no-op.
+            # The worker forgets a finished request at once; a later drop of its slot is a no-op.
             b.free(row)
 
 

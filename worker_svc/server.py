@@ -12,11 +12,13 @@ from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import tls, tracing
+from common import plan_errors, tls, tracing
 from common.auth import add_worker_token_arg, worker_token_interceptor
+from common.worker_protocol import SERVICE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
@@ -27,7 +29,7 @@ if TYPE_CHECKING:  # torch loads only in the worker process, not in `llmserve ge
 log = logging.getLogger("llmserve.worker")
 
 MAX_MESSAGE_BYTES = 256 << 20  # a resumed 8k-token batch of many requests stays far below this
-SERVICE_NAME = "llmserve.worker.v1.Worker"
+SERVICE_NAME = SERVICE
 # Machine-readable readiness line on stdout, printed once the server listens (launchers and tests wait for it).
 READY_LINE = "LLMSERVE_WORKER_READY port={port} epoch={epoch}"
 _READY_RE = re.compile(r"^LLMSERVE_WORKER_READY port=(\d+) epoch=(\S+)$", re.M)
@@ -48,7 +50,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # One step at a time (the batch and KV cache are not shareable), in the order the scheduler planned them.
         self.turn = threading.Condition()
         self.last_handled_step = 0  # the last plan executed or refused
-        self.finished_last_step: set[str] = set()  # requests the last executed step finished (and forgot)
+        self.last_refused_step = 0
+        self.finished_last_step: set[int] = set()  # slots of the requests the last executed step finished (and forgot)
         self.finished_in_step = 0  # that step's id: only a plan sent right behind it may still name them
         self.last_step_end: float | None = None  # perf_counter when the last step's result was ready
 
@@ -73,12 +76,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if plan.after_step_id and plan.after_step_id == self.finished_in_step:
             skip_finished_requests(plan, self.finished_last_step)
         try:
+            if plan.after_step_id and plan.after_step_id == self.last_refused_step and not plan.reset_batch:
+                # Planned on top of a plan that never ran: its slots may name requests that never joined, or others.
+                raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the plan it follows (step {plan.after_step_id}) was refused",
+                                plan_errors.PREDECESSOR_REFUSED)
             result = self.runner.execute(plan)
         except PlanError as e:
+            self.last_refused_step = plan.step_id
             self._handled(plan)
             context.set_trailing_metadata(e.trailing_metadata())
             context.abort(e.code, str(e))
-        self.finished_last_step = {t.request_id for t in result.tokens if t.finish_reason}
+        self.finished_last_step = (set(np.asarray(result.slots)[np.flatnonzero(result.finish_reasons)].tolist())
+                                   if result.finish_reasons else set())
         self.finished_in_step = plan.step_id
         self._handled(plan)
         if self.last_step_end is not None:
@@ -95,20 +105,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         from opentelemetry import trace
 
         with tracing.tracer.start_as_current_span(
-                "llmserve.worker.v1.Worker/ExecuteStep", context=tracing.extract(context.invocation_metadata()),
+                f"{SERVICE}/ExecuteStep", context=tracing.extract(context.invocation_metadata()),
                 kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "llmserve.step.id": plan.step_id}):
             return self._execute_in_turn(plan, context)
 
 
-def skip_finished_requests(plan: pb.StepPlan, finished: set[str]) -> None:
+def skip_finished_requests(plan: pb.StepPlan, finished: set[int]) -> None:
     """A pipelined plan may hold a request the step before it finished: the scheduler learns of the finish only
-    from that step's result. Such an entry is dropped here instead of failing the whole plan as unknown."""
-    if not finished or not plan.cached_requests:
+    from that step's result. Such an entry (by its slot, which the scheduler has not reused yet) is dropped here
+    instead of failing the whole plan as unknown."""
+    c = plan.cached
+    if not finished or not c.slots:
         return
-    kept = [r for r in plan.cached_requests if r.request_id not in finished]
-    if len(kept) < len(plan.cached_requests):
-        del plan.cached_requests[:]
-        plan.cached_requests.extend(kept)
+    slots = np.array(c.slots, dtype=np.int64)
+    gone = np.isin(slots, list(finished))
+    if not gone.any():
+        return
+    keep = ~gone
+    counts = np.array(c.num_new_blocks, dtype=np.int64) if c.num_new_blocks else np.zeros(len(slots), np.int64)
+    blocks = np.array(c.new_block_ids, dtype=np.int64)
+    kept = pb.CachedRequests(slots=slots[keep].tolist(),
+                             num_scheduled_tokens=np.array(c.num_scheduled_tokens)[keep].tolist(),
+                             num_new_blocks=counts[keep].tolist() if c.num_new_blocks else [],
+                             new_block_ids=blocks[np.repeat(keep, counts)].tolist())
+    plan.cached.CopyFrom(kept)
+    tables = [t for t in plan.replaced_tables if t.slot not in finished]
+    if len(tables) < len(plan.replaced_tables):
+        del plan.replaced_tables[:]
+        plan.replaced_tables.extend(tables)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:

@@ -209,7 +209,7 @@ def test_iteration_and_worker_spans_across_processes(run):
 
     calls = [s for s in spans if s.name == "llmserve.worker/ExecuteStep"]
     assert len(calls) == len(iters)
-    servers = [s for s in spans if s.name == "llmserve.worker.v1.Worker/ExecuteStep"]
+    servers = [s for s in spans if s.name == "llmserve.worker.v2.Worker/ExecuteStep"]
     server_of = {s.parent_id: s for s in servers if s.parent_id}
     for call in calls:
         it = by_id[call.parent_id]  # the worker call is a child of its iteration, in the scheduler

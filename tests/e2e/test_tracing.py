@@ -178,7 +178,7 @@ def test_spans_of_a_multi_request_run(traced_stack):
     deadline = time.monotonic() + 10
     while True:
         wspans = _console_spans(st.worker.log_text())
-        servers = [w for w in wspans if w["name"] == "llmserve.worker.v1.Worker/ExecuteStep"
+        servers = [w for w in wspans if w["name"] == "llmserve.worker.v2.Worker/ExecuteStep"
                    and w["parent_id"] in call_ids]
         if len(servers) >= len(call_ids) or time.monotonic() > deadline:
             break

@@ -21,12 +21,14 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from common.worker_protocol import PACKAGE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from tests import cluster
+from tests.plans import UNKNOWN_SLOT, Cached, Token, Wire, add_cached
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SERVICE = "llmserve.worker.v1.Worker"
+SERVICE = f"{PACKAGE}.Worker"
 START_TIMEOUT_S = 120
 RPC_TIMEOUT_S = 60
 
@@ -75,8 +77,19 @@ class Req:
         return pb.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=self.max_tokens)
 
 
+@dataclass
+class Result:
+    """A step's result with its tokens read by request id."""
+
+    raw: pb.StepResult
+    tokens: list[Token]
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
 class Worker:
-    """A gRPC stub plus a tiny hand scheduler's bookkeeping: free blocks, live requests, step ids."""
+    """A gRPC stub plus a tiny hand scheduler's bookkeeping: free blocks, live requests, slots, step ids."""
 
     def __init__(self, channel: grpc.Channel, epoch: str):
         self.channel = channel
@@ -84,6 +97,7 @@ class Worker:
         self.epoch = epoch
         self.free = list(range(NUM_BLOCKS))[::-1]  # pop() hands out low ids first; freed blocks go to the front
         self.live: dict[str, Req] = {}
+        self.wire = Wire()
         self._step = 0
         self._ids = itertools.count()
         self._alone: dict[tuple, list[int]] = {}
@@ -101,7 +115,17 @@ class Worker:
             kw["step_id"] = self._step
         kw.setdefault("fencing_token", FENCE)
         kw.setdefault("expected_epoch", self.epoch)
-        return pb.StepPlan(**kw)
+        return self.wire.plan(**kw)
+
+    def at_slot(self, slot: int, n: int = 0, **kw) -> pb.StepPlan:
+        """A plan with one cached entry for whatever `slot` holds."""
+        plan = self.plan(**kw)
+        add_cached(plan, [(slot, Cached("", n))])
+        return plan
+
+    def free_slot(self) -> int:
+        """A slot beyond every one handed out: the worker holds nothing there."""
+        return len(self.wire.slots.owner) + 1
 
     # -- deltas: each one updates the scheduler's bookkeeping as if the plan will be accepted ------------
 
@@ -119,11 +143,11 @@ class Worker:
         return pb.NewRequest(request_id=r.rid, prompt_token_ids=r.prompt, sampling=r.sampling(),
                              block_ids=r.blocks, num_scheduled_tokens=n)
 
-    def cached(self, r: Req, n: int | None = None) -> pb.CachedRequest:
+    def cached(self, r: Req, n: int | None = None) -> Cached:
         n = len(r.tokens) - r.computed if n is None else n
         new_blocks = self._grow(r, n)
         r.computed += n
-        return pb.CachedRequest(request_id=r.rid, new_block_ids=new_blocks, num_scheduled_tokens=n)
+        return Cached(r.rid, n, new_blocks)
 
     def release(self, r: Req) -> str:
         """Preempt or forget: free the blocks, forget what was computed; the worker must be told to drop it."""
@@ -145,12 +169,13 @@ class Worker:
 
     # -- RPCs ------------------------------------------------------------------------------------------
 
-    def execute(self, plan: pb.StepPlan) -> pb.StepResult:
-        res = self.stub.ExecuteStep(plan, timeout=RPC_TIMEOUT_S)
-        assert res.step_id == plan.step_id
-        assert res.num_scheduled_tokens == (sum(r.num_scheduled_tokens for r in plan.new_requests)
+    def execute(self, plan: pb.StepPlan) -> Result:
+        raw = self.stub.ExecuteStep(plan, timeout=RPC_TIMEOUT_S)
+        assert raw.step_id == plan.step_id
+        assert raw.num_scheduled_tokens == (sum(r.num_scheduled_tokens for r in plan.new_requests)
                                             + sum(r.num_scheduled_tokens for r in plan.resumed_requests)
-                                            + sum(r.num_scheduled_tokens for r in plan.cached_requests))
+                                            + sum(plan.cached.num_scheduled_tokens))
+        res = Result(raw, self.wire.tokens(raw))
         for t in res.tokens:
             r = self.live[t.request_id]
             assert r.computed == len(r.tokens), f"{r.rid} sampled before its chunk reached its last token"
@@ -167,12 +192,10 @@ class Worker:
 
     def assert_known(self, r: Req) -> None:
         """Ask whether the worker still holds `r` without changing anything: cached deltas are checked in plan
-        order, so a plan with a no-op delta for `r` and then one for an unknown id fails on whichever is unknown
-        first, and a rejected plan changes nothing."""
-        ghost = self.fresh_id("ghost")
-        err = self.reject(self.plan(cached_requests=[pb.CachedRequest(request_id=r.rid),
-                                                     pb.CachedRequest(request_id=ghost)]))
-        assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, ghost)
+        order, so a plan with a no-op delta for `r` and then one for a slot that holds nothing fails on whichever
+        is unknown first, and a rejected plan changes nothing."""
+        err = self.reject(self.plan(cached_requests=[Cached(r.rid), Cached(self.fresh_id("ghost"))]))
+        assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, f"slot {UNKNOWN_SLOT} holds no request")
 
     def finish(self, *reqs: Req) -> None:
         """Decode the given live requests together until all have finished."""
@@ -243,7 +266,7 @@ def test_describe_health_and_reflection(worker):
     assert SERVICE in services and "grpc.health.v1.Health" in services
     svc = DescriptorPool(db).FindServiceByName(SERVICE)
     assert {meth.name for meth in svc.methods} == {"Describe", "ExecuteStep"}
-    assert svc.methods_by_name["ExecuteStep"].input_type.full_name == "llmserve.worker.v1.StepPlan"
+    assert svc.methods_by_name["ExecuteStep"].input_type.full_name == "llmserve.worker.v2.StepPlan"
 
 
 # -- plan sequences -----------------------------------------------------------------------------------
@@ -273,11 +296,11 @@ def test_chunked_prefill_preemption_and_resume_match_alone(worker):
     assert grew == [a.rid] and len(a.blocks) == 2
 
     # Preempt A mid-generation: the plan drops it; B carries on alone for two steps.
-    old_blocks, a_so_far = list(a.blocks), list(a.output)
+    old_blocks, a_so_far, a_slot = list(a.blocks), list(a.output), worker.wire.slot(a.rid)
     res = worker.execute(worker.plan(dropped_request_ids=[worker.release(a)], cached_requests=[worker.cached(b)]))
-    assert [t.request_id for t in res.tokens] == [b.rid]
-    err = worker.reject(worker.plan(cached_requests=[pb.CachedRequest(request_id=a.rid, num_scheduled_tokens=1)]))
-    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, a.rid)
+    assert [t.request_id for t in res.tokens] == [b.rid] and list(res.raw.slots) == [worker.wire.slot(b.rid)]
+    err = worker.reject(worker.at_slot(a_slot, 1))
+    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, f"slot {a_slot} holds no request")
     worker.execute(worker.plan(cached_requests=[worker.cached(b)]))
 
     # Resume A: prompt + outputs so far, a new block table, recompute from 0, next to B's decode.
@@ -304,14 +327,16 @@ def test_chunked_prefill_preemption_and_resume_match_alone(worker):
 
 def test_reset_batch_forgets_everything(worker):
     ref_h = worker.alone(PROMPT_H)
-    g = Req(worker.fresh_id("G"), PROMPT_F)
-    worker.execute(worker.plan(new_requests=[worker.new(g, 6)]))  # G in flight, mid-prefill
+    g, g2 = Req(worker.fresh_id("G"), PROMPT_F), Req(worker.fresh_id("G2"), PROMPT_F)
+    worker.execute(worker.plan(new_requests=[worker.new(g, 6), worker.new(g2, 6)]))  # in flight, mid-prefill
+    g2_slot = worker.wire.slot(g2.rid)
     worker.release(g)
+    worker.release(g2)
     h = Req(worker.fresh_id("H"), PROMPT_H)
     res = worker.execute(worker.plan(reset_batch=True, new_requests=[worker.new(h)]))
-    assert [t.request_id for t in res.tokens] == [h.rid]
-    err = worker.reject(worker.plan(cached_requests=[pb.CachedRequest(request_id=g.rid, num_scheduled_tokens=4)]))
-    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, g.rid)
+    assert [t.request_id for t in res.tokens] == [h.rid] and worker.wire.slot(h.rid) == 0  # slots start over
+    err = worker.reject(worker.at_slot(g2_slot, 4))
+    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, f"slot {g2_slot} holds no request")
     worker.finish(h)  # what the reset plan brought in lives on
     assert h.output == ref_h
 
@@ -321,11 +346,11 @@ def test_reset_batch_forgets_everything(worker):
 
 @pytest.fixture(scope="module")
 def inflight(worker):
-    """C decodes one token per valid step (max_tokens 24 outlasts every bad case); E is parked after a
+    """C decodes one token per valid step (max_tokens 32 outlasts every bad case); E is parked after a
     5-token chunk of its 18-token prompt and is the target of the bad cached deltas."""
-    worker.alone(PROMPT_C, 24)  # references first, so the in-flight pair's blocks stay put meanwhile
+    worker.alone(PROMPT_C, 32)  # references first, so the in-flight pair's blocks stay put meanwhile
     worker.alone(PROMPT_E)
-    c, e = Req(worker.fresh_id("C"), PROMPT_C, 24), Req(worker.fresh_id("E"), PROMPT_E)
+    c, e = Req(worker.fresh_id("C"), PROMPT_C, 32), Req(worker.fresh_id("E"), PROMPT_E)
     res = worker.execute(worker.plan(new_requests=[worker.new(c), worker.new(e, 5)]))
     assert [t.request_id for t in res.tokens] == [c.rid]
     return c, e
@@ -342,6 +367,12 @@ class Ctx:
     def spare_block(self) -> int:
         return self.worker.free[0]  # looked at, not allocated: the plan is meant to be rejected
 
+    def slot(self, r: Req) -> int:
+        return self.worker.wire.slot(r.rid)
+
+    def free_slot(self) -> int:
+        return self.worker.free_slot()
+
     def bad_id(self, what: str) -> str:
         return self.worker.fresh_id(what)
 
@@ -350,27 +381,48 @@ INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED
 
 
 def _unknown_cached(x: Ctx):
-    rid = x.bad_id("ghost")
-    x.plan.cached_requests.add(request_id=rid, num_scheduled_tokens=1)
-    return INVALID, [rid, "unknown"]
+    slot = x.free_slot()
+    add_cached(x.plan, [(slot, Cached("", 1))])
+    return INVALID, [f"slot {slot}", "holds no request"]
+
+
+def _slot_out_of_range_new(x: Ctx):
+    x.plan.new_requests.add(slot=1 << 20, request_id=x.bad_id("far"), prompt_token_ids=PROMPT_P)
+    return INVALID, [f"slot {1 << 20}", "not below 16384"]
+
+
+def _cached_arrays_of_different_lengths(x: Ctx):
+    x.plan.cached.num_scheduled_tokens.append(1)
+    return INVALID, ["num_scheduled_tokens has 2 entries, slots 1"]
+
+
+def _new_block_counts_not_matching(x: Ctx):
+    x.plan.cached.new_block_ids.append(x.spare_block())
+    return INVALID, ["num_new_blocks add up to 0", "new_block_ids has 1"]
+
+
+def _replaced_table_of_a_slot_not_cached(x: Ctx):
+    x.plan.replaced_tables.add(slot=x.slot(x.e), block_ids=[x.spare_block()])
+    return INVALID, [f"replaced_tables[slot {x.slot(x.e)}]", "not among the cached"]
 
 
 def _block_64_new(x: Ctx):
     rid = x.bad_id("blk")
-    x.plan.new_requests.add(request_id=rid, prompt_token_ids=PROMPT_P, block_ids=[NUM_BLOCKS],
+    x.plan.new_requests.add(slot=x.free_slot(), request_id=rid, prompt_token_ids=PROMPT_P, block_ids=[NUM_BLOCKS],
                             num_scheduled_tokens=len(PROMPT_P))
     return INVALID, [rid, f"block id {NUM_BLOCKS}", f"[0, {NUM_BLOCKS})"]
 
 
 def _block_huge_resumed(x: Ctx):
     rid = x.bad_id("blk")
-    x.plan.resumed_requests.add(request_id=rid, token_ids=PROMPT_P, num_prompt_tokens=len(PROMPT_P),
-                                block_ids=[x.spare_block(), 10**6], num_scheduled_tokens=len(PROMPT_P))
+    x.plan.resumed_requests.add(slot=x.free_slot(), request_id=rid, token_ids=PROMPT_P,
+                                num_prompt_tokens=len(PROMPT_P), block_ids=[x.spare_block(), 10**6],
+                                num_scheduled_tokens=len(PROMPT_P))
     return INVALID, [rid, "block id 1000000", f"[0, {NUM_BLOCKS})"]
 
 
 def _block_negative_cached(x: Ctx):
-    x.plan.cached_requests.add(request_id=x.e.rid, new_block_ids=[-1], num_scheduled_tokens=0)
+    add_cached(x.plan, [(x.slot(x.e), Cached(x.e.rid, 0, [-1]))])
     return INVALID, [x.e.rid, "block id -1", f"[0, {NUM_BLOCKS})"]
 
 
@@ -395,85 +447,95 @@ def _wrong_epoch(x: Ctx):
 
 
 def _duplicate_in_plan(x: Ctx):
-    rid = x.bad_id("dup")
+    rid, slot = x.bad_id("dup"), x.free_slot()
     for _ in range(2):
-        x.plan.new_requests.add(request_id=rid, prompt_token_ids=PROMPT_P)
-    return INVALID, [rid, "more than once"]
+        x.plan.new_requests.add(slot=slot, request_id=rid, prompt_token_ids=PROMPT_P)
+    return INVALID, [rid, f"slot {slot} joins more than once"]
 
 
 def _duplicate_of_live(x: Ctx):
-    x.plan.new_requests.add(request_id=x.e.rid, prompt_token_ids=PROMPT_P)
-    return INVALID, [x.e.rid, "already exists"]
+    x.plan.new_requests.add(slot=x.free_slot(), request_id=x.e.rid, prompt_token_ids=PROMPT_P)
+    return INVALID, [x.e.rid, f"already on this worker in slot {x.slot(x.e)}"]
+
+
+def _slot_of_live(x: Ctx):
+    rid = x.bad_id("taker")
+    x.plan.new_requests.add(slot=x.slot(x.e), request_id=rid, prompt_token_ids=PROMPT_P)
+    return INVALID, [rid, f"slot {x.slot(x.e)} still holds request {x.e.rid!r}"]
 
 
 def _beyond_known_new(x: Ctx):
     rid = x.bad_id("long")
-    x.plan.new_requests.add(request_id=rid, prompt_token_ids=PROMPT_P, block_ids=[x.spare_block()],
-                            num_scheduled_tokens=len(PROMPT_P) + 1)
+    x.plan.new_requests.add(slot=x.free_slot(), request_id=rid, prompt_token_ids=PROMPT_P,
+                            block_ids=[x.spare_block()], num_scheduled_tokens=len(PROMPT_P) + 1)
     return INVALID, [rid, "exceeds", f"{len(PROMPT_P)} known tokens"]
 
 
 def _beyond_known_cached(x: Ctx):
-    x.plan.cached_requests.add(request_id=x.e.rid, new_block_ids=[x.spare_block()], num_scheduled_tokens=14)
+    add_cached(x.plan, [(x.slot(x.e), Cached(x.e.rid, 14, [x.spare_block()]))])
     return INVALID, [x.e.rid, "exceeds", "18 known tokens"]
 
 
 def _too_few_blocks_new(x: Ctx):
     rid = x.bad_id("short")
-    x.plan.new_requests.add(request_id=rid, prompt_token_ids=PROMPT_E, block_ids=[x.spare_block()],
-                            num_scheduled_tokens=len(PROMPT_E))
+    x.plan.new_requests.add(slot=x.free_slot(), request_id=rid, prompt_token_ids=PROMPT_E,
+                            block_ids=[x.spare_block()], num_scheduled_tokens=len(PROMPT_E))
     return INVALID, [rid, "need 2 blocks", "has 1"]
 
 
 def _too_few_blocks_cached(x: Ctx):
-    x.plan.cached_requests.add(request_id=x.e.rid, num_scheduled_tokens=13)  # 5 + 13 tokens, no second block
+    add_cached(x.plan, [(x.slot(x.e), Cached(x.e.rid, 13))])  # 5 + 13 tokens, no second block
     return INVALID, [x.e.rid, "need 2 blocks", "has 1"]
 
 
 def _token_outside_vocab_new(x: Ctx):
     rid = x.bad_id("vocab")
-    x.plan.new_requests.add(request_id=rid, prompt_token_ids=[*PROMPT_P, VOCAB], block_ids=[x.spare_block()],
-                            num_scheduled_tokens=len(PROMPT_P) + 1)
+    x.plan.new_requests.add(slot=x.free_slot(), request_id=rid, prompt_token_ids=[*PROMPT_P, VOCAB],
+                            block_ids=[x.spare_block()], num_scheduled_tokens=len(PROMPT_P) + 1)
     return INVALID, [rid, f"token id {VOCAB}", f"[0, {VOCAB})"]
 
 
 def _negative_token_resumed(x: Ctx):
     rid = x.bad_id("vocab")
-    x.plan.resumed_requests.add(request_id=rid, token_ids=[*PROMPT_P, -5], num_prompt_tokens=len(PROMPT_P),
-                                block_ids=[x.spare_block()], num_scheduled_tokens=len(PROMPT_P) + 1)
+    x.plan.resumed_requests.add(slot=x.free_slot(), request_id=rid, token_ids=[*PROMPT_P, -5],
+                                num_prompt_tokens=len(PROMPT_P), block_ids=[x.spare_block()],
+                                num_scheduled_tokens=len(PROMPT_P) + 1)
     return INVALID, [rid, "token id -5"]
 
 
 def _stop_token_outside_vocab_new(x: Ctx):
     # min_tokens > 0 makes the sampler ban the stop ids by indexing the logits with them.
     rid = x.bad_id("stop")
-    x.plan.new_requests.add(request_id=rid, prompt_token_ids=PROMPT_P, block_ids=[x.spare_block()],
-                            num_scheduled_tokens=len(PROMPT_P),
+    x.plan.new_requests.add(slot=x.free_slot(), request_id=rid, prompt_token_ids=PROMPT_P,
+                            block_ids=[x.spare_block()], num_scheduled_tokens=len(PROMPT_P),
                             sampling=pb.SamplingParams(stop_token_ids=[VOCAB + 5], min_tokens=2, max_tokens=4))
     return INVALID, [rid, f"{VOCAB + 5}", f"[0, {VOCAB})"]
 
 
 def _logprobs_beyond_vocab_resumed(x: Ctx):
     rid = x.bad_id("lp")
-    x.plan.resumed_requests.add(request_id=rid, token_ids=PROMPT_P, num_prompt_tokens=len(PROMPT_P),
-                                block_ids=[x.spare_block()], num_scheduled_tokens=len(PROMPT_P),
+    x.plan.resumed_requests.add(slot=x.free_slot(), request_id=rid, token_ids=PROMPT_P,
+                                num_prompt_tokens=len(PROMPT_P), block_ids=[x.spare_block()],
+                                num_scheduled_tokens=len(PROMPT_P),
                                 sampling=pb.SamplingParams(logprobs=VOCAB + 1, max_tokens=4))
     return INVALID, [rid, "logprobs", f"{VOCAB + 1}"]
 
 
 def _cached_after_drop_in_same_plan(x: Ctx):
-    x.plan.dropped_request_ids.append(x.e.rid)
-    x.plan.cached_requests.add(request_id=x.e.rid, num_scheduled_tokens=0)
-    return INVALID, [x.e.rid, "dropped"]
+    x.plan.dropped_slots.append(x.slot(x.e))
+    add_cached(x.plan, [(x.slot(x.e), Cached(x.e.rid))])
+    return INVALID, [f"slot {x.slot(x.e)}", "dropped"]
 
 
 def _reset_then_cached(x: Ctx):
     x.plan.reset_batch = True  # the plan still carries C's decode, which a reset would orphan
-    return INVALID, [x.c.rid, "unknown"]
+    return INVALID, [f"slot {x.slot(x.c)}", "holds no request"]
 
 
 BAD_CASES: list[Callable[[Ctx], tuple[grpc.StatusCode, list[str]]]] = [
-    _unknown_cached, _block_64_new, _block_huge_resumed, _block_negative_cached, _step_id_repeated, _step_id_older,
+    _unknown_cached, _slot_out_of_range_new, _cached_arrays_of_different_lengths, _new_block_counts_not_matching,
+    _replaced_table_of_a_slot_not_cached, _slot_of_live,
+    _block_64_new, _block_huge_resumed, _block_negative_cached, _step_id_repeated, _step_id_older,
     _fencing_older, _wrong_epoch, _duplicate_in_plan, _duplicate_of_live, _beyond_known_new, _beyond_known_cached,
     _too_few_blocks_new, _too_few_blocks_cached, _token_outside_vocab_new, _negative_token_resumed,
     _stop_token_outside_vocab_new, _logprobs_beyond_vocab_resumed, _cached_after_drop_in_same_plan, _reset_then_cached,
@@ -512,7 +574,7 @@ def test_rejected_plans_left_inflight_requests_intact(worker, inflight):
     assert (de.num_scheduled_tokens, len(de.new_block_ids)) == (13, 1)
     worker.execute(worker.plan(cached_requests=[worker.cached(c), de]))
     worker.finish(c, e)
-    assert c.output == worker.alone(PROMPT_C, 24)
+    assert c.output == worker.alone(PROMPT_C, 32)
     assert e.output == worker.alone(PROMPT_E)
     assert not worker.live
 
@@ -523,18 +585,25 @@ def test_rejected_plans_left_inflight_requests_intact(worker, inflight):
 def test_finished_request_is_forgotten(worker):
     f = Req(worker.fresh_id("F"), PROMPT_F, max_tokens=3)
     worker.execute(worker.plan(new_requests=[worker.new(f)]))
+    f_slot = worker.wire.slot(f.rid)
     worker.finish(f)
     assert f.finish == pb.FINISH_REASON_MAX_TOKENS and len(f.output) == 3
 
-    err = worker.reject(worker.plan(cached_requests=[pb.CachedRequest(request_id=f.rid, num_scheduled_tokens=0)]))
-    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, f.rid, "unknown")
+    err = worker.reject(worker.at_slot(f_slot))
+    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, f"slot {f_slot} holds no request")
 
-    # Dropping it (or an id never seen) is a harmless no-op, on its own or next to live work.
-    res = worker.execute(worker.plan(dropped_request_ids=[f.rid, "never-seen"]))
+    # Dropping its slot (or one never given) is a harmless no-op, on its own or next to live work; the freed slot
+    # is given to the next request.
+    plan = worker.plan()
+    plan.dropped_slots.extend([f_slot, UNKNOWN_SLOT])
+    res = worker.execute(plan)
     assert not res.tokens and res.num_scheduled_tokens == 0
     assert worker.describe().last_step_id == res.step_id
     h = Req(worker.fresh_id("H"), PROMPT_H)
-    res = worker.execute(worker.plan(dropped_request_ids=[f.rid], new_requests=[worker.new(h)]))
+    plan = worker.plan(new_requests=[worker.new(h)])
+    plan.dropped_slots.append(f_slot)
+    assert plan.new_requests[0].slot == f_slot
+    res = worker.execute(plan)
     assert [t.request_id for t in res.tokens] == [h.rid]
     worker.finish(h)
     assert h.output == worker.alone(PROMPT_H)
@@ -555,13 +624,38 @@ def test_pipelined_plans_run_in_order_and_skip_a_request_the_step_before_finishe
     first = worker.stub.ExecuteStep.future(plan_k, timeout=RPC_TIMEOUT_S)
     res_k, res_k1 = first.result(), second.result()
     assert res_k.previous_step_id == last and res_k1.previous_step_id == plan_k.step_id
-    assert [t.request_id for t in res_k.tokens] == [short.rid, long.rid]
-    assert res_k.tokens[0].finish_reason == pb.FINISH_REASON_MAX_TOKENS
-    assert [t.request_id for t in res_k1.tokens] == [long.rid] and res_k1.num_scheduled_tokens == 1
-    long.tokens += [res_k.tokens[1].token_id, res_k1.tokens[0].token_id]
+    short_slot = worker.wire.slot(short.rid)
+    tokens_k, tokens_k1 = worker.wire.tokens(res_k), worker.wire.tokens(res_k1)
+    assert [t.request_id for t in tokens_k] == [short.rid, long.rid]
+    assert tokens_k[0].finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert [t.request_id for t in tokens_k1] == [long.rid] and res_k1.num_scheduled_tokens == 1
+    long.tokens += [tokens_k[1].token_id, tokens_k1[0].token_id]
     worker.release(short)
     worker.finish(long)
     assert long.output == want, "the pipelined decode changed the text"
     # Without after_step_id (or naming another step) the same stale entry is refused as before.
-    err = worker.reject(worker.plan(cached_requests=[pb.CachedRequest(request_id=short.rid, num_scheduled_tokens=1)]))
-    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, short.rid, "unknown")
+    err = worker.reject(worker.at_slot(short_slot, 1))
+    assert_status(err, grpc.StatusCode.INVALID_ARGUMENT, f"slot {short_slot} holds no request")
+
+
+def test_a_plan_pipelined_behind_a_refused_one_is_refused(worker):
+    """Plan k+1 was built on top of plan k's slots: when k is refused, k+1 must not run on what the worker has."""
+    a = Req(worker.fresh_id("A"), PROMPT_F)
+    bad = worker.plan(new_requests=[worker.new(a)], fencing_token=FENCE - 1)
+    behind = worker.plan(cached_requests=[worker.cached(a, 1)], after_step_id=bad.step_id)
+    assert_status(worker.reject(bad), grpc.StatusCode.FAILED_PRECONDITION, "fencing_token")
+    err = worker.reject(behind)
+    assert_status(err, grpc.StatusCode.FAILED_PRECONDITION, f"step {bad.step_id}", "refused")
+    assert dict(err.trailing_metadata())["llmserve-plan-error"] == "predecessor_refused"
+    worker.release(a)
+    worker.wire.slots.clear()  # as the scheduler does after a failed step: the next plan resets the batch
+    worker.execute(worker.plan(reset_batch=True))
+
+
+def test_a_peer_of_the_previous_protocol_version_is_refused(worker):
+    """A v1 scheduler's call names a service this worker does not serve: UNIMPLEMENTED, nothing decoded."""
+    for method in ("Describe", "ExecuteStep"):
+        call = worker.channel.unary_unary(f"/llmserve.worker.v1.Worker/{method}")
+        with pytest.raises(grpc.RpcError) as ei:
+            call(b"", timeout=RPC_TIMEOUT_S)
+        assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED, method

@@ -120,8 +120,12 @@ def test_the_worker_says_why_it_refused_a_plan_in_trailing_metadata(stack):
     with pytest.raises(WorkerLost):  # a stale epoch: the KV is gone, not a bad request
         client.execute(wpb.StepPlan(step_id=info.last_step_id + 10_000, fencing_token=info.fencing_token,
                                     expected_epoch="not-this-one"))
+    # A cached entry for a slot the worker holds nothing in (the stack is idle): the worker names the slot, and the
+    # client maps it back to the request it gave that slot.
+    slot = client.slots.join("nobody")
     plan = wpb.StepPlan(step_id=info.last_step_id + 10_000, fencing_token=info.fencing_token)
-    plan.cached_requests.add(request_id="nobody", num_scheduled_tokens=1)
+    plan.cached.slots.append(slot)
+    plan.cached.num_scheduled_tokens.append(1)
     with pytest.raises(PlanRejected) as err:
         client.execute(plan)
-    assert err.value.request_id == "nobody" and "unknown request_id" in str(err.value)
+    assert err.value.request_id == "nobody" and f"slot {slot} holds no request" in str(err.value)

@@ -17,6 +17,7 @@ import kernels
 import kernels.reference as ref
 from protos import worker_pb2 as pb
 from tests import legacy_host_path as legacy
+from tests.plans import Cached, Wire, add_cached
 from worker_svc.batch import BatchLimits, CachedDeltas, PersistentBatch, PlanError
 from worker_svc.model_inputs import build_model_inputs
 
@@ -59,6 +60,7 @@ class Driver:
         self.free = list(range(num_blocks))
         self.rng.shuffle(self.free)
         self.live: dict[str, Shadow] = {}
+        self.wire = Wire()
         self.step = 0
         self.next_id = 0
 
@@ -70,12 +72,12 @@ class Driver:
         """A plan and the chunks (request id, start, length) the old batch would have scheduled, in plan order."""
         rng = self.rng
         self.step += 1
-        plan = pb.StepPlan(step_id=self.step)
         chunks: list[tuple[str, int, int]] = []  # new requests, then resumed ones (plan order), then cached
         resumed: list[tuple[str, int, int]] = []
+        new_entries, resumed_entries, cached_entries, dropped = [], [], [], []
         for rid in list(self.live):
             if rng.random() < 0.05:  # dropped (preempted): its blocks come back
-                plan.dropped_request_ids.append(rid)
+                dropped.append(rid)
                 self.free += self.live.pop(rid).blocks
         for _ in range(rng.choice([0, 0, 1, 3, 8])):
             rid = f"r{self.next_id}"
@@ -94,32 +96,36 @@ class Driver:
                 self.free += s.blocks
                 s.blocks = []
                 s.blocks = self.blocks_for(s, n)
-                plan.resumed_requests.add(request_id=rid, token_ids=s.tokens, num_prompt_tokens=len(prompt),
-                                          sampling=sp, block_ids=s.blocks, num_scheduled_tokens=n)
+                resumed_entries.append(pb.ResumedRequest(
+                    request_id=rid, token_ids=s.tokens, num_prompt_tokens=len(prompt), sampling=sp,
+                    block_ids=s.blocks, num_scheduled_tokens=n))
             else:
-                plan.new_requests.add(request_id=rid, prompt_token_ids=prompt, sampling=sp, block_ids=s.blocks,
-                                      num_computed_tokens=s.computed, num_scheduled_tokens=n)
+                new_entries.append(pb.NewRequest(request_id=rid, prompt_token_ids=prompt, sampling=sp,
+                                                 block_ids=s.blocks, num_computed_tokens=s.computed,
+                                                 num_scheduled_tokens=n))
             self.live[rid] = s
             if n:
                 into.append((rid, s.computed, n))
         chunks += resumed
-        joined = {rid for rid, _, _ in chunks} | {r.request_id for r in plan.new_requests}
-        joined |= {r.request_id for r in plan.resumed_requests}
+        joined = {r.request_id for r in new_entries} | {r.request_id for r in resumed_entries}
         for rid, s in self.live.items():
             if rid in joined or rng.random() < 0.1:
                 continue  # not scheduled this step
             n = rng.randint(0, min(len(s.tokens) - s.computed, rng.choice([1, 1, 1, 7, 30])))
-            entry = plan.cached_requests.add(request_id=rid, num_scheduled_tokens=n)
+            entry = Cached(rid, n)
+            cached_entries.append(entry)
             if rng.random() < 0.05:  # the whole table again, with its blocks moved elsewhere
                 self.free += s.blocks
                 self.rng.shuffle(self.free)
                 s.blocks = [self.free.pop() for _ in s.blocks]
-                entry.block_table.extend(s.blocks)
+                entry.block_table = list(s.blocks)
             new = self.blocks_for(s, s.computed + n)
             s.blocks += new
-            entry.new_block_ids.extend(new)
+            entry.new_block_ids = new
             if n:
                 chunks.append((rid, s.computed, n))
+        plan = self.wire.plan(step_id=self.step, new_requests=new_entries, resumed_requests=resumed_entries,
+                              cached_requests=cached_entries, dropped_request_ids=dropped)
         return plan, chunks
 
     def legacy_inputs(self, chunks: list[tuple[str, int, int]]):
@@ -141,6 +147,7 @@ class Driver:
             s.tokens.append(tok)
             if len(s.tokens) >= self.batch.limits.max_model_len - 1 or self.rng.random() < 0.05:
                 inputs.free(row)  # finished
+                self.wire.slots.finished(row, rid)
                 self.free += self.live.pop(rid).blocks
 
 
@@ -198,22 +205,22 @@ def test_rows_grow_and_are_reused():
     plan = pb.StepPlan(step_id=1)
     for i in range(70):  # more rows than the initial 64; a prompt longer than the initial 512 columns
         n = 600 if i == 69 else 3
-        plan.new_requests.add(request_id=f"r{i}", prompt_token_ids=[i % VOCAB] * n,
+        plan.new_requests.add(slot=i, request_id=f"r{i}", prompt_token_ids=[i % VOCAB] * n,
                               sampling=pb.SamplingParams(stop_token_ids=list(range(i % 5))),
                               block_ids=list(range(i * 160, i * 160 + -(-n // BLOCK))), num_scheduled_tokens=n)
     sched = batch.apply_plan(plan, batch.check_plan(plan, "e"))
     assert len(sched) == 70 and batch.inputs.num_rows == 128 and batch.inputs.token_ids.shape[1] >= 600
+    assert sched.rows.tolist() == list(range(70))  # a request's slot is its row
     assert batch.requests["r69"].block_ids == list(range(69 * 160, 69 * 160 + 150))  # beyond 32 columns
-    row = batch.inputs.row_of["r3"]
-    del batch.requests["r3"]  # frees the row: the next request takes it, with nothing left of r3
+    del batch.requests["r3"]  # frees row 3: the slot can be given again, with nothing left of r3
     assert "r3" not in batch.requests and len(batch.requests) == 69
     plan = pb.StepPlan(step_id=2)
-    plan.new_requests.add(request_id="x", prompt_token_ids=[7], block_ids=[11999], num_scheduled_tokens=1)
+    plan.new_requests.add(slot=3, request_id="x", prompt_token_ids=[7], block_ids=[11999], num_scheduled_tokens=1)
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
-    assert batch.inputs.row_of["x"] == row
+    assert batch.inputs.row_of["x"] == 3
     x = batch.requests["x"]
     assert (list(x.token_ids), x.block_ids, x.sampling.stop_token_ids) == ([7], [11999], frozenset())
-    assert (batch.inputs.stop_token_ids[row] == -1).all() and batch.inputs.block_table[row, 1:].sum() == 0
+    assert (batch.inputs.stop_token_ids[3] == -1).all() and batch.inputs.block_table[3, 1:].sum() == 0
     x.token_ids.append(9)  # the views write through
     x.num_computed_tokens = 1
     assert list(batch.requests["x"].token_ids) == [7, 9] and batch.requests["x"].output_ids == [9]
@@ -221,7 +228,22 @@ def test_rows_grow_and_are_reused():
     assert len(batch.requests["x"].token_ids) == 1
     plan = pb.StepPlan(step_id=3, reset_batch=True)
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
-    assert not batch.requests and len(batch.inputs._free) == batch.inputs.num_rows
+    assert not batch.requests and not batch.inputs.live.any()
+
+
+def test_a_dropped_slot_is_given_again_in_the_same_plan():
+    batch = PersistentBatch(BatchLimits(num_blocks=64, block_size=BLOCK, max_model_len=100, vocab_size=VOCAB))
+    plan = pb.StepPlan(step_id=1)
+    plan.new_requests.add(slot=0, request_id="a", prompt_token_ids=[1, 2], block_ids=[5], num_scheduled_tokens=2)
+    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    taken = pb.StepPlan(step_id=2)
+    taken.new_requests.add(slot=0, request_id="b", prompt_token_ids=[3], block_ids=[6], num_scheduled_tokens=1)
+    with pytest.raises(PlanError, match="slot 0 still holds request 'a'") as e:
+        batch.check_plan(taken, "e")
+    assert (e.value.slot, e.value.request_id) == (0, "b")
+    taken.dropped_slots.append(0)
+    sched = batch.apply_plan(taken, batch.check_plan(taken, "e"))
+    assert sched.rows.tolist() == [0] and list(batch.requests) == ["b"] and batch.requests["b"].block_ids == [6]
 
 
 def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one():
@@ -233,56 +255,50 @@ def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one()
         sched = d.batch.apply_plan(plan, d.batch.check_plan(plan, "e"))
         d.after_step(chunks, build_model_inputs(sched, BLOCK, torch.device("cpu"), build_plan=False).sample_rows)
     b, rng = d.batch, random.Random(5)
-    live = list(b.requests)
+    live_slots = np.flatnonzero(b.inputs.live).tolist()
+    free_slot = int(np.flatnonzero(~b.inputs.live)[0])
     verdicts = set()
     for _ in range(400):
         plan = pb.StepPlan(step_id=b.last_step_id + 1)
-        for rid in rng.sample(live, rng.randint(1, min(6, len(live)))):
-            s = b.requests[rid]
-            r = plan.cached_requests.add(request_id=rid,
-                                         num_scheduled_tokens=max(0, len(s.token_ids) - s.num_computed_tokens
-                                                                  + rng.choice([0, 0, 0, -1, 1])))
+        entries = []
+        for slot in rng.sample(live_slots, rng.randint(1, min(6, len(live_slots)))):
+            s = b.requests[b.inputs.request_ids[slot]]
+            e = Cached(s.request_id, max(0, len(s.token_ids) - s.num_computed_tokens + rng.choice([0, 0, 0, -1, 1])))
             if rng.random() < 0.3:
-                r.new_block_ids.extend(rng.choice([[1], [2, 3], [-1], [b.limits.num_blocks]]))
+                e.new_block_ids = rng.choice([[1], [2, 3], [-1], [b.limits.num_blocks]])
             if rng.random() < 0.1:
-                r.block_table.extend(s.block_ids[: len(s.block_ids) + rng.choice([-1, 0, 1])])
+                e.block_table = s.block_ids[: len(s.block_ids) + rng.choice([-1, 0, 1])]
+            entries.append((slot, e))
         fault = rng.random()
         if fault < 0.05:
-            plan.cached_requests.add(request_id=plan.cached_requests[0].request_id)  # twice
+            entries.append((entries[0][0], Cached("")))  # twice
         elif fault < 0.1:
-            plan.cached_requests.add(request_id="ghost")
+            entries.append((free_slot, Cached("")))  # a slot that holds nothing
         elif fault < 0.15:
-            plan.dropped_request_ids.append(plan.cached_requests[-1].request_id)
+            plan.dropped_slots.append(entries[-1][0])
         elif fault < 0.2:
-            plan.new_requests.add(request_id=plan.cached_requests[0].request_id, prompt_token_ids=[1],
-                                  block_ids=[0], num_scheduled_tokens=1)
+            plan.new_requests.add(slot=entries[0][0], request_id="fresh", prompt_token_ids=[1], block_ids=[0],
+                                  num_scheduled_tokens=1)
+            plan.dropped_slots.append(entries[0][0])
         elif fault < 0.25:
-            plan.cached_requests.add(request_id="")
+            entries.append((b.inputs.num_rows + 5, Cached("")))  # beyond the rows
+        add_cached(plan, entries)
         try:
             b.check_plan(plan, "e")
             ok = True
         except PlanError as e:
             assert e.code == grpc.StatusCode.INVALID_ARGUMENT
             ok = False
-        seen, dropped = {r.request_id for r in plan.new_requests}, set(plan.dropped_request_ids)
-        fast = b._cached_valid(CachedDeltas.parse(plan, b.inputs.row_of), dropped, seen)
+        live = b.inputs.live.copy()
+        live[np.array(plan.dropped_slots, dtype=np.int64)] = False
+        joining = {r.slot for r in plan.new_requests}
+        cached = CachedDeltas.parse(plan)
+        fast = b._cached_valid(cached, live, joining)
         slow = True
         try:
-            b._check_each_cached(plan, lambda rid, dropped=dropped: rid in b.inputs.row_of and rid not in dropped,
-                                 _claim(seen))
+            b._check_each_cached(cached, live, joining)
         except PlanError:
             slow = False
         assert fast == slow and (ok or not slow), plan
         verdicts.add(fast)
     assert verdicts == {True, False}
-
-
-def _claim(seen: set[str]):
-    seen = set(seen)
-
-    def claim(rid: str, where: str) -> None:
-        if not rid or rid in seen:
-            raise PlanError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: bad id")
-        seen.add(rid)
-
-    return claim

@@ -413,7 +413,7 @@ class FakeWorker:
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.copies = 0
         self.tokens_computed = 0
-        self.finished: set[str] = set()  # finished by the last step (a pipelined plan may still name them)
+        self.finished: set[int] = set()  # slots finished by the last step (a pipelined plan may still name them)
         self.finished_in_step = 0
 
     def info(self) -> wpb.WorkerInfo:
@@ -443,6 +443,7 @@ class FakeWorker:
                 self.kv[slot[0]][slot[1]] = (s.token_ids[p], p)
             self.tokens_computed += c.length
         result = wpb.StepResult(step_id=plan.step_id, previous_step_id=previous)
+        reasons: list[int] = []
         for c in chunks:
             s = c.state
             for p in range(c.start + c.length):  # what attention reads
@@ -456,10 +457,14 @@ class FakeWorker:
                 stop = tok in s.sampling.stop_token_ids
                 done = stop or len(s.output_ids) >= s.sampling.max_tokens
                 reason = wpb.FINISH_REASON_STOP_TOKEN if stop else wpb.FINISH_REASON_MAX_TOKENS
-                result.tokens.add(request_id=s.request_id, token_id=tok, finish_reason=reason if done else 0)
+                result.slots.append(s.row)
+                result.token_ids.append(tok)
+                reasons.append(reason if done else 0)
                 if done:
-                    del self.batch.requests[s.request_id]
-        self.finished = {t.request_id for t in result.tokens if t.finish_reason}
+                    self.batch.inputs.free(s.row)
+        if any(reasons):
+            result.finish_reasons.extend(reasons)
+        self.finished = {slot for slot, r in zip(result.slots, reasons, strict=True) if r}
         self.finished_in_step = plan.step_id
         return result
 

@@ -159,7 +159,7 @@ def test_through_the_persistent_batch_with_finish_checks(seed):
     plan = pb.StepPlan(step_id=1)
     for i, r in enumerate(rows):
         ids = r.prompt_ids + r.output_ids
-        plan.resumed_requests.add(request_id=f"r{i}", token_ids=ids, num_prompt_tokens=len(r.prompt_ids),
+        plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=ids, num_prompt_tokens=len(r.prompt_ids),
                                   sampling=r.params.to_proto(), block_ids=range(i * 10, i * 10 + 10))
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
     inputs = batch.inputs
@@ -200,8 +200,8 @@ def test_finish_reasons_cover_every_branch():
     ]
     plan = pb.StepPlan(step_id=1)
     for i, (sp, out, _, _) in enumerate(cases):
-        plan.resumed_requests.add(request_id=f"r{i}", token_ids=[1, 1, 1, *out], num_prompt_tokens=3, sampling=sp,
-                                  block_ids=[i * 3, i * 3 + 1, i * 3 + 2])
+        plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=[1, 1, 1, *out], num_prompt_tokens=3,
+                                  sampling=sp, block_ids=[i * 3, i * 3 + 1, i * 3 + 2])
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
     rows = np.array([batch.inputs.row_of[f"r{i}"] for i in range(len(cases))], dtype=np.int64)
     batch.inputs.append_tokens(rows, np.array([c[2] for c in cases]))
