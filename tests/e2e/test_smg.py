@@ -200,8 +200,8 @@ def test_kill_one_pool_scheduler_then_restart(fleet):
     gw = cluster.start_smg([p.address for p in pools], "round_robin", SMG_HEALTH)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key="none", max_retries=0, timeout=120)
 
-    def served() -> list[float]:
-        return [p.metric("vllm:request_success_total") for p in pools]
+    def served(pool: Pool) -> float:
+        return pool.metric("vllm:request_success_total")
 
     def ask(k: int) -> None:
         for i in range(k):
@@ -213,18 +213,18 @@ def test_kill_one_pool_scheduler_then_restart(fleet):
     while _healthy(gw) != 1:
         assert time.monotonic() < deadline, gw.log_tail()
         time.sleep(0.2)
-    a0 = served()[0]
+    a0 = served(fleet.a)
     ask(6)
-    assert served()[0] == a0 + 6  # every new request went to the live pool
+    assert served(fleet.a) == a0 + 6  # every new request went to the live pool
 
     fleet.b.start()  # same port and namespace: it takes the pool over from Redis once the dead one's lease expires
     deadline = time.monotonic() + 60
     while _healthy(gw) != 2:
         assert time.monotonic() < deadline, gw.log_tail()
         time.sleep(0.2)
-    b0 = served()[1]
+    b0 = served(fleet.b)  # a new process: its counters start again
     ask(6)
-    assert served()[1] >= b0 + 2  # round_robin uses it again
+    assert served(fleet.b) >= b0 + 2  # round_robin uses it again
     cluster.stop(gw)
 
 
