@@ -215,14 +215,17 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             server_type="llmserve-grpc", data_parallel_size=1)
 
     async def GetLoads(self, request, context):
-        core = self.engine.core
-        running = len(core.running) if core else 0
-        waiting = len(core.waiting) if core else 0
-        pol = self.engine.cfg.policy
-        return vpb.GetLoadsResponse(
-            timestamp=datetime.now(timezone.utc).isoformat(), version="llmserve", dp_rank_count=1,
-            loads=[vpb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
-                                     num_total_reqs=running + waiting, max_running_requests=pol.max_num_seqs)])
+        # Read without the engine lock: a snapshot for load balancing, at most one step old.
+        core, info = self.engine.core, self.engine.worker_info
+        load = vpb.SchedulerLoad(dp_rank=0, max_running_requests=self.engine.cfg.policy.max_num_seqs)
+        if core is not None and info is not None:
+            load.num_running_reqs, load.num_waiting_reqs = len(core.running), len(core.waiting)
+            load.num_total_reqs = load.num_running_reqs + load.num_waiting_reqs
+            load.num_used_tokens = core.pool.num_used * info.block_size
+            load.max_total_num_tokens = core.pool.num_blocks * info.block_size
+            load.token_usage = core.pool.usage
+        return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version="llmserve",
+                                    dp_rank_count=1, loads=[load])
 
     async def GetTokenizer(self, request, context):
         if self.engine.worker_info is None:

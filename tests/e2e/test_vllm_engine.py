@@ -258,6 +258,8 @@ def test_health_model_info_loads(st):
     assert m.served_model_name == ref.model_name and m.model_path == ref.model_path and m.eos_token_ids
     loads = st.vllm.GetLoads(vpb.GetLoadsRequest())
     assert loads.dp_rank_count == 1 and loads.loads[0].num_total_reqs == 0
+    assert loads.loads[0].max_total_num_tokens == ref.num_blocks * ref.block_size
+    assert 0 <= loads.loads[0].token_usage < 1
 
 
 def test_get_tokenizer_zip(st):
