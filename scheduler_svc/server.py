@@ -11,6 +11,7 @@ import signal
 import threading
 import urllib.parse
 import uuid
+from collections.abc import Callable
 
 import grpc
 import redis
@@ -22,6 +23,7 @@ from common.auth import add_worker_token_arg, api_key_interceptor
 from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from protos import vllm_engine_pb2_grpc as vpb_grpc
 from scheduler_svc.admission import (
     AdmissionError,
     Limits,
@@ -40,6 +42,8 @@ from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_svc.vllm_engine import VllmEngineServicer
 
 log = logging.getLogger("llmserve.scheduler")
 
@@ -120,7 +124,10 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         streams = [_SequenceStream(tokenizer, p, i, request.resume_from_token) for i, p in enumerate(pubs)]
         return request.request_id or pubs[0].request.request_id, streams
 
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def admit(self, request: pb.GenerateRequest, context,
+                    rename: Callable[[str], str] = str) -> tuple[str, list[_SequenceStream]]:
+        """Admit `request` off the loop, or end the call with the refusal (`rename` spells its field names the
+        caller's way: the vLLM engine protocol names them differently)."""
         engine = self.engine
         if not engine.ready.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
@@ -128,18 +135,21 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         admitted = asyncio.get_running_loop().run_in_executor(None, self._admit, request,
                                                               context.invocation_metadata())
         try:
-            rid, streams = await asyncio.shield(admitted)
+            return await asyncio.shield(admitted)
         except AdmissionError as e:
-            await context.abort(e.code, str(e))
+            await context.abort(e.code, rename(str(e)))
         except SubmitError as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
         except asyncio.CancelledError:  # the client left while its request was being admitted
             admitted.add_done_callback(_abort_when_admitted(engine))
             raise
-        async for msg in self._stream(rid, streams, context):
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        rid, streams = await self.admit(request, context)
+        async for msg in self.stream(rid, streams, context):
             yield msg
 
-    async def _stream(self, rid: str, streams: list[_SequenceStream], context):
+    async def stream(self, rid: str, streams: list[_SequenceStream], context):
         """Stream every sequence of a request (index i for sequence i) until all have finished."""
         engine, outbox = self.engine, self.engine.outbox
         watch = outbox.watch([s.pub.request.request_id for s in streams])
@@ -383,11 +393,14 @@ class PublicServer:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.servicer = LLMServeServicer(self.engine, tokenizer_path)
         pb_grpc.add_LLMServeServicer_to_server(self.servicer, self.server)
+        # vLLM's engine protocol on the same port: what the smg gateway routes to (`--backend vllm`)
+        self.vllm_servicer = VllmEngineServicer(self.servicer)
+        vpb_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, VLLM_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         try:
             return (self.server.add_insecure_port(address) if credentials is None
                     else self.server.add_secure_port(address, credentials))

@@ -96,6 +96,14 @@ def start_api(scheduler: str, extra_args=(), port: int = 0, wait: bool = True, t
                            cwd=ROOT)
 
 
+def start_smg(worker_urls, policy: str = "cache_aware", extra_args=(), wait: bool = True, timeout: float = 120.0,
+              port: int | None = None) -> Proc:
+    """The smg gateway in front of llmserve schedulers (`grpc://host:port` or "host:port"); `Proc.port` is its HTTP
+    port; with `wait`, returns once every worker is healthy there."""
+    return stack.start_smg(worker_urls, policy, extra_args, port=port, wait=wait, timeout=timeout, log_dir=log_dir(),
+                           cwd=ROOT)
+
+
 def ledger(redis_url: str, namespace: str):
     """A RedisLedger on `namespace` (e.g. for `check_ledger()` or the `active` set)."""
     import redis

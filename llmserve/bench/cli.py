@@ -73,6 +73,9 @@ def add_bench_commands(subparsers) -> None:
     serve.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf: all at once)")
     serve.add_argument("--target", default=None, help="HOST:PORT of a running server instead of launching one")
     serve.add_argument("--metrics-url", default=None, help="its Prometheus URL (http://HOST:PORT/metrics)")
+    serve.add_argument("--smg", action="store_true",
+                       help="--backend openai (launched server): also run the workload through the smg gateway "
+                       "(`smg launch --backend vllm`) in front of the same scheduler")
     serve.add_argument("--http-target", default=None,
                        help="--backend openai with --target: the HTTP API's base URL (default http://HOST:8000)")
     _add_common(serve)
@@ -199,8 +202,20 @@ def _serve_http_vs_grpc(args: argparse.Namespace, settings) -> None:
             http_target = dataclasses.replace(grpc_target, backend="openai", http_url=server.http_url,
                                               api_pid=server.api_pid(), model=dict(grpc_target.model))
             records.append(_run_and_write(http_target, settings, args))
+            if args.smg:  # the same workload through the smg gateway in front of the same scheduler
+                from llmserve import stack
+
+                gw = stack.start_smg([server.address], "round_robin",
+                                     log_path=os.path.join(args.result_dir, "smg.log"))
+                try:
+                    records.append(_run_and_write(dataclasses.replace(
+                        http_target, backend="openai", mode="smg", http_url=f"http://127.0.0.1:{gw.port}",
+                        api_pid=gw.pid, text_prompts=True), settings, args))
+                finally:
+                    stack.stop(gw)
     print(report.markdown_table(records))
-    print(report.http_vs_grpc(*records))
+    for http_run in records[1:]:
+        print(report.http_vs_grpc(records[0], http_run))
 
 
 def _sweep(args: argparse.Namespace) -> None:

@@ -126,4 +126,5 @@ def http_vs_grpc(grpc_run: dict, http_run: dict) -> str:
     rows = [("TTFT p50 added by HTTP (ms)", diff("ttft_ms")), ("ITL p50 added by HTTP (ms)", diff("itl_ms")),
             ("output tokens/s, HTTP / gRPC", "-" if ratio is None else f"{ratio:.3f}"),
             ("API process CPU per output token (ms)", _fmt(http_run.get("api_cpu_ms_per_output_token"), 3))]
-    return "| HTTP vs gRPC | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    title = "HTTP vs gRPC" if http_run.get("mode") != "smg" else "smg gateway (HTTP) vs gRPC"
+    return f"| {title} | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)

@@ -124,6 +124,7 @@ class Target:
     model: dict = field(default_factory=dict)
     http_url: str | None = None  # openai: the HTTP API's base URL
     api_pid: int | None = None  # openai: the API process, whose CPU time per output token is reported
+    text_prompts: bool = False  # openai: send prompts as text (a gateway without token-id prompts: smg)
 
 
 @dataclass
@@ -166,15 +167,24 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return t.user + t.system
 
 
+def _prompt_text(target: Target):
+    from scheduler_svc.server import _tokenizer_for
+    from worker_svc.loader import default_model_path
+
+    tok = _tokenizer_for((target.model or {}).get("model_path") or default_model_path())
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+
+
 async def _measure_llmserve(target: Target, specs: list[RequestSpec], s: RunSettings, tag: str):
     http = target.backend == "openai"
     gen, where = (openai_loadgen, target.http_url) if http else (loadgen, target.address)
-    await gen.warm_up(where, s.warmup, s.api_key)
+    extra = {"prompt_text": _prompt_text(target)} if http and target.text_prompts else {}
+    await gen.warm_up(where, s.warmup, s.api_key, **extra)
     before = metrics.scrape(target.metrics_url) if target.metrics_url else None
     cpu_before = _cpu_seconds(target.api_pid) if http else None
     with metrics.Watcher(target.metrics_url, target.pid, s.poll_interval_s) as watcher:
         results, reattaches = await gen.run(where, specs, max_concurrency=s.max_concurrency, api_key=s.api_key,
-                                            tag=tag, progress=s.progress)
+                                            tag=tag, progress=s.progress, **extra)
     cpu_after = _cpu_seconds(target.api_pid) if http else None
     after = metrics.scrape(target.metrics_url) if target.metrics_url else None
     api_cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None

@@ -132,3 +132,21 @@ def test_llmserve_bench_openai_backend(tmp_path):
     assert http_run["server"]["http_url"].startswith("http://127.0.0.1:")
     assert http_run["api_cpu_ms_per_output_token"] > 0 and grpc_run["api_cpu_s"] is None
     assert "| TTFT p50 added by HTTP (ms) |" in proc.stdout and "| output tokens/s, HTTP / gRPC |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_llmserve_bench_through_smg(tmp_path):
+    """`llmserve bench serve --backend openai --smg`: a third record, the same workload through the smg gateway."""
+    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "serve", "--backend", "openai", "--smg", "--workload",
+           "chat", "--num-requests", "4", "--prompt-len", "8:16", "--output-len", "6", "--warmup", "1",
+           "--max-model-len", "512", "--server-args=--num-gpu-blocks-override 128", "--no-progress",
+           "--result-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = {(r["backend"], r["mode"]): r for r in (json.load(open(p)) for p in tmp_path.glob("*.json"))}
+    assert set(records) == {("llmserve", "chunked"), ("openai", "chunked"), ("openai", "smg")}
+    smg_run = records["openai", "smg"]
+    assert smg_run["completed"] == 4 and smg_run["failed"] == 0, smg_run["errors"]
+    assert smg_run["total_output_tokens"] == 4 * 6 and smg_run["ttft_ms"]["p50"] > 0
+    assert smg_run["api_cpu_ms_per_output_token"] > 0
+    assert "| smg gateway (HTTP) vs gRPC |" in proc.stdout

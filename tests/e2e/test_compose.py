@@ -68,6 +68,37 @@ def test_compose_services_and_policies():
     assert "--appendonly yes" in svc["redis"]["command"][-1] and "--requirepass" in svc["redis"]["command"][-1]
 
 
+def test_fleet_profile_smg_and_two_pools():
+    svc = COMPOSE["services"]
+    for name in ("worker-b", "scheduler-b", "smg"):
+        assert svc[name]["profiles"] == ["fleet"], name
+        assert svc[name]["restart"] == "unless-stopped" and "healthcheck" in svc[name], name
+    # two pools, each its own scheduler, worker and Redis namespace
+    a, b = svc["scheduler"]["command"][-1], svc["scheduler-b"]["command"][-1]
+    assert "--namespace" not in a and "--namespace pool-b" in b  # pool A keeps the default namespace "llmserve"
+    assert "--worker-address worker:50061" in a and "--worker-address worker-b:50061" in b
+    cmd = svc["smg"]["command"]
+    assert svc["smg"]["entrypoint"] == ["smg"] and cmd[:3] == ["launch", "--backend", "vllm"]
+    urls = cmd[cmd.index("--worker-urls") + 1:]
+    assert urls == ["grpc://scheduler:50051", "grpc://scheduler-b:50051"]
+    assert "--policy" in cmd and "8080" in svc["smg"]["healthcheck"]["test"][-1]
+    assert set(svc["smg"]["depends_on"]) == {"scheduler", "scheduler-b"}
+
+
+def test_fleet_smg_command_parses():
+    """The smg command line of the fleet profile is one the installed smg accepts (its own parser, --help)."""
+    cmd = [unescape(a) for a in COMPOSE["services"]["smg"]["command"]]
+    cmd = [_sub(a, {"${SMG_POLICY:-cache_aware}": "cache_aware"}) for a in cmd]
+    import argparse
+
+    from smg.router_args import RouterArgs  # the wheel's own argument definitions
+
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser)
+    args = parser.parse_args(cmd[1:])
+    assert args.policy == "cache_aware" and len(args.worker_urls) == 2
+
+
 @pytest.fixture(scope="module")
 def stack():
     """The compose commands, run locally: redis (password), worker (token), scheduler (both)."""
