@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import kernels
+from tests.random_weights import randomize
 from worker_svc.loader import default_model_path, load_gguf, load_hf_dir, load_model_weights
 from worker_svc.model import LlamaModel
 
@@ -160,21 +161,8 @@ def test_greedy_decode_matches_hf_generate(ours, hf, prompt_ids):
 # ------------------------------------------------------------------------- random HF checkpoints
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    # HF init leaves biases at 0 and norms at 1, which would hide a dropped bias or norm weight.
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=generator))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
-
-
 def _check_hf_dir_parity(hf_model, tmp_path) -> LlamaModel:
-    _randomize(hf_model)
+    randomize(hf_model)
     hf_model.eval().save_pretrained(tmp_path, safe_serialization=True)
     config, weights = load_hf_dir(str(tmp_path))
     model = LlamaModel(config, weights, torch.float32, "cpu")

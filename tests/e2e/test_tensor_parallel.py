@@ -17,24 +17,13 @@ import torch.multiprocessing as mp
 
 import kernels
 from llmserve.stack import free_port
+from tests.random_weights import randomize
 from worker_svc.loader import load_hf_dir
 from worker_svc.model import LlamaModel
 from worker_svc.tensor_parallel import Shard, check_shardable, local_config
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=generator))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +38,7 @@ def checkpoints(tmp_path_factory) -> list[str]:
                         ("qwen2", transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
                             **common, tie_word_embeddings=True)))):
         path = str(tmp_path_factory.mktemp(name))
-        _randomize(model)
+        randomize(model)
         model.eval().save_pretrained(path, safe_serialization=True)
         paths.append(path)
     return paths
