@@ -12,17 +12,11 @@ import sys
 
 import pytest
 
+from tests.bench_runs import run_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
-
-
-def run_bench(name: str, *args, timeout: float = 240) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"bench.{name} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return proc.stdout
 
 
 def test_scheduler_overhead(tmp_path):

@@ -4,22 +4,16 @@ alone and side by side with a baseline revision (HEAD, in a temporary git worktr
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench_runs import require_git_checkout, run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def run(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "bench.worker_host_path", "--smoke", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    return run_bench("worker_host_path", "--smoke", *args, timeout=240)
 
 
 def test_smoke(tmp_path):
@@ -34,8 +28,7 @@ def test_smoke(tmp_path):
 
 
 def test_smoke_against_a_baseline_revision():
-    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout")
+    require_git_checkout()
     stdout = run("--cases", "mixed", "--baseline-ref", "HEAD")
     assert "mixed 4: sampled tokens and logprobs identical across versions" in stdout
     assert "baseline" in stdout and "current" in stdout

@@ -4,22 +4,16 @@ side by side with a baseline revision (HEAD, in a temporary git worktree): both 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench_runs import require_git_checkout, run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def run(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "bench.worker_wire", "--smoke", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    return run_bench("worker_wire", "--smoke", *args, timeout=300)
 
 
 def test_smoke(tmp_path):
@@ -34,8 +28,7 @@ def test_smoke(tmp_path):
 
 
 def test_smoke_against_a_baseline_revision():
-    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout")
+    require_git_checkout()
     stdout = run("--baseline-ref", "HEAD")
     assert "4 running: plan 1.0x smaller" in stdout and "outputs identical" in stdout
     assert "baseline" in stdout and "current" in stdout
