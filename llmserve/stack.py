@@ -281,13 +281,15 @@ def start_smg(worker_urls: Iterable[str], policy: str = "cache_aware", extra_arg
               log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
     """The smg gateway (OpenAI HTTP on `port`) in front of llmserve schedulers, spoken to over vLLM's gRPC engine
     protocol: `smg launch --backend vllm --worker-urls grpc://HOST:PORT ... --policy POLICY *extra_args`. With
-    `wait`, returns once every worker is healthy in its /readiness (it has fetched the tokenizer from them)."""
+    `wait`, returns once every worker is healthy in its /readiness (it has fetched the tokenizer from them).
+    Its Prometheus endpoint listens on `proc.extra["metrics_port"]`."""
     urls = [u if "://" in u else f"grpc://{u}" for u in worker_urls]
-    port = port or free_port()
+    port, metrics_port = port or free_port(), free_port()
     argv = [smg_binary(), "launch", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--worker-urls", *urls, *map(str, extra_args)]
-    proc = spawn("smg", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
+    proc = spawn("smg", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd,
+                 extra={"metrics_port": metrics_port})
     proc.port = port
     if wait:
         wait_smg(proc, len(urls), timeout)

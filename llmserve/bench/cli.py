@@ -1,4 +1,4 @@
-"""`llmserve bench serve | sweep | kv-waste`: argument parsing and the loops over modes and rates."""
+"""`llmserve bench serve | sweep | fleet | kv-waste`: argument parsing and the loops over modes and rates."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", type=workloads.parse_range, metavar="LO:HI", help="output tokens (ignore_eos)")
     w.add_argument("--long-prompt-len", type=workloads.parse_range, metavar="LO:HI",
                    help="mixed: the long prompts; rag: the shared documents")
+    w.add_argument("--num-docs", type=int, default=4, help="rag: distinct shared documents")
     w.add_argument("--long-share", type=float, default=0.25, help="mixed: share of long prompts")
     w.add_argument("--cancel-share", type=float, default=0.3, help="cancel: share of clients that cancel")
     w.add_argument("--burst-size", type=int, default=8, help="burst: requests arriving together")
@@ -88,6 +89,19 @@ def add_bench_commands(subparsers) -> None:
     _add_common(sweep)
     sweep.set_defaults(func=_sweep)
 
+    fleet = sub.add_parser("fleet", help="the smg gateway in front of several fresh pools, once per routing policy: "
+                           "prefix hit rate, TTFT, requests per pool")
+    fleet.add_argument("--policies", default="cache_aware,round_robin",
+                       help="comma-separated smg --policy values, each run on its own fresh pools")
+    fleet.add_argument("--pools", type=int, default=2, help="llmserve pools (a launched `llmserve serve` each)")
+    fleet.add_argument("--request-rate", type=_rate, default=2.0,
+                       help="requests/s (inf: all at once; requests admitted in the same step share no prefix hit)")
+    fleet.add_argument("--smg-args", default="", help='more `smg launch` flags as one string')
+    _add_common(fleet)
+    # A RAG workload sized for routing: 4 shared ~512-token documents, short questions, few output tokens.
+    fleet.set_defaults(func=_fleet, workload="rag", num_requests=16, long_prompt_len=(512, 512), prompt_len=(16, 32),
+                       output_len=(8, 8), max_model_len=2048)
+
     # Its flags belong to kv_waste.py, parsed only when it runs (so `llmserve` starts without importing it):
     # '+' as the prefix makes every '--flag' a plain word that REMAINDER collects.
     kv = sub.add_parser("kv-waste", prefix_chars="+", add_help=False,
@@ -114,7 +128,8 @@ def _settings(args: argparse.Namespace, rate: float):
     params = workloads.WorkloadParams(
         num_requests=args.num_requests if args.num_requests is not None else default_n, request_rate=rate,
         burstiness=args.burstiness, seed=args.seed, prompt_len=args.prompt_len, output_len=args.output_len,
-        long_prompt_len=args.long_prompt_len, long_share=args.long_share, cancel_share=args.cancel_share,
+        long_prompt_len=args.long_prompt_len, num_docs=args.num_docs, long_share=args.long_share,
+        cancel_share=args.cancel_share,
         burst_size=args.burst_size, trace_path=args.trace)
     try:
         slo = parse_goodput(args.goodput)
@@ -216,6 +231,19 @@ def _serve_http_vs_grpc(args: argparse.Namespace, settings) -> None:
     print(report.markdown_table(records))
     for http_run in records[1:]:
         print(report.http_vs_grpc(records[0], http_run))
+
+
+def _fleet(args: argparse.Namespace) -> None:
+    from llmserve.bench import fleet
+
+    policies = fleet.parse_policies(args.policies)
+    if args.pools < 1:
+        raise SystemExit(f"--pools must be >= 1, got {args.pools}")
+    os.makedirs(args.result_dir, exist_ok=True)
+    settings = _settings(args, args.request_rate)
+    server_extra = ["--http-port", "0", *_server_extra(args)]  # smg is the HTTP front; the pools serve gRPC only
+    records = [fleet.run_policy(policy, settings, args, server_extra) for policy in policies]
+    print(fleet.markdown_table(records))
 
 
 def _sweep(args: argparse.Namespace) -> None:

@@ -167,7 +167,8 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return t.user + t.system
 
 
-def _prompt_text(target: Target):
+def prompt_text(target: Target):
+    """Token ids -> text with the served model's tokenizer (for a gateway that takes only text prompts)."""
     from scheduler_svc.server import _tokenizer_for
     from worker_svc.loader import default_model_path
 
@@ -178,7 +179,7 @@ def _prompt_text(target: Target):
 async def _measure_llmserve(target: Target, specs: list[RequestSpec], s: RunSettings, tag: str):
     http = target.backend == "openai"
     gen, where = (openai_loadgen, target.http_url) if http else (loadgen, target.address)
-    extra = {"prompt_text": _prompt_text(target)} if http and target.text_prompts else {}
+    extra = {"prompt_text": prompt_text(target)} if http and target.text_prompts else {}
     await gen.warm_up(where, s.warmup, s.api_key, **extra)
     before = metrics.scrape(target.metrics_url) if target.metrics_url else None
     cpu_before = _cpu_seconds(target.api_pid) if http else None
