@@ -65,6 +65,11 @@ def plan(out: str, n: int, sweep_n: int, smoke: bool = False) -> list[tuple[str,
         runs.append((f"rag-{caching}", _bench(["serve", "--mode", "chunked", "--workload", "rag", "--num-requests",
                                                str(sweep_n), "--request-rate", "inf", "--no-progress", *extra,
                                                "--result-dir", os.path.join(out, f"rag-{caching}")])))
+    # smg stops routing to a pool that made no token for --worker-wedge-secs (3 s) with requests piling up: sized for
+    # GPU prefill, it vetoes a CPU pool in the middle of a 512-token prompt.
+    runs.append(("fleet", _bench(["fleet", "--policies", "cache_aware,round_robin", "--pools", "2",
+                                  "--smg-args=--worker-wedge-secs 60", "--no-progress",
+                                  "--result-dir", os.path.join(out, "fleet")])))
     runs.append(("kv-waste", _bench(["kv-waste", "--json", os.path.join(out, "kv_waste.json")])))
     return runs
 
@@ -157,6 +162,7 @@ def page(out: str) -> str:
         for png in sorted(glob.glob(os.path.join(out, "sweep", "*.png")))[-2:]:
             lines += [f"![{os.path.basename(png)}]({os.path.relpath(png, os.path.join(ROOT, 'bench'))})", ""]
     lines += _rag(out)
+    lines += _fleet(out)
     kv_path = os.path.join(out, "kv_waste.json")
     if os.path.exists(kv_path):
         from llmserve.bench import kv_waste
@@ -220,13 +226,31 @@ def _rag(out: str) -> list[str]:
     return lines + [""]
 
 
+def _fleet(out: str) -> list[str]:
+    """The two-pool run behind smg: the newest record of each routing policy, in the order they ran."""
+    from llmserve.bench import fleet
+
+    records = sorted(_latest(os.path.join(out, "fleet")).values(), key=lambda r: r["started_at"])
+    if not records:
+        return []
+    w = records[0]["workload"]
+    return ["## Two pools behind smg: `cache_aware` vs `round_robin` routing", "",
+            f"`llmserve bench fleet`: each policy on {records[0]['fleet']['num_pools']} fresh pools (a launched "
+            f"`llmserve serve` each, empty prefix caches) behind the smg gateway. {w['num_requests']} requests "
+            + ("all at once" if w["request_rate"] == "inf" else f"at {w['request_rate']} req/s (Poisson)")
+            + f", {w['num_docs']} shared documents of {w['long_prompt_len']} tokens, "
+            f"questions {w['prompt_len']} tokens, outputs {w['output_len']} tokens. Prefix hit rate: "
+            "`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` summed over the pools.", "",
+            fleet.markdown_table(records), ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--num-requests", type=int, default=64, help="chat and mixed runs")
     ap.add_argument("--sweep-requests", type=int, default=32, help="each sweep point and each RAG run")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (chat, mixed, sweep, rag-on, "
-                    "rag-off, kv-waste); the page is rebuilt from everything present")
+                    "rag-off, fleet, kv-waste); the page is rebuilt from everything present")
     ap.add_argument("--skip-baselines", action="store_true",
                     help="run only llmserve (the Hugging Face rows already there are kept on the page)")
     ap.add_argument("--page-only", action="store_true")

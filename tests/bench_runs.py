@@ -1,4 +1,5 @@
-"""Running a bench/ script the way its smoke tests do: `python -m bench.NAME` from the repository root."""
+"""Running a bench/ script the way its smoke tests do: `python -m bench.NAME` (or `llmserve bench ...`) from the
+repository root."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ def run_bench(name: str, *args, timeout: float = 240) -> str:
     proc = subprocess.run([sys.executable, "-m", f"bench.{name}", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"bench.{name} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def run_llmserve_bench(*args, timeout: float = 300) -> str:
+    """`llmserve bench ARGS` (the CLI from this tree); fail with its stderr when it exits non-zero; its stdout."""
+    proc = subprocess.run([sys.executable, "-m", "llmserve.cli", "bench", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"llmserve bench {args[0]} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc.stdout
 
 

@@ -94,9 +94,11 @@ def add_bench_commands(subparsers) -> None:
     fleet.add_argument("--policies", default="cache_aware,round_robin",
                        help="comma-separated smg --policy values, each run on its own fresh pools")
     fleet.add_argument("--pools", type=int, default=2, help="llmserve pools (a launched `llmserve serve` each)")
-    fleet.add_argument("--request-rate", type=_rate, default=2.0,
-                       help="requests/s (inf: all at once; requests admitted in the same step share no prefix hit)")
-    fleet.add_argument("--smg-args", default="", help='more `smg launch` flags as one string')
+    fleet.add_argument("--request-rate", type=_rate, default=0.5,
+                       help="requests/s (default: below what two CPU pools serve of the default workload; inf: all "
+                       "at once, where requests admitted in the same step share no prefix hit)")
+    fleet.add_argument("--smg-args", default="",
+                       help='more `smg launch` flags as one string: --smg-args="--worker-wedge-secs 60"')
     _add_common(fleet)
     # A RAG workload sized for routing: 4 shared ~512-token documents, short questions, few output tokens.
     fleet.set_defaults(func=_fleet, workload="rag", num_requests=16, long_prompt_len=(512, 512), prompt_len=(16, 32),

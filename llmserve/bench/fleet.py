@@ -117,7 +117,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def markdown_table(records: list[dict]) -> str:
-    """One row per policy; the last column compares each with the first policy's run (the same workload)."""
+    """One row per policy, then each policy against round_robin's run of the same workload (or the first run's)."""
     cols = ("policy", "pools", "ok/failed", "prefix hit rate", "prefix hits (tokens)", "prompt tokens computed",
             "TTFT p50 (ms)", "TTFT p99 (ms)", "req/s", "requests per pool")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -128,9 +128,9 @@ def markdown_table(records: list[dict]) -> str:
             f"{f['prefix_cache_hits']:.0f}", f"{f['prompt_tokens_computed']:.0f}", _fmt(r["ttft_ms"]["p50"], ".1f"),
             _fmt(r["ttft_ms"]["p99"], ".1f"), _fmt(r["request_throughput"], ".2f"),
             " / ".join(f"{p['requests']:.0f}" for p in f["pools"])]) + " |")
-    if len(records) > 1:
-        base = records[0]
-        for r in records[1:]:
+    base = next((r for r in records if r["fleet"]["policy"] == "round_robin"), records[0])
+    for r in records:
+        if r is not base:
             lines.append("")
             lines.append(f"{r['fleet']['policy']} / {base['fleet']['policy']}: " + ", ".join(
                 f"{name} {_ratio(pick(r), pick(base))}" for name, pick in (

@@ -1,20 +1,15 @@
 """Every script in bench/ runs in a smoke size, as `python -m bench.NAME` from the repository root, starts what it
 benchmarks (its stack: redis-server, worker, scheduler; or the worker's runner; or the kernels) and writes its
-results. `llmserve bench` itself is exercised by tests/e2e/test_bench_harness.py (a real sweep) and, through
-`bench.results --smoke`, by a `llmserve bench serve` run here."""
+results. `llmserve bench` itself is exercised by tests/e2e/test_bench_harness.py (a real sweep) and here: through
+`bench.results --smoke` (a `llmserve bench serve` run), `bench serve --backend openai [--smg]` and `bench fleet`."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.bench_runs import run_bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench_runs import run_bench, run_llmserve_bench
 
 pytestmark = pytest.mark.slow
 
@@ -110,12 +105,10 @@ def test_results_page(tmp_path):
 def test_llmserve_bench_openai_backend(tmp_path):
     """`llmserve bench serve --backend openai`: the same workload over gRPC and through the HTTP API of one
     launched server, both records written, and the comparison printed."""
-    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "serve", "--backend", "openai", "--workload", "cancel",
-           "--cancel-share", "0.25", "--num-requests", "4", "--prompt-len", "8:16", "--output-len", "6",
-           "--max-concurrency", "4", "--warmup", "1", "--max-model-len", "512",
-           "--server-args=--num-gpu-blocks-override 128", "--no-progress", "--result-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = run_llmserve_bench(
+        "serve", "--backend", "openai", "--workload", "cancel", "--cancel-share", "0.25", "--num-requests", 4,
+        "--prompt-len", "8:16", "--output-len", 6, "--max-concurrency", 4, "--warmup", 1, "--max-model-len", 512,
+        "--server-args=--num-gpu-blocks-override 128", "--no-progress", "--result-dir", tmp_path, timeout=240)
     records = {r["backend"]: r for r in (json.load(open(p)) for p in tmp_path.glob("*.json"))}
     grpc_run, http_run = records["llmserve"], records["openai"]
     for r in (grpc_run, http_run):
@@ -125,22 +118,43 @@ def test_llmserve_bench_openai_backend(tmp_path):
     assert http_run["total_output_tokens"] >= 3 * 6  # the 3 that ran to the end made all their tokens
     assert http_run["server"]["http_url"].startswith("http://127.0.0.1:")
     assert http_run["api_cpu_ms_per_output_token"] > 0 and grpc_run["api_cpu_s"] is None
-    assert "| TTFT p50 added by HTTP (ms) |" in proc.stdout and "| output tokens/s, HTTP / gRPC |" in proc.stdout
+    assert "| TTFT p50 added by HTTP (ms) |" in stdout and "| output tokens/s, HTTP / gRPC |" in stdout
 
 
 @pytest.mark.slow
 def test_llmserve_bench_through_smg(tmp_path):
     """`llmserve bench serve --backend openai --smg`: a third record, the same workload through the smg gateway."""
-    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "serve", "--backend", "openai", "--smg", "--workload",
-           "chat", "--num-requests", "4", "--prompt-len", "8:16", "--output-len", "6", "--warmup", "1",
-           "--max-model-len", "512", "--server-args=--num-gpu-blocks-override 128", "--no-progress",
-           "--result-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = run_llmserve_bench(
+        "serve", "--backend", "openai", "--smg", "--workload", "chat", "--num-requests", 4, "--prompt-len", "8:16",
+        "--output-len", 6, "--warmup", 1, "--max-model-len", 512, "--server-args=--num-gpu-blocks-override 128",
+        "--no-progress", "--result-dir", tmp_path)
     records = {(r["backend"], r["mode"]): r for r in (json.load(open(p)) for p in tmp_path.glob("*.json"))}
     assert set(records) == {("llmserve", "chunked"), ("openai", "chunked"), ("openai", "smg")}
     smg_run = records["openai", "smg"]
     assert smg_run["completed"] == 4 and smg_run["failed"] == 0, smg_run["errors"]
     assert smg_run["total_output_tokens"] == 4 * 6 and smg_run["ttft_ms"]["p50"] > 0
     assert smg_run["api_cpu_ms_per_output_token"] > 0
-    assert "| smg gateway (HTTP) vs gRPC |" in proc.stdout
+    assert "| smg gateway (HTTP) vs gRPC |" in stdout
+
+
+@pytest.mark.slow
+def test_llmserve_bench_fleet(tmp_path):
+    """`llmserve bench fleet`: the rag workload through smg in front of two fresh pools, once per policy; each record
+    has the prefix hit rate summed over the pools and the requests each pool finished."""
+    stdout = run_llmserve_bench(
+        "fleet", "--policies", "cache_aware,round_robin", "--pools", 2, "--num-requests", 4, "--num-docs", 2,
+        "--long-prompt-len", 64, "--prompt-len", 8, "--output-len", 2, "--warmup", 1, "--max-model-len", 512,
+        "--server-args=--num-gpu-blocks-override 64", "--no-progress", "--result-dir", tmp_path, timeout=480)
+    records = {r["fleet"]["policy"]: r for r in (json.load(open(p)) for p in tmp_path.glob("*.json"))}
+    assert set(records) == {"cache_aware", "round_robin"}
+    for r in records.values():
+        f = r["fleet"]
+        assert r["completed"] == 4 and r["failed"] == 0, r["errors"]
+        assert r["ttft_ms"]["p50"] > 0 and len(f["pools"]) == 2
+        assert sum(p["requests"] for p in f["pools"]) == f["requests"] == 4  # the warm-ups are not counted
+        assert f["prefix_cache_queries"] >= 4 * 64  # every prompt was looked up, on the pool it went to
+        assert 0 <= f["prefix_hit_rate"] <= 1
+        assert f["prompt_tokens_computed"] == f["prefix_cache_queries"] - f["prefix_cache_hits"]
+    assert records["round_robin"]["fleet"]["pools"][0]["requests"] == 2  # round_robin: pools in turn
+    assert records["cache_aware"]["fleet"]["smg_cache_aware_branches"]  # smg's routing decisions were read
+    assert "| cache_aware | 2 | 4/0 |" in stdout and "| round_robin | 2 | 4/0 |" in stdout

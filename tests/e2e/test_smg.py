@@ -61,6 +61,15 @@ class Pool:
         with grpc.insecure_channel(self.address) as ch:
             return vpb_grpc.VllmEngineStub(ch).GetServerInfo(vpb.GetServerInfoRequest(), timeout=5).active_requests
 
+    def drained(self, timeout: float) -> bool:
+        """Within `timeout`: no active request and no KV block in use (cached free blocks do not count)."""
+        deadline = time.monotonic() + timeout
+        while self.active() or self.metric("vllm:kv_cache_usage_perc") > 0:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
 
 class Stack:
     def __init__(self, redis_url: str):
@@ -119,6 +128,7 @@ def test_chat_through_smg_equals_grpc(st):
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == r.choices[0].message.content
         assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
 
 
 def test_disconnecting_client_aborts_in_llmserve(st):
@@ -131,10 +141,8 @@ def test_disconnecting_client_aborts_in_llmserve(st):
             if line.startswith("data:"):
                 break  # generation has started; leave
     assert st.a.active() <= 1
-    deadline = time.monotonic() + 15
-    while (st.a.active() or st.a.metric("vllm:kv_cache_usage_perc") > 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert st.a.active() == 0 and st.a.metric("vllm:kv_cache_usage_perc") == 0
+    # 800 tokens take far longer than this wait: an idle pool now means the abort reached it
+    assert st.a.drained(timeout=15)
     assert st.a.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
 
 
@@ -149,6 +157,7 @@ def test_bad_input_through_smg_names_the_field(st, extra, field):
     r = httpx.post(st.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+    assert st.a.drained(timeout=5)  # nothing left running, no KV block held
     ok = st.client.chat.completions.create(model=st.model, messages=CHATS[0], max_tokens=4, temperature=0)
     assert ok.usage.completion_tokens >= 1
 
