@@ -80,6 +80,9 @@ class Stack:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
 
+    def smg_metric(self, name: str, **labels: str) -> float:
+        return metric_sum(scrape(f"http://127.0.0.1:{self.smg.extra['metrics_port']}/metrics"), name, **labels)
+
     def grpc(self, req: pb.GenerateRequest) -> tuple[str, pb.Usage]:
         """llmserve.v1's own text and usage for `req` (pool A)."""
         text, usage = "", None
@@ -133,6 +136,7 @@ def test_chat_through_smg_equals_grpc(st):
 
 def test_disconnecting_client_aborts_in_llmserve(st):
     aborted = st.a.metric("vllm:request_success_total", finished_reason="abort")
+    closed = st.smg_metric("smg_http_responses_total", status_code="499")  # smg's count of clients that left
     body = {"model": st.model, "prompt": "Once upon a time", "max_tokens": 800, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", st.url + "/v1/completions", json=body, timeout=60) as r:
@@ -144,6 +148,7 @@ def test_disconnecting_client_aborts_in_llmserve(st):
     # 800 tokens take far longer than this wait: an idle pool now means the abort reached it
     assert st.a.drained(timeout=15)
     assert st.a.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+    assert st.smg_metric("smg_http_responses_total", status_code="499") == closed + 1
 
 
 @pytest.mark.parametrize("extra, field", [
