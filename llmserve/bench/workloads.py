@@ -186,6 +186,8 @@ def generate(name: str, params: WorkloadParams) -> list[RequestSpec]:
         if not 1 <= lo <= hi:
             raise ValueError(f"{label} length range must be 1 <= lo <= hi, got {lo}-{hi}")
     if name == "rag":
+        if p.num_docs < 1:
+            raise ValueError(f"--num-docs must be >= 1, got {p.num_docs}")
         return _rag(p)
     if name == "mixed":
         return _mixed(p)

@@ -187,6 +187,41 @@ def test_rag_shares_document_prefixes():
     assert len({s.prompt_ids for s in specs}) == 24  # the questions differ
 
 
+def test_rag_num_docs():
+    specs = workloads.generate("rag", WorkloadParams(num_requests=16, num_docs=2, long_prompt_len=(64, 64), seed=0))
+    assert len({s.prompt_ids[:64] for s in specs}) == 2
+    with pytest.raises(ValueError, match="--num-docs"):
+        workloads.generate("rag", WorkloadParams(num_docs=0))
+
+
+def test_fleet_summary_sums_the_pools_and_compares_with_round_robin():
+    from types import SimpleNamespace
+
+    from llmserve.bench import fleet
+
+    def counters(requests, hits, queries):
+        return {"requests": requests, "prefix_cache_hits": hits, "prefix_cache_queries": queries,
+                "prompt_tokens_computed": queries - hits}
+
+    pools = [SimpleNamespace(address="a:1"), SimpleNamespace(address="b:2")]
+    zero = counters(2, 0, 32)  # the warm-ups, before the measured run
+    summaries = {policy: fleet.fleet_summary(policy, pools, [zero, zero], after) for policy, after in (
+        ("cache_aware", [counters(10, 960, 1600), counters(2, 0, 32)]),
+        ("round_robin", [counters(6, 320, 832), counters(6, 320, 832)]))}
+    ca = summaries["cache_aware"]
+    assert [p["requests"] for p in ca["pools"]] == [8, 0] and ca["requests"] == 8
+    assert ca["prefix_cache_hits"] == 960 and ca["prefix_hit_rate"] == pytest.approx(960 / 1568)
+    assert summaries["round_robin"]["prefix_hit_rate"] == pytest.approx(640 / 1600)
+    timing = {"completed": 8, "failed": 0, "ttft_ms": {"p50": 100.0, "p99": 400.0}, "request_throughput": 0.5}
+    records = [{**timing, "fleet": summaries["cache_aware"]},
+               {**timing, "ttft_ms": {"p50": 200.0, "p99": 400.0}, "fleet": summaries["round_robin"]}]
+    table = fleet.markdown_table(records)
+    assert "| cache_aware | 2 | 8/0 | 0.612 | 960 | 608 | 100.0 | 400.0 | 0.50 | 8 / 0 |" in table
+    assert "cache_aware / round_robin: prefix hits 1.50x, prompt tokens computed 0.63x, TTFT p50 0.50x" in table
+    with pytest.raises(SystemExit, match="round_robin"):
+        fleet.parse_policies("cache_aware,fastest")
+
+
 def test_mixed_has_every_kth_prompt_long():
     specs = workloads.generate("mixed", WorkloadParams(num_requests=16, long_share=0.25))
     long = [i for i, s in enumerate(specs) if len(s.prompt_ids) >= 2048]
