@@ -108,10 +108,6 @@ def _latest(directory: str) -> dict[str, dict]:
     return records
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
-
-
 def _target(value: float | None, base: float | None, goal: float) -> str:
     if not value or not base:
         return "not measured"
@@ -191,19 +187,19 @@ def _ratios(sections: dict[str, dict[str, dict]], out: str) -> list[str]:
         chunked = recs.get("chunked@inf", {}).get("output_throughput")
         for base, goal in (("hf-naive", 5), ("hf-static", 1.5), ("hf-continuous", 2)):
             other = recs.get(f"{base}@inf", {}).get("output_throughput")
-            lines.append(f"| CONTINUOUS+CHUNKED / {base} output tok/s | {workload} | {_ratio(chunked, other)} | "
+            lines.append(f"| CONTINUOUS+CHUNKED / {base} output tok/s | {workload} | {report.ratio(chunked, other)} | "
                          f">= {goal}x | {_target(chunked, other, goal)} |")
     mixed = sections.get("mixed", {})
     cont = mixed.get("continuous@inf", {}).get("itl_ms", {}).get("p99")
     chunk = mixed.get("chunked@inf", {}).get("itl_ms", {}).get("p99")
-    lines.append(f"| ITL p99 CONTINUOUS / CONTINUOUS+CHUNKED | mixed, all at once | {_ratio(cont, chunk)} | >= 3x | "
-                 f"{_target(cont, chunk, 3)} |")
+    lines.append(f"| ITL p99 CONTINUOUS / CONTINUOUS+CHUNKED | mixed, all at once | {report.ratio(cont, chunk)} | "
+                 f">= 3x | {_target(cont, chunk, 3)} |")
     sweep = _latest(os.path.join(out, "sweep"))
     for key in sorted((k for k in sweep if k.startswith("continuous@")), key=lambda k: report.rate_value(sweep[k])):
         rate = key.split("@")[1]
         cont = sweep[key]["itl_ms"]["p99"]
         chunk = sweep.get(f"chunked@{rate}", {}).get("itl_ms", {}).get("p99")
-        lines.append(f"| ITL p99 CONTINUOUS / CONTINUOUS+CHUNKED | mixed, {rate} req/s | {_ratio(cont, chunk)} | "
+        lines.append(f"| ITL p99 CONTINUOUS / CONTINUOUS+CHUNKED | mixed, {rate} req/s | {report.ratio(cont, chunk)} | "
                      f">= 3x | {_target(cont, chunk, 3)} |")
     return lines + [""]
 
@@ -222,7 +218,7 @@ def _rag(out: str) -> list[str]:
             ("output tok/s", lambda r: r["output_throughput"]), ("e2e p50 (ms)", lambda r: r["e2e_ms"]["p50"]))
     for name, pick in rows:
         a, b = pick(on), pick(off)
-        lines.append(f"| {name} | {a:.1f} | {b:.1f} | {_ratio(a, b)} |")
+        lines.append(f"| {name} | {a:.1f} | {b:.1f} | {report.ratio(a, b)} |")
     return lines + [""]
 
 

@@ -112,10 +112,6 @@ def run_policy(policy: str, settings: RunSettings, args: argparse.Namespace, ser
     return record
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def markdown_table(records: list[dict]) -> str:
     """One row per policy, then each policy against round_robin's run of the same workload (or the first run's)."""
     cols = ("policy", "pools", "ok/failed", "prefix hit rate", "prefix hits (tokens)", "prompt tokens computed",
@@ -124,22 +120,18 @@ def markdown_table(records: list[dict]) -> str:
     for r in records:
         f = r["fleet"]
         lines.append("| " + " | ".join([
-            f["policy"], str(f["num_pools"]), f"{r['completed']}/{r['failed']}", _fmt(f["prefix_hit_rate"], ".3f"),
-            f"{f['prefix_cache_hits']:.0f}", f"{f['prompt_tokens_computed']:.0f}", _fmt(r["ttft_ms"]["p50"], ".1f"),
-            _fmt(r["ttft_ms"]["p99"], ".1f"), _fmt(r["request_throughput"], ".2f"),
-            " / ".join(f"{p['requests']:.0f}" for p in f["pools"])]) + " |")
+            f["policy"], str(f["num_pools"]), f"{r['completed']}/{r['failed']}", report.fmt(f["prefix_hit_rate"], 3),
+            report.fmt(f["prefix_cache_hits"], 0), report.fmt(f["prompt_tokens_computed"], 0),
+            report.fmt(r["ttft_ms"]["p50"]), report.fmt(r["ttft_ms"]["p99"]), report.fmt(r["request_throughput"], 2),
+            " / ".join(report.fmt(p["requests"], 0) for p in f["pools"])]) + " |")
     base = next((r for r in records if r["fleet"]["policy"] == "round_robin"), records[0])
     for r in records:
         if r is not base:
             lines.append("")
             lines.append(f"{r['fleet']['policy']} / {base['fleet']['policy']}: " + ", ".join(
-                f"{name} {_ratio(pick(r), pick(base))}" for name, pick in (
+                f"{name} {report.ratio(pick(r), pick(base))}" for name, pick in (
                     ("prefix hits", lambda x: x["fleet"]["prefix_cache_hits"]),
                     ("prompt tokens computed", lambda x: x["fleet"]["prompt_tokens_computed"]),
                     ("TTFT p50", lambda x: x["ttft_ms"]["p50"]), ("TTFT p99", lambda x: x["ttft_ms"]["p99"]),
                     ("req/s", lambda x: x["request_throughput"]))))
     return "\n".join(lines) + "\n"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"

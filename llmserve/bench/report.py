@@ -37,12 +37,17 @@ def write_json(record: dict, result_dir: str) -> str:
     return path
 
 
-def _fmt(x: float | int | None, digits: int = 1) -> str:
+def fmt(x: float | int | None, digits: int = 1) -> str:
     if x is None:
         return "-"
     if isinstance(x, int):
         return str(x)
     return f"{x:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    """a / b as '1.23x'; '-' when either is missing or zero."""
+    return "-" if not a or not b else f"{a / b:.2f}x"
 
 
 COLUMNS = ("run", "workload", "rate", "ok/failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50",
@@ -56,11 +61,11 @@ def markdown_table(records: list[dict]) -> str:
         m = r
         kv = m["peak_kv_usage"]
         row = [run_label(r), r["workload"]["name"], str(r["request_rate"]),
-               f"{m['completed'] + m['cancelled']}/{m['failed']}", _fmt(m["request_throughput"], 2),
-               _fmt(m["output_throughput"]), _fmt(m["ttft_ms"]["p50"]), _fmt(m["ttft_ms"]["p99"]),
-               _fmt(m["itl_ms"]["p50"]), _fmt(m["itl_ms"]["p99"]), _fmt(m["tpot_ms"]["p50"]), _fmt(m["e2e_ms"]["p50"]),
-               _fmt(m["goodput"], 2), _fmt(m["preemptions"]), "-" if kv is None else f"{100 * kv:.0f}%",
-               _fmt(m["peak_rss_mb"], 0)]
+               f"{m['completed'] + m['cancelled']}/{m['failed']}", fmt(m["request_throughput"], 2),
+               fmt(m["output_throughput"]), fmt(m["ttft_ms"]["p50"]), fmt(m["ttft_ms"]["p99"]),
+               fmt(m["itl_ms"]["p50"]), fmt(m["itl_ms"]["p99"]), fmt(m["tpot_ms"]["p50"]), fmt(m["e2e_ms"]["p50"]),
+               fmt(m["goodput"], 2), fmt(m["preemptions"]), "-" if kv is None else f"{100 * kv:.0f}%",
+               fmt(m["peak_rss_mb"], 0)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -125,6 +130,6 @@ def http_vs_grpc(grpc_run: dict, http_run: dict) -> str:
              if http_run["output_throughput"] and grpc_run["output_throughput"] else None)
     rows = [("TTFT p50 added by HTTP (ms)", diff("ttft_ms")), ("ITL p50 added by HTTP (ms)", diff("itl_ms")),
             ("output tokens/s, HTTP / gRPC", "-" if ratio is None else f"{ratio:.3f}"),
-            ("API process CPU per output token (ms)", _fmt(http_run.get("api_cpu_ms_per_output_token"), 3))]
+            ("API process CPU per output token (ms)", fmt(http_run.get("api_cpu_ms_per_output_token"), 3))]
     title = "HTTP vs gRPC" if http_run.get("mode") != "smg" else "smg gateway (HTTP) vs gRPC"
     return f"| {title} | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
