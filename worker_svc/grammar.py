@@ -174,5 +174,8 @@ class GrammarMasks:
         ended = np.zeros(len(matchers), dtype=bool)
         accepted = xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in idx], tokens[idx].tolist())
         for i, ok in zip(idx, accepted, strict=True):
+            if not ok:
+                log.warning("a sampled token (%d, row %d of the step) does not fit its grammar; the request ends",
+                            int(tokens[i]), i)
             ended[i] = not ok or matchers[i].is_terminated()
         return ended
