@@ -100,7 +100,7 @@ def summarize(recs: list[dict]) -> dict:
 def serving(n: int, max_tokens: int) -> dict:
     import jsonschema
 
-    names = list(SCHEMAS)
+    names = [n for n in SCHEMAS if n != "emails"]  # emails: for the compile time only (its output is long)
     plain_prompts = ["Tell me about the ocean.", "Write a short poem about rain.", "Explain how a bicycle works.",
                      "Describe your favourite city."]
     with stack.Stack(["--num-gpu-blocks-override", "1024",
@@ -122,19 +122,23 @@ def serving(n: int, max_tokens: int) -> dict:
                              "llmserve:structured_output_masked_tokens_total")
         mixed = run_wave(st.address, mixed_reqs)
         sample = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
-    valid = 0
+    valid = length = 0
     for i in range(n):
         rec = mixed[f"j{i}"]
+        if rec["finish"] == "length":  # cut by --max-tokens: not expected to parse
+            length += 1
+            continue
         try:
             jsonschema.validate(json.loads(rec["text"]), SCHEMAS[names[i % len(names)]])
-            valid += rec["finish"] == "stop"
+            valid += 1
         except (ValueError, jsonschema.ValidationError):
             pass
     return {
         "baseline_unconstrained": summarize(list(baseline.values())),
         "mixed_unconstrained": summarize([mixed[f"p{i}"] for i in range(n)]),
         "mixed_json_schema": summarize([mixed[f"j{i}"] for i in range(n)]),
-        "json_valid": f"{valid}/{n}",
+        "json_valid": f"{valid}/{n - length}",  # of those that finished with stop
+        "json_cut_by_max_tokens": length,
         "masked_tokens": metric_sum(sample, "llmserve:structured_output_masked_tokens_total") - masked0,
         "mask_seconds_total": metric_sum(sample, "llmserve:structured_output_mask_seconds_total"),
     }
