@@ -7,6 +7,7 @@ Stateless: everything a request needs is in its own stream; several API processe
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -52,7 +53,42 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
         s.max_tokens = max_tokens
     if logprobs is not None:
         s.logprobs = logprobs
+    _set_constraint(s, body)
     return s
+
+
+def _set_constraint(s: pb.SamplingParams, body: SamplingFields) -> None:
+    """response_format (OpenAI) or structured_outputs (vLLM) -> the one constraint of the request; the scheduler
+    checks and compiles it (its 400s name json_schema, regex, choice, grammar or json_object)."""
+    given: list[tuple[str, str, object]] = []  # (where the client put it, constraint field, value)
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append(("response_format", "json_object", True))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+        given.append(("response_format", "json_schema", rf.json_schema.schema_))
+    so = body.structured_outputs
+    if so is not None:
+        for where, field, value in (("json", "json_schema", so.json_), ("regex", "regex", so.regex),
+                                    ("choice", "choice", so.choice), ("grammar", "grammar", so.grammar),
+                                    ("json_object", "json_object", so.json_object or None)):
+            if value is not None:
+                given.append((f"structured_outputs.{where}", field, value))
+    if len(given) > 1:
+        raise bad_request(f"give one constraint, not {len(given)}: " + ", ".join(g[0] for g in given),
+                          given[1][0].partition(".")[0])
+    if not given:
+        return
+    _, field, value = given[0]
+    if field == "json_schema":
+        s.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif field == "choice":
+        s.choice.choices.extend(value)
+    elif field == "json_object":
+        s.json_object = True
+    else:
+        setattr(s, field, value)
 
 
 def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:

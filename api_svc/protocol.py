@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI API (vLLM's field names and defaults). Unknown fields are accepted and ignored,
-as OpenAI clients send many (tools, response_format, ...) that this server does not act on.
+as OpenAI clients send many (tools, ...) that this server does not act on.
 
 Ranges that depend on the model or the scheduler (max_model_len, n, top_p, penalties, ...) are checked by the
 scheduler, whose messages name the field and the limit; here only what the wire types need (unsigned, int32).
@@ -21,6 +21,29 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs extra field: one of these."""
+
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Body):
@@ -46,6 +69,8 @@ class SamplingFields(_Body):
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
     cache_salt: str | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool = False  # vLLM's: each choice (and chunk) also carries its output token ids
     stream: bool = False
     stream_options: StreamOptions | None = None

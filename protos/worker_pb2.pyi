@@ -18,6 +18,22 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_MAX_TOKENS: FinishReason
 
+class Constraint(_message.Message):
+    __slots__ = ("kind", "spec")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
+
+class PrepareConstraintReply(_message.Message):
+    __slots__ = ("compile_seconds", "cached")
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    compile_seconds: float
+    cached: bool
+    def __init__(self, compile_seconds: _Optional[float] = ..., cached: _Optional[bool] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -89,7 +105,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_num_blocks: _Optional[_Iterable[int]] = ..., rank_kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs", "constraint")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +119,7 @@ class SamplingParams(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -116,7 +133,8 @@ class SamplingParams(_message.Message):
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("slot", "request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
@@ -211,7 +229,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., reset_batch: _Optional[bool] = ..., dropped_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., replaced_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds")
+    __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds", "num_constrained", "mask_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +245,8 @@ class StepResult(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
+    MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     slots: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -242,4 +262,6 @@ class StepResult(_message.Message):
     num_scheduled_tokens: int
     previous_step_id: int
     idle_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_logprob_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    num_constrained: int
+    mask_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_logprob_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., num_constrained: _Optional[int] = ..., mask_seconds: _Optional[float] = ...) -> None: ...

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.PrepareConstraint = channel.unary_unary(
+                '/llmserve.worker.v2.Worker/PrepareConstraint',
+                request_serializer=protos_dot_worker__pb2.Constraint.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.PrepareConstraintReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -66,6 +71,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareConstraint(self, request, context):
+        """Compile a structured-output constraint into this worker's grammar cache, off the step loop, before a request
+        that carries it is planned. INVALID_ARGUMENT (naming the error) when it does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=protos_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=protos_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'PrepareConstraint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareConstraint,
+                    request_deserializer=protos_dot_worker__pb2.Constraint.FromString,
+                    response_serializer=protos_dot_worker__pb2.PrepareConstraintReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Worker:
             '/llmserve.worker.v2.Worker/ExecuteStep',
             protos_dot_worker__pb2.StepPlan.SerializeToString,
             protos_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareConstraint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.worker.v2.Worker/PrepareConstraint',
+            protos_dot_worker__pb2.Constraint.SerializeToString,
+            protos_dot_worker__pb2.PrepareConstraintReply.FromString,
             options,
             channel_credentials,
             insecure,

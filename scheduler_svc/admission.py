@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
 from protos import llmserve_pb2 as pb
 from scheduler_svc.request import Request
 from scheduler_svc.sampling import SamplingParams
@@ -66,6 +67,25 @@ def check_sampling(s: pb.SamplingParams) -> None:
             raise _invalid(f"sampling.stop[{i}] is {n} bytes long, the limit is {MAX_STOP_BYTES}")
     if s.HasField("logprobs") and s.logprobs > 20:
         raise _invalid(f"sampling.logprobs must be <= 20, got {s.logprobs}")
+
+
+def constraint_of(s: pb.SamplingParams) -> tuple[str, Constraint] | None:
+    """The request's structured-output constraint and its field name, shape-checked (compiling is the worker's:
+    server.py asks it before the request is queued); None without one."""
+    name = s.WhichOneof("constraint")
+    if name is None:
+        return None
+    try:
+        if name == CHOICE:
+            c = Constraint(CHOICE, choice_spec(list(s.choice.choices)))
+        elif name == JSON_OBJECT:
+            c = Constraint(JSON_OBJECT)
+        else:
+            c = Constraint(name, getattr(s, name))
+        check_shape(c)
+    except ConstraintError as e:
+        raise _invalid(f"sampling.{name}: {e}") from None
+    return name, c
 
 
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
@@ -150,6 +170,9 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
         stop_token_ids=list(s.stop_token_ids),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
+    structured = constraint_of(s)
+    if structured is not None:
+        sampling.constraint = {"kind": structured[1].kind, "spec": structured[1].spec}
     return Request(
         request_id=request_id, prompt_ids=ids, sampling=sampling, priority=req.priority, arrival_time=time.time(),
         stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,

@@ -62,6 +62,18 @@ class Metrics:
         self.redis_commit_seconds = Histogram("llmserve:redis_commit_seconds", "A step's Redis commit: encoding "
                                               "and the one script call, round trip included", L,
                                               buckets=_COMMIT_BUCKETS, registry=r)
+        # Not in vLLM: structured outputs (grammars compile on the worker; it reports each compile and each step).
+        self.grammar_compile = Histogram("llmserve:structured_output_compile_seconds", "Grammar compile time of a "
+                                         "constraint missing from the worker's cache", L,
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.grammar_queries = Counter("llmserve:structured_output_cache_queries", "Constrained requests admitted "
+                                       "(grammar cache look-ups)", L, registry=r)
+        self.grammar_hits = Counter("llmserve:structured_output_cache_hits", "Admitted constrained requests whose "
+                                    "grammar was already compiled", L, registry=r)
+        self.masked_tokens = Counter("llmserve:structured_output_masked_tokens", "Tokens sampled under a grammar "
+                                     "mask", L, registry=r)
+        self.mask_seconds = Counter("llmserve:structured_output_mask_seconds", "Worker time filling and applying "
+                                    "grammar masks and advancing matchers", L, registry=r)
         self._last_token_time: dict[str, float] = {}
         self._tokens_this_step = 0
         self.set_model_name(model_name)
@@ -80,6 +92,9 @@ class Metrics:
         self.c_forward, self.c_idle = self.worker_forward.labels(**m), self.worker_idle.labels(**m)
         self.c_step = self.step_seconds.labels(**m)
         self.c_commit = self.redis_commit_seconds.labels(**m)
+        self.c_grammar_compile, self.c_grammar_q, self.c_grammar_h, self.c_masked, self.c_mask_s = (
+            x.labels(**m) for x in (self.grammar_compile, self.grammar_queries, self.grammar_hits,
+                                    self.masked_tokens, self.mask_seconds))
         self.c_success: dict[str, Counter] = {}
         # Created up front so a scrape shows 0 rather than nothing for a limit never hit.
         self.c_blocked = {lim: self.admission_blocked.labels(model_name=name, limit=lim) for lim in ADMISSION_LIMITS}
@@ -128,6 +143,18 @@ class Metrics:
         self.c_forward.inc(forward_seconds)
         self.c_idle.inc(idle_seconds)
         self.c_step.observe(step_seconds)
+
+    def grammar_prepared(self, compile_seconds: float, cached: bool) -> None:
+        """From an admission thread: one constrained request's grammar is ready on the worker."""
+        self.c_grammar_q.inc()
+        if cached:
+            self.c_grammar_h.inc()
+        else:
+            self.c_grammar_compile.observe(compile_seconds)
+
+    def structured_step(self, num_masked: int, seconds: float) -> None:
+        self.c_masked.inc(num_masked)
+        self.c_mask_s.inc(seconds)
 
     def redis_commit(self, seconds: float) -> None:
         self.c_commit.observe(seconds)

@@ -108,6 +108,8 @@ class WorkerOutput:
     forward_seconds: float = 0.0  # inside the model forward only (input tensors ready -> logits ready)
     sample_seconds: float = 0.0
     idle_seconds: float = 0.0  # the worker had no plan to run, before this step
+    num_constrained: int = 0  # sampled rows masked by a structured-output grammar
+    mask_seconds: float = 0.0  # filling and applying those masks, advancing the matchers
 
     @property
     def seconds(self) -> float:

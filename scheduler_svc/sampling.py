@@ -32,9 +32,12 @@ class SamplingParams:
     max_tokens: int = 0  # admission always sets it (> 0)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # None: not requested; n >= 0: the sampled token's logprob and the n top ones
+    # Structured output (common/structured_outputs.py), the wire message's fields: {"kind": json_schema | regex |
+    # grammar | json_object | choice, "spec": its text (a choice list as JSON)}; None = unconstrained.
+    constraint: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe: floats, ints, bools, None and a list of ints."""
+        """JSON-safe: floats, ints, bools, None, a list of ints and a dict of two strings."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -56,10 +59,11 @@ class SamplingParams:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_OPTIONAL = {"seed", "logprobs"}
+_OPTIONAL = {"seed", "logprobs", "constraint"}
 _CONVERT: dict[str, Any] = {
     "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
     "presence_penalty": float, "frequency_penalty": float, "seed": int, "ignore_eos": bool, "min_tokens": int,
     "max_tokens": int, "stop_token_ids": list, "logprobs": int,
+    "constraint": lambda d: {"kind": str(d["kind"]), "spec": str(d["spec"])},
 }
 assert set(_CONVERT) == _FIELDS

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import tls, tracing
 from common.auth import add_worker_token_arg, api_key_interceptor
+from common.structured_outputs import Constraint
 from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
@@ -29,6 +30,7 @@ from scheduler_svc.admission import (
     Limits,
     build_requests,
     check_sampling,
+    constraint_of,
     prompt_ids,
     sequence_ids,
 )
@@ -44,6 +46,7 @@ from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_svc.vllm_engine import VllmEngineServicer
+from scheduler_svc.worker_client import WorkerError
 
 log = logging.getLogger("llmserve.scheduler")
 
@@ -109,12 +112,15 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         """In the thread pool: find the request (memory, then Redis) or validate, tokenize and submit it."""
         engine = self.engine
         check_sampling(request.sampling)
+        structured = constraint_of(request.sampling)
         seq_ids = sequence_ids(request.request_id, request.sampling.n) if request.request_id else []
         pubs = [p for rid in seq_ids if (p := engine.lookup(rid)) is not None]
         if not pubs:
             limits = self.limits()
             ids = prompt_ids(request, self.tokenizer(), limits)
             reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex)
+            if structured is not None:  # the request waits here, not in a batch slot, while its grammar compiles
+                self._prepare(*structured)
             if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis
                 parent = tracing.extract(metadata)
                 for req in reqs:
@@ -123,6 +129,17 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         tokenizer = self.tokenizer()
         streams = [_SequenceStream(tokenizer, p, i, request.resume_from_token) for i, p in enumerate(pubs)]
         return request.request_id or pubs[0].request.request_id, streams
+
+    def _prepare(self, name: str, c: Constraint) -> None:
+        """Have the worker compile the request's grammar now (off its step loop), or refuse the request."""
+        try:
+            reply = self.engine.worker.prepare_constraint(c.kind, c.spec)
+        except WorkerError as e:
+            if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise AdmissionError(e.code, f"sampling.{name}: {e}") from None
+            raise AdmissionError(grpc.StatusCode.UNAVAILABLE, f"the worker could not prepare sampling.{name} "
+                                 f"({e.code.name}: {e}); retry shortly") from None
+        self.engine.metrics.grammar_prepared(reply.compile_seconds, reply.cached)
 
     async def admit(self, request: pb.GenerateRequest, context,
                     rename: Callable[[str], str] = str) -> tuple[str, list[_SequenceStream]]:

@@ -64,7 +64,7 @@ from scheduler_svc.sampling import SamplingParams
 
 # The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict(). 3: per-step
 # state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class LeaseLost(Exception):

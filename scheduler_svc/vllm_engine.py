@@ -49,9 +49,9 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
     `tokenize(text) -> ids` is needed only for truncate_prompt_tokens on a text prompt."""
     s = req.sampling_params
     constraint = s.WhichOneof("constraint")
-    if constraint is not None:
-        raise _Refused(f"sampling_params.{constraint}: structured output (constrained decoding) is not supported "
-                       "by llmserve yet")
+    if constraint == "structural_tag":
+        raise _Refused("sampling_params.structural_tag: structural tags are not supported by llmserve (json_schema, "
+                       "regex, grammar, json_object and choice are)")
     if s.HasField("prompt_logprobs"):
         raise _Refused("sampling_params.prompt_logprobs is not supported by llmserve (prompts are not scored)")
     if s.logit_bias:
@@ -110,6 +110,10 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
     if s.HasField("seed"):
         o.seed = s.seed
     o.include_stop_str_in_output = s.include_stop_str_in_output
+    if constraint == "choice":
+        o.choice.choices.extend(s.choice.choices)
+    elif constraint is not None:  # json_schema, regex, grammar, json_object: the same names in llmserve.v1
+        setattr(o, constraint, getattr(s, constraint))
     return out
 
 

@@ -109,6 +109,14 @@ class WorkerClient:
         """Why a connection attempt failed, for the log (TLS handshake failures hide in the details)."""
         return f"{err.code.name}: {err}{tls.closed_hint(str(err), self.tls)}"
 
+    def prepare_constraint(self, kind: str, spec: str, timeout: float = 300.0) -> wpb.PrepareConstraintReply:
+        """Have the worker compile a structured-output constraint into its cache (off its step loop). A constraint
+        that does not compile raises WorkerError with INVALID_ARGUMENT and xgrammar's reason."""
+        try:
+            return self.stub.PrepareConstraint(wpb.Constraint(kind=kind, spec=spec), timeout=timeout)
+        except grpc.RpcError as e:
+            raise WorkerError(e.code(), e.details() or "") from None
+
     def fence(self, step_id: int, token: int) -> int:
         """Reset the worker's batch under our fencing token; returns the last step id it executed before."""
         plan = wpb.StepPlan(step_id=step_id, fencing_token=token, expected_epoch=self.info.epoch, reset_batch=True)
@@ -177,7 +185,7 @@ def decode_result(result: wpb.StepResult, owners: list[str | None]) -> WorkerOut
         tokens[i].logprobs = Logprobs(lp, list(zip(top_ids[at: at + n], top_lps[at: at + n], strict=True)))
         at += n
     return WorkerOutput(tokens, result.prepare_seconds, result.forward_seconds, result.sample_seconds,
-                        result.idle_seconds)
+                        result.idle_seconds, result.num_constrained, result.mask_seconds)
 
 
 def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: int, epoch: str, reset: bool,

@@ -19,4 +19,6 @@ def sampling_to_wire(s: SamplingParams) -> wpb.SamplingParams:
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.constraint is not None:
+        msg.constraint.kind, msg.constraint.spec = s.constraint["kind"], s.constraint["spec"]
     return msg

@@ -14,6 +14,7 @@ tools); the step itself never builds them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,8 +22,10 @@ import grpc
 import numpy as np
 
 from common import plan_errors
+from common.structured_outputs import Constraint, ConstraintError
 from common.worker_protocol import MAX_SLOTS
 from protos import worker_pb2 as pb
+from worker_svc.grammar import GrammarCache
 from worker_svc.input_batch import InputBatch
 from worker_svc.request_views import Requests, RequestState, ScheduledChunk
 from worker_svc.sampling import SamplingParams
@@ -87,6 +90,8 @@ class CachedDeltas:
     new_counts: np.ndarray  # int64, per entry (zeros when the plan sends none)
     new_blocks: np.ndarray  # int64, flat
     tables: dict[int, list[int]]  # entry index -> replacement block table
+    # slot of a joining constrained request -> its grammar matcher (built by check_plan: compiling can fail)
+    matchers: dict[int, object] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def parse(plan: pb.StepPlan) -> CachedDeltas:
@@ -129,8 +134,9 @@ def _blame(slot: int, request_id: str):
 
 
 class PersistentBatch:
-    def __init__(self, limits: BatchLimits):
+    def __init__(self, limits: BatchLimits, grammars: GrammarCache | None = None):
         self.limits = limits
+        self.grammars = grammars  # None: structured outputs are refused
         self.inputs = InputBatch(limits.max_model_len)
         self.requests = Requests(self.inputs)
         self.last_step_id = 0
@@ -158,6 +164,7 @@ class PersistentBatch:
         dropped = np.array(plan.dropped_slots, dtype=np.int64)
         live[dropped[dropped < len(live)]] = False
         joining: set[int] = set()  # slots of new and resumed entries
+        matchers: dict[int, object] = {}
 
         def join(slot: int, rid: str, where: str) -> None:
             if slot >= MAX_SLOTS:
@@ -182,6 +189,7 @@ class PersistentBatch:
                 self._check_sampling(where, r.sampling)
                 self._check_chunk(where, r.block_ids, len(r.prompt_token_ids), r.num_computed_tokens,
                                   r.num_scheduled_tokens)
+                self._check_constraint(where, r.sampling, (), r.slot, matchers)
         for r in plan.resumed_requests:
             with _blame(r.slot, r.request_id):
                 where = f"resumed_requests[slot {r.slot}, {r.request_id!r}]"
@@ -190,7 +198,9 @@ class PersistentBatch:
                 self._check_sampling(where, r.sampling)
                 self._check_chunk(where, r.block_ids, len(r.token_ids), r.num_computed_tokens,
                                   r.num_scheduled_tokens)
+                self._check_constraint(where, r.sampling, r.token_ids[r.num_prompt_tokens:], r.slot, matchers)
         cached = CachedDeltas.parse(plan)
+        cached.matchers = matchers
         if not self._cached_valid(cached, live, joining):
             self._check_each_cached(cached, live, joining)  # names the first offender
         n = self.limits.num_blocks
@@ -270,6 +280,20 @@ class PersistentBatch:
         if p.HasField("logprobs") and p.logprobs > vocab:
             raise _invalid(f"{where}: logprobs {p.logprobs} exceeds the vocabulary size {vocab}")
 
+    def _check_constraint(self, where: str, p: pb.SamplingParams, output_ids: Sequence[int], slot: int,
+                          matchers: dict[int, object]) -> None:
+        """A joining constrained request's matcher, at the state after its output tokens (compiled now if the
+        cache lacks the grammar)."""
+        if not p.HasField("constraint"):
+            return
+        if self.grammars is None:
+            raise _invalid(f"{where}: structured outputs (sampling.constraint) are not enabled on this worker")
+        try:
+            matchers[slot] = self.grammars.matcher(Constraint(p.constraint.kind, p.constraint.spec),
+                                                   np.asarray(output_ids, dtype=np.int64))
+        except ConstraintError as e:
+            raise _invalid(f"{where}: sampling.constraint ({p.constraint.kind}): {e}") from None
+
     def _check_chunk(self, where: str, block_ids: Sequence[int], num_tokens: int, computed: int,
                      scheduled: int) -> None:
         n = self.limits.num_blocks
@@ -306,8 +330,12 @@ class PersistentBatch:
 
         def join(slot: int, rid: str, token_ids: Sequence[int], num_prompt_tokens: int,
                  sampling: pb.SamplingParams, block_ids: Sequence[int], computed: int, scheduled: int) -> None:
+            matcher = cached.matchers.get(slot)
+            if matcher is None and sampling.HasField("constraint"):  # applied without check_plan (tests)
+                self._check_constraint("", sampling, token_ids[num_prompt_tokens:], slot, cached.matchers)
+                matcher = cached.matchers[slot]
             inputs.add(slot, rid, token_ids, num_prompt_tokens, SamplingParams.from_proto(sampling), block_ids,
-                       computed)
+                       computed, matcher)
             if scheduled > 0:
                 rows.append(slot)
                 starts.append(computed)

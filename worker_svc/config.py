@@ -26,3 +26,6 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     name: str = ""
+    # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
+    # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
+    vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

@@ -39,6 +39,7 @@ _COLUMNS: dict[str, tuple[type, object]] = {
     "ignore_eos": (np.bool_, False),
     "logprobs": (np.int64, -1),  # -1: no logprobs
     "plain": (np.bool_, False),  # greedy, no penalties, min_tokens or logprobs: sampling is an argmax
+    "constrained": (np.bool_, False),  # structured output: matchers[row] masks and follows its tokens
 }
 
 
@@ -77,12 +78,14 @@ class InputBatch:
     ignore_eos: np.ndarray
     logprobs: np.ndarray
     plain: np.ndarray
+    constrained: np.ndarray
 
     def __init__(self, max_model_len: int, *, rows: int = 64, tokens: int = 512, blocks: int = 32):
         self.max_model_len = max_model_len
         self.row_of: dict[str, int] = {}
         self.request_ids: list[str | None] = [None] * rows
         self.params: list[SamplingParams | None] = [None] * rows  # the objects behind the sampling columns
+        self.matchers: list[object | None] = [None] * rows  # xgrammar matchers of constrained rows (worker_svc/grammar)
         for name, (dtype, fill) in _COLUMNS.items():
             setattr(self, name, np.full(rows, fill, dtype=dtype))
         self.token_ids = np.zeros((rows, min(tokens, max_model_len)), dtype=np.int32)
@@ -99,8 +102,9 @@ class InputBatch:
     # -- rows ---------------------------------------------------------------------------------
 
     def add(self, row: int, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-            params: SamplingParams, block_ids: Sequence[int], num_computed_tokens: int) -> int:
-        """Put a request into free row `row` (its slot), growing the arrays to hold it."""
+            params: SamplingParams, block_ids: Sequence[int], num_computed_tokens: int, matcher: object = None) -> int:
+        """Put a request into free row `row` (its slot), growing the arrays to hold it (`matcher`: its grammar
+        matcher, already at the state after its output tokens)."""
         if row >= self.num_rows:
             self._grow_rows(_capacity(self.num_rows, row + 1))
         assert not self.live[row], f"row {row} is taken"
@@ -116,11 +120,13 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         self.set_blocks(row, block_ids)
         self._set_sampling(row, params)
+        self.matchers[row] = matcher
+        self.constrained[row] = matcher is not None
         return row
 
     def free(self, row: int) -> None:
         del self.row_of[self.request_ids[row]]
-        self.request_ids[row] = self.params[row] = None
+        self.request_ids[row] = self.params[row] = self.matchers[row] = None
         self.block_table[row, : self.num_blocks[row]] = 0
         for name, (_, fill) in _COLUMNS.items():
             getattr(self, name)[row] = fill
@@ -175,6 +181,7 @@ class InputBatch:
         self.stop_token_ids = _grown(self.stop_token_ids, (rows, self.stop_token_ids.shape[1]), -1)
         self.request_ids += [None] * (rows - old)
         self.params += [None] * (rows - old)
+        self.matchers += [None] * (rows - old)
 
     def _set_sampling(self, row: int, p: SamplingParams) -> None:
         self.temperature[row] = p.temperature

@@ -140,7 +140,24 @@ def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=int(bos) if bos is not None else None,
         name=str(_field(reader, "general.name", "")),
+        vocabulary=gguf_vocabulary(reader),
     )
+
+
+_TOKEN_CONTROL = 3  # llama.cpp token type of <|im_start|> and the like
+
+
+def gguf_vocabulary(reader) -> tuple[list[str], str] | None:
+    """The entries as spelled, control tokens blanked (xgrammar treats an empty entry as special, so no grammar
+    can produce one as text), and xgrammar's vocab type name."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        return None
+    tokens = list(tokens)
+    for i, t in enumerate(_field(reader, "tokenizer.ggml.token_type", [])):
+        if t == _TOKEN_CONTROL:
+            tokens[i] = ""
+    return tokens, "BYTE_LEVEL" if _field(reader, "tokenizer.ggml.model") == "gpt2" else "BYTE_FALLBACK"
 
 
 def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -14,10 +14,12 @@ import torch
 
 import kernels
 from common import tracing
+from common.structured_outputs import StructuredOutputsConfig
 from protos import worker_pb2 as pb
 from worker_svc import kv_cache
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.config import ModelConfig
+from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
@@ -44,6 +46,7 @@ class RunnerOptions:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048  # warm-up size on CUDA
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    structured_outputs_config: str | None = None  # vLLM's --structured-outputs-config JSON
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,8 +115,12 @@ class ModelRunner:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.eos_token_ids = np.array(sorted(self.eos_ids), dtype=np.int64)
         self.epoch = secrets.token_hex(8)
+        self.grammars = GrammarCache(opts.model, cfg.vocab_size, cfg.eos_token_ids,
+                                     StructuredOutputsConfig.parse(opts.structured_outputs_config),
+                                     vocabulary=cfg.vocabulary)
+        self.grammar_masks = GrammarMasks(cfg.vocab_size)
         self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
-                                                 cfg.vocab_size))
+                                                 cfg.vocab_size), self.grammars)
 
     def _size_kv_pool(self) -> int:
         o = self.opts
@@ -237,12 +244,25 @@ class ModelRunner:
         """Sample for `rows`, append the tokens and fill the result's packed arrays; finished requests leave the
         batch."""
         b = self.batch.inputs
+        logits = logits.cpu()
+        constrained = b.constrained[rows].any()
+        if constrained:  # structured outputs: mask the grammar rows' logits before any sampling step sees them
+            t0 = time.perf_counter()
+            matchers = [b.matchers[r] for r in rows.tolist()]
+            self.grammar_masks.apply(logits, matchers)
+            mask_seconds = time.perf_counter() - t0
         if b.plain[rows].all():
-            out = greedy_batch(logits.cpu())
+            out = greedy_batch(logits)
         else:
-            out = sample_batch(logits.cpu(), b.sampling_batch(rows, self.eos_token_ids))
+            out = sample_batch(logits, b.sampling_batch(rows, self.eos_token_ids))
         b.append_tokens(rows, out.token_ids)
         reasons = b.finish_reasons(rows, self.eos_token_ids)
+        if constrained:  # a completed grammar ends its request as a stop (vLLM: finish_reason "stop")
+            t0 = time.perf_counter()
+            ended = self.grammar_masks.advance(matchers, out.token_ids) & (reasons == pb.FINISH_REASON_NONE)
+            reasons[ended] = pb.FINISH_REASON_STOP_TOKEN
+            result.num_constrained = int(b.constrained[rows].sum())
+            result.mask_seconds = mask_seconds + time.perf_counter() - t0
         finished = np.flatnonzero(reasons)
         result.slots.extend(rows.tolist())  # a request's slot is its row
         result.token_ids.extend(out.token_ids.tolist())

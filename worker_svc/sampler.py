@@ -197,7 +197,9 @@ def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
             scaled = _filter(scaled, torch.from_numpy(top_k), torch.from_numpy(top_p), torch.from_numpy(min_p))
         probs = scaled.softmax(dim=-1)
         noise = exponential_noise(b.seed[random_rows], b.position[random_rows], logits.shape[1])
-        tokens[random_rows] = (probs / noise).numpy().argmax(axis=-1)
+        # A zero draw (u = 0 exactly: about once per 340 rows of 49k) makes 0 / 0 = NaN for a token of probability 0
+        # (masked by a grammar, or underflowed), and argmax picks the first NaN: such a token must lose instead.
+        tokens[random_rows] = (probs / noise).nan_to_num_(nan=0.0).numpy().argmax(axis=-1)
 
     chosen: list[float] = []
     top: list[list[tuple[int, float]]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+from common.structured_outputs import Constraint
 from protos import worker_pb2 as pb
 
 
@@ -23,6 +24,7 @@ class SamplingParams:
     max_tokens: int = 0  # 0: until the model's max length
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: int | None = None  # None: no logprobs; N: the sampled one plus the top N
+    constraint: Constraint | None = None  # structured output
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +51,7 @@ class SamplingParams:
             max_tokens=p.max_tokens,
             stop_token_ids=frozenset(p.stop_token_ids),
             logprobs=p.logprobs if p.HasField("logprobs") else None,
+            constraint=Constraint(p.constraint.kind, p.constraint.spec) if p.HasField("constraint") else None,
         )
 
     def to_proto(self) -> pb.SamplingParams:
@@ -60,4 +63,6 @@ class SamplingParams:
         )
         if self.logprobs is not None:
             p.logprobs = self.logprobs
+        if self.constraint is not None:
+            p.constraint.kind, p.constraint.spec = self.constraint.kind, self.constraint.spec
         return p

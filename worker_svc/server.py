@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import plan_errors, tls, tracing
 from common.auth import add_worker_token_arg, worker_token_interceptor
+from common.structured_outputs import StructuredOutputsConfig
 from common.worker_protocol import SERVICE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
@@ -58,6 +59,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Describe(self, request, context):
         with self.turn:
             return self.runner.describe()
+
+    def PrepareConstraint(self, request: pb.Constraint, context):
+        """Compile on this gRPC thread (not the step's): xgrammar releases the GIL while it compiles."""
+        from common.structured_outputs import Constraint, ConstraintError
+
+        try:
+            _, seconds, cached = self.runner.grammars.get(Constraint(request.kind, request.spec))
+        except ConstraintError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PrepareConstraintReply(compile_seconds=seconds, cached=cached)
 
     def ExecuteStep(self, plan: pb.StepPlan, context):
         if tracing.enabled:
@@ -162,6 +173,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    "with --nnodes > 1)")
     g.add_argument("--distributed-timeout", type=float, default=120.0,
                    help="seconds a rank waits for the others (joining, or inside a step) before the group ends")
+    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='structured outputs (vLLM\'s flag): {"backend": "xgrammar"} (the only one; "auto" means it), '
+                   '"disable_any_whitespace": true for JSON without optional whitespace')
     g.add_argument("--allow-kv-pool-below-max-model-len", action="store_true",
                    help="start even if the KV pool cannot hold one --max-model-len sequence (such requests are "
                         "then refused at admission; for tests and tiny pools)")
@@ -173,11 +187,12 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
 
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         raise SystemExit(f"--block-size must be a power of two >= 1, got {args.block_size}")
+    StructuredOutputsConfig.parse(args.structured_outputs_config)  # a bad one fails here, naming the key
     return RunnerOptions(
         model=args.model or default_model_path(), dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, structured_outputs_config=args.structured_outputs_config,
     )
 
 

@@ -59,6 +59,18 @@ def test_prefix_cache(tmp_path):
     assert res["bookkeeping_us"]["miss"] > 0
 
 
+def test_structured_outputs(tmp_path):
+    out = tmp_path / "so.json"
+    run_bench("structured_outputs", "--num-requests", 2, "--max-tokens", 8, "--rows", 4, "--repeats", 2,
+              "--json", out)
+    res = json.loads(out.read_text())
+    assert set(res["compile"]["schemas"]) and all(s["cold_ms"] > 0 for s in res["compile"]["schemas"].values())
+    assert res["masking"]["rows"] == 4 and res["masking"]["mask_ms_p50"] > 0
+    serving = res["serving"]
+    assert serving["mixed_json_schema"]["requests"] == 2 and serving["baseline_unconstrained"]["requests"] == 4
+    assert serving["masked_tokens"] > 0
+
+
 def test_worker_forward(tmp_path):
     out = tmp_path / "wf.json"
     run_bench("worker_forward", "--batch-sizes", 1, "--repeats", 1, "--warmup", 0, "--context", 16,

@@ -26,7 +26,8 @@ TTL_MS = 5000
 # Every field off its default (seed at the top of admission's range, floats exact in float32 for the wire test).
 FULL = SamplingParams(temperature=0.75, top_k=40, top_p=0.875, min_p=0.0625, repetition_penalty=1.25,
                       presence_penalty=-0.5, frequency_penalty=1.5, seed=(1 << 63) - 1, ignore_eos=True, min_tokens=3,
-                      max_tokens=17, stop_token_ids=[2, 7, 11], logprobs=5)
+                      max_tokens=17, stop_token_ids=[2, 7, 11], logprobs=5,
+                      constraint={"kind": "json_schema", "spec": '{"type": "object"}'})
 
 
 @pytest.fixture
@@ -170,7 +171,11 @@ def test_sampling_to_wire_sets_every_field():
     assert msg.HasField("seed") and msg.HasField("logprobs")
     for f in wpb.SamplingParams.DESCRIPTOR.fields:
         got = getattr(msg, f.name)
-        assert (list(got) if f.name == "stop_token_ids" else got) == getattr(FULL, f.name), f.name
+        if f.name == "stop_token_ids":
+            got = list(got)
+        elif f.name == "constraint":
+            got = {"kind": got.kind, "spec": got.spec}
+        assert got == getattr(FULL, f.name), f.name
     # Every field off its default, so the message is complete: no field left at the proto's zero.
     assert {f.name for f, _ in msg.ListFields()} == {f.name for f in wpb.SamplingParams.DESCRIPTOR.fields}
 
