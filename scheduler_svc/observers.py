@@ -57,6 +57,8 @@ class MetricsObserver(Observer):
         m.redis_commit(record.commit_seconds)
         if record.worker is not None:
             m.worker_step(record.worker.forward_seconds, record.worker.idle_seconds, record.end - record.start)
+            if record.worker.spec is not None:
+                m.spec_decode(record.worker.spec)
 
 
 class TracingObserver(Observer):
