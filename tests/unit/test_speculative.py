@@ -220,3 +220,41 @@ def test_core_accounting_with_drafts(pipelined, num_blocks):
     assert drafts > 0
     core.pool.check([])
     assert core.pool.num_free == num_blocks
+
+
+# ---- metrics and diagnose -------------------------------------------------------------------------------------
+
+
+def test_spec_metrics_use_vllm_names():
+    from prometheus_client import generate_latest
+
+    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.worker_client import spec_stats
+
+    m = Metrics("m")
+    m.spec_decode(spec_stats([3, 2, 4], [3, 0, 1]))
+    text = generate_latest(m.registry).decode()
+    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 3.0',
+                 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 9.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
+        assert line in text
+
+
+def test_diagnose_flags_speculation_that_costs_more_than_it_gains():
+    from llmserve.diagnose import Observation, diagnose
+
+    def obs(running, accepted):
+        return Observation(source="x", running=running, waiting=0, kv_usage=0.3, steps=100,
+                           config={"max_num_batched_tokens": 512, "num_speculative_tokens": 4},
+                           spec_drafts=100, spec_draft_tokens=400, spec_accepted_tokens=accepted)
+
+    busy_low = diagnose(obs(32, 40))
+    assert busy_low.limiter == "speculative-decoding"
+    assert "10% of 400 draft tokens accepted" in busy_low.evidence[0]
+    assert busy_low.suggestions[0].flag == "--speculative-config"
+    assert diagnose(obs(1, 40)).limiter == "none"  # at batch 1 the draft rows are nearly free
+    good = diagnose(obs(32, 300))
+    assert good.limiter == "none"
+    assert any("75% of 400 draft tokens accepted, 3.00 accepted per draft run" in n for n in good.numbers)
