@@ -4,10 +4,12 @@ The stack: a private redis-server and one worker process (bundled SmolLM2-135M G
 fresh in-process scheduler in its own Redis namespace (`--speculative-config` or none; one scheduler drives the
 worker at a time). Runs alternate off/on `--repeats` times; each run sends one unmeasured warm-up request first.
 
-Workloads (temperature 0, `ignore_eos`, fixed output lengths, so both sides compute the same tokens):
-- repetitive: "rewrite this code with one change" prompts over small Python modules (distinct per request); the
-  answer largely copies the prompt, the case prompt lookup exists for.
-- chat: llmserve.bench.workloads' `chat` (random-token prompts of 32..256 tokens, outputs of 32..128).
+Workloads (temperature 0, so both sides compute the same tokens):
+- repetitive: chat requests "rename this function, reply with the complete code" over small Python modules
+  (distinct per request), ending at EOS (at most --repetitive-tokens): the answer largely copies the prompt, the
+  case prompt lookup exists for.
+- chat: llmserve.bench.workloads' `chat` (random-token prompts of 32..256 tokens, fixed outputs of 32..128 with
+  `ignore_eos`).
 
 Batch 1 sends the requests one after another; batch 16 sends 16 at once. Reported per run: output tokens/s (all
 output tokens / wall time of the wave), TPOT (per request: (last token - first token) / (tokens - 1), median),
@@ -65,13 +67,18 @@ _NAMES = ["grep_lines", "find_rows", "select_text", "match_file", "pick_lines", 
           "gather_lines"]
 
 
-def repetitive_prompts(n: int) -> list[str]:
+def _module(i: int) -> str:
+    name, arg = _NAMES[i % len(_NAMES)], ["needle", "term", "pattern", "key"][i % 4]
+    return _MODULE.format(name=name, arg=arg, word=f"w{i}")
+
+
+def repetitive_prompts(n: int) -> list[list[tuple[str, str]]]:
+    """Chat requests asking for a module back with one function renamed: the answer largely copies the prompt."""
     out = []
     for i in range(n):
-        name, arg, word = _NAMES[i % len(_NAMES)], ["needle", "term", "pattern", "key"][i % 4], f"w{i}"
-        code = _MODULE.format(name=name, arg=arg, word=word)
-        out.append(f"Rewrite this code with one change: rename the function {name} to {name}_v2.\n\n```python\n"
-                   f"{code}```\n\nThe rewritten code:\n```python\n")
+        name = _NAMES[i % len(_NAMES)]
+        out.append([("user", f"Rename the function {name} to {name}_v2. Reply with the complete code only.\n\n"
+                             f"```python\n{_module(i)}```")])
     return out
 
 
@@ -81,10 +88,14 @@ def chat_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def _request(prompt, max_tokens: int) -> pb.GenerateRequest:
+    """Chat prompts (the repetitive workload) end at EOS, as a real answer does; token prompts ignore it."""
+    chat = isinstance(prompt[0], tuple)
     req = pb.GenerateRequest(request_id=f"bench-{uuid.uuid4().hex[:10]}",
-                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not chat))
     if isinstance(prompt, str):
         req.text = prompt
+    elif chat:
+        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in prompt)
     else:
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(prompt)
@@ -129,7 +140,7 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
     try:
         with grpc.insecure_channel(sched.address) as ch:
             stub = pb_grpc.LLMServeStub(ch)
-            _stream(stub, "Warm up.", 4)
+            _stream(stub, "Warm up.", 4)  # loads the detokenizer
             before = _spec_counts(sched.engine)
             streams, wall = _wave(stub, items, batch)
             after = _spec_counts(sched.engine)
