@@ -84,7 +84,7 @@ def repetitive_prompts(n: int) -> list[list[tuple[str, str]]]:
 
 def chat_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
     specs = generate("chat", WorkloadParams(num_requests=n, seed=seed))
-    return [(list(s.prompt), s.max_tokens) for s in specs]
+    return [(list(s.prompt_ids), s.max_tokens) for s in specs]
 
 
 def _request(prompt, max_tokens: int) -> pb.GenerateRequest:

@@ -94,3 +94,12 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(runner, prompt_ids, hf
     short.sampling.max_tokens = cut  # ends inside what was an accepted run (the worker trims the drafts to fit)
     drive(runner, [short], 64)
     assert short.output == ref.output[:cut] and short.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+
+
+def test_eos_with_drafts_ends_the_request(runner, prompt_ids, hf_outputs):
+    eos = set(runner.config.eos_token_ids)
+    i = 0  # "The capital of France is": the model ends its answer within NEW_TOKENS
+    end = next(j for j, t in enumerate(hf_outputs[i]) if t in eos)
+    r = DriverRequest("spec-eos", prompt_ids[i], pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    drive(runner, [r], 64)
+    assert r.output == hf_outputs[i][: end + 1] and r.finish_reason == pb.FINISH_REASON_EOS
