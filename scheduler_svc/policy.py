@@ -123,6 +123,8 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         # The KV this step may write: its chunk, its draft positions, and as many positions again as steps in
         # flight may have accepted beyond what this side knows (the worker places the chunk after those).
         span = n + k + req.num_draft_slots_in_flight
+        # ... but never past the last KV position the request can need (its final token's KV is never computed).
+        span = max(n, min(span, req.num_prompt_tokens + req.max_tokens - 1 - req.num_computed_tokens))
         # Blocks this chunk writes into that other sequences share (n > 1 forks) get a private copy first.
         shared = _shared_blocks_written(req, span, pool, cfg.block_size)
         need = blocks_for(req.num_computed_tokens + span, cfg.block_size) - len(req.block_ids) + len(shared)
