@@ -5,6 +5,8 @@
   the KV pool still has room.
 - prefill-interference: inter-token latency spikes when long prompts arrive, because chunking is off or the
   budget lets one step carry far more prefill than a decode step computes.
+- speculative-decoding: with --speculative-config, few drafts are accepted while the batch is busy, so the draft
+  rows the forward verifies cost more compute than the tokens they save (at low load they are nearly free).
 
 Inputs: a running scheduler's `/metrics` (two scrapes `--interval` seconds apart, so counters become rates over a
 window and a growing queue shows; `--interval 0` scrapes once and reads totals since start), saved metric text
@@ -15,13 +17,16 @@ vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:num_preemptions_total,
 vllm:prompt_tokens_total, and the histograms vllm:inter_token_latency_seconds, vllm:time_to_first_token_seconds,
 vllm:request_queue_time_seconds, vllm:iteration_tokens_total; llmserve:config_info (the limits in effect) and
 llmserve:admission_blocked_steps_total{limit} (steps that left requests waiting, by the limit that stopped
-admission). A server without our two metrics (e.g. vLLM) is diagnosed from the gauges alone.
+admission); vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total and
+vllm:spec_decode_num_accepted_tokens_total (acceptance rate). A server without our two metrics (e.g. vLLM) is
+diagnosed from the gauges alone.
 
 Benchmark JSON keys read (each optional): "config" (a dict with the llmserve:config_info label names, e.g.
 max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, long_prefill_token_threshold, block_size,
 num_gpu_blocks, kv_bytes_per_block, device) or "server_flags" (the server's command-line flags, a list or a
 string); "preemptions"; "peak_kv_usage" (0-1); "peak_running"; "peak_waiting"; "completed"; "duration_s";
-"ttft_ms", "itl_ms", "queue_ms" (or "queue_time_ms"), "step_tokens": percentile dicts {"p50", "p95", "p99"}.
+"ttft_ms", "itl_ms", "queue_ms" (or "queue_time_ms"), "step_tokens": percentile dicts {"p50", "p95", "p99"};
+"spec_drafts", "spec_draft_tokens", "spec_accepted_tokens" (speculative decoding counts).
 """
 
 from __future__ import annotations
@@ -55,10 +60,15 @@ ITL_TAIL_RATIO = 5.0
 # Step sizes (tokens) whose p99 is this many times the p50 mean some steps carry much more than the usual decode
 # batch: that is where the ITL tail comes from. It is also the step size, in decode batches, we suggest capping at.
 STEP_TAIL_RATIO = 4.0
+# Speculative decoding costs more than it gains when under this share of draft tokens is accepted while the batch is
+# busy: every draft is one more query row of the forward, which is nearly free while a step is bound by reading the
+# weights (few sequences) and costs its share of compute once many sequences fill the step.
+SPEC_LOW_ACCEPTANCE = 0.3
+SPEC_BUSY_SEQS = 16  # running sequences from which a step counts as busy
 
-LIMITS = ("kv-capacity", "batch-admission", "prefill-interference", "none")
+LIMITS = ("kv-capacity", "batch-admission", "prefill-interference", "speculative-decoding", "none")
 _INT_CONFIG = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "block_size",
-               "num_gpu_blocks", "kv_bytes_per_block", "max_model_len")
+               "num_gpu_blocks", "kv_bytes_per_block", "max_model_len", "num_speculative_tokens")
 _BOOL_CONFIG = ("enable_chunked_prefill", "enable_prefix_caching")
 
 
@@ -152,6 +162,9 @@ class Observation:
     ttft_ms: dict[str, float] = field(default_factory=dict)
     queue_ms: dict[str, float] = field(default_factory=dict)
     step_tokens: dict[str, float] = field(default_factory=dict)
+    spec_drafts: float | None = None  # speculative decoding: draft runs, draft tokens and accepted ones verified
+    spec_draft_tokens: float | None = None
+    spec_accepted_tokens: float | None = None
 
 
 def _typed_config(raw: dict) -> dict:
@@ -209,7 +222,10 @@ def observe_scrapes(after: Scrape, before: Scrape | None = None, window_s: float
         itl_ms=_percentiles(hist("vllm:inter_token_latency_seconds"), 1000.0),
         ttft_ms=_percentiles(hist("vllm:time_to_first_token_seconds"), 1000.0),
         queue_ms=_percentiles(hist("vllm:request_queue_time_seconds"), 1000.0),
-        step_tokens=_percentiles(hist("vllm:iteration_tokens_total")))
+        step_tokens=_percentiles(hist("vllm:iteration_tokens_total")),
+        spec_drafts=counter("vllm:spec_decode_num_drafts_total"),
+        spec_draft_tokens=counter("vllm:spec_decode_num_draft_tokens_total"),
+        spec_accepted_tokens=counter("vllm:spec_decode_num_accepted_tokens_total"))
 
 
 def _config_from_flags(flags) -> dict:
@@ -253,7 +269,8 @@ def observe_bench(data: dict) -> Observation:
                        running=num("peak_running"), waiting=num("peak_waiting"), kv_usage=num("peak_kv_usage"),
                        preemptions=num("preemptions"), requests=num("completed"), itl_ms=pct("itl_ms"),
                        ttft_ms=pct("ttft_ms"), queue_ms=pct("queue_ms", "queue_time_ms"),
-                       step_tokens=pct("step_tokens"))
+                       step_tokens=pct("step_tokens"), spec_drafts=num("spec_drafts"),
+                       spec_draft_tokens=num("spec_draft_tokens"), spec_accepted_tokens=num("spec_accepted_tokens"))
 
 
 # ---- the verdict ---------------------------------------------------------------------------------------------------
@@ -416,6 +433,37 @@ def _prefill_interference(obs: Observation) -> Finding | None:
     return Finding("prefill-interference", evidence, suggestions)
 
 
+def _spec_acceptance(obs: Observation) -> float | None:
+    if not obs.spec_draft_tokens or obs.spec_accepted_tokens is None:
+        return None
+    return obs.spec_accepted_tokens / obs.spec_draft_tokens
+
+
+def _speculation(obs: Observation) -> Finding | None:
+    """Low draft acceptance while many sequences run: the verification rows cost more than they save."""
+    rate = _spec_acceptance(obs)
+    if rate is None or rate >= SPEC_LOW_ACCEPTANCE:
+        return None
+    busy = obs.running is not None and obs.running >= SPEC_BUSY_SEQS
+    budget = obs.config.get("max_num_batched_tokens")
+    full_steps = bool(budget and obs.step_tokens.get("p50", 0) >= budget / 2)
+    if not (busy or full_steps):
+        return None
+    k = obs.config.get("num_speculative_tokens")
+    evidence = [f"{_pct(rate)} of {obs.spec_draft_tokens:.0f} draft tokens accepted (below "
+                f"{_pct(SPEC_LOW_ACCEPTANCE)})"]
+    if busy:
+        evidence.append(f"{obs.running:.0f} sequences running: each draft is a query row the busy forward computes")
+    if full_steps:
+        evidence.append(f"tokens per step p50 {obs.step_tokens['p50']:.0f} of a {budget}-token budget: drafts take "
+                        "budget from other requests")
+    suggestions = [Suggestion("--speculative-config", "(drop it)", "plain decoding is cheaper for this load")]
+    if k and k > 1:
+        suggestions.append(Suggestion("--speculative-config", f'\'{{"method": "ngram", "num_speculative_tokens": '
+                                      f'{max(1, k // 2)}}}\'', "fewer drafts per step waste less when most fail"))
+    return Finding("speculative-decoding", evidence, suggestions)
+
+
 def _numbers(obs: Observation) -> list[str]:
     out = [f"source: {obs.source}"]
 
@@ -440,6 +488,10 @@ def _numbers(obs: Observation) -> list[str]:
                            ("queue time", obs.queue_ms, " ms"), ("tokens per step", obs.step_tokens, "")):
         if d:
             out.append(f"{label}: " + ", ".join(f"{k} {v:.1f}{unit}" for k, v in d.items()))
+    rate = _spec_acceptance(obs)
+    if rate is not None:
+        runs = f", {obs.spec_accepted_tokens / obs.spec_drafts:.2f} accepted per draft run" if obs.spec_drafts else ""
+        out.append(f"speculative decoding: {_pct(rate)} of {obs.spec_draft_tokens:.0f} draft tokens accepted{runs}")
     if obs.config:
         out.append("config: " + ", ".join(f"{k}={v}" for k, v in obs.config.items()))
     return out
@@ -448,7 +500,8 @@ def _numbers(obs: Observation) -> list[str]:
 def diagnose(obs: Observation) -> Verdict:
     """The first limit that holds, in order of cost: a short pool (preemptions redo work), then admission, then
     the latency tail; the rest go to `also`."""
-    findings = [f for f in (_kv_capacity(obs), _batch_admission(obs), _prefill_interference(obs)) if f]
+    findings = [f for f in (_kv_capacity(obs), _batch_admission(obs), _prefill_interference(obs),
+                            _speculation(obs)) if f]
     numbers = _numbers(obs)
     if not findings:
         return Verdict("none", ["no preemptions, no queue held back by a limit, no prefill-driven ITL tail"], [], [],

@@ -175,16 +175,18 @@ class ResumedRequest(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
-    __slots__ = ("slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids")
+    __slots__ = ("slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_draft_slots")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_draft_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("slot", "block_ids")
@@ -203,7 +205,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "fencing_token", "expected_epoch", "reset_batch", "dropped_slots", "new_requests", "resumed_requests", "cached", "replaced_tables", "copy_blocks", "after_step_id")
+    __slots__ = ("step_id", "fencing_token", "expected_epoch", "reset_batch", "dropped_slots", "new_requests", "resumed_requests", "cached", "replaced_tables", "copy_blocks", "after_step_id", "prompt_lookup_min", "prompt_lookup_max")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,8 @@ class StepPlan(_message.Message):
     REPLACED_TABLES_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     fencing_token: int
     expected_epoch: str
@@ -226,10 +230,12 @@ class StepPlan(_message.Message):
     replaced_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     copy_blocks: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     after_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., reset_batch: _Optional[bool] = ..., dropped_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., replaced_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., reset_batch: _Optional[bool] = ..., dropped_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., replaced_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds", "num_constrained", "mask_seconds")
+    __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds", "num_constrained", "mask_seconds", "spec_slots", "spec_num_draft_tokens", "spec_num_accepted_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +253,9 @@ class StepResult(_message.Message):
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     slots: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -264,4 +273,7 @@ class StepResult(_message.Message):
     idle_seconds: float
     num_constrained: int
     mask_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_logprob_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., num_constrained: _Optional[int] = ..., mask_seconds: _Optional[float] = ...) -> None: ...
+    spec_slots: _containers.RepeatedScalarFieldContainer[int]
+    spec_num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    spec_num_accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_logprob_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., num_constrained: _Optional[int] = ..., mask_seconds: _Optional[float] = ..., spec_slots: _Optional[_Iterable[int]] = ..., spec_num_draft_tokens: _Optional[_Iterable[int]] = ..., spec_num_accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

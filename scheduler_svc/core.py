@@ -34,6 +34,15 @@ FINISH_REJECTED = "rejected"  # the worker refused this request's plan entry: th
 _CLIENT_FINISH = {WORKER_EOS: FINISH_STOP, WORKER_STOP_TOKEN: FINISH_STOP, WORKER_MAX_TOKENS: FINISH_LENGTH}
 
 
+def _accepted_drafts(out: SchedulerOutput, result: WorkerOutput) -> dict[str, int]:
+    """request id -> drafts the worker accepted in this step: its tokens in the result minus the one every
+    sampling step yields (a finish inside the run cuts it, but then the request is done anyway)."""
+    counts: dict[str, int] = {}
+    for tok in result.tokens:
+        counts[tok.request_id] = counts.get(tok.request_id, 0) + 1
+    return {rid: c - 1 for rid, c in counts.items() if c > 1 and rid in out.num_draft_slots}
+
+
 class SchedulerCore:
     def __init__(self, policy: PolicyConfig, pool: BlockPool, queue_timeout: float = 0.0, arrival_seq: int = 0):
         self.policy = policy
@@ -90,6 +99,7 @@ class SchedulerCore:
         Tokens a lost step was sampling will not come: they are recomputed."""
         for req in self.requests.values():
             req.num_pending_tokens = 0
+            req.num_draft_slots_in_flight = 0
         for req in reversed(self.running):
             self.pool.release(req.block_ids)
             req.block_ids = []
@@ -134,16 +144,26 @@ class SchedulerCore:
             req.num_computed_tokens += out.num_tokens[req.request_id]
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending_tokens += 1
+            req.num_draft_slots_in_flight += out.num_draft_slots.get(req.request_id, 0)
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: WorkerOutput, now: float) -> StepOutcome:
         """Apply an executed step: progress, prefix-cache registration, forks, sampled tokens and worker finishes."""
         outcome = StepOutcome()
+        accepted = _accepted_drafts(out, result) if out.num_draft_slots else {}
         for req in out.scheduled:
             if req.finished:
                 continue  # finished (or aborted) while this step ran
             # The KV this step computed is now confirmed; a request preempted since holds no blocks to offer.
             confirmed = out.num_computed_before[req.request_id] + out.num_tokens[req.request_id]
+            if req.status == Status.RUNNING and req.request_id in out.num_draft_slots:
+                # Accepted drafts were query rows of this step: their KV is computed. Rejected positions hold
+                # garbage KV past num_computed_tokens, overwritten by later steps; their blocks stay reserved
+                # for the next step's drafts and are freed with the request.
+                req.num_draft_slots_in_flight -= out.num_draft_slots[req.request_id]
+                n_acc = accepted.get(req.request_id, 0)
+                req.num_computed_tokens += n_acc
+                confirmed += n_acc
             if req.status == Status.RUNNING:
                 if self.policy.enable_prefix_caching:
                     self._register_computed_blocks(req, confirmed)
@@ -159,8 +179,8 @@ class SchedulerCore:
             if req is None or req.finished:
                 continue
             req.output_ids.append(tok.token_id)
-            req.num_pending_tokens = max(0, req.num_pending_tokens - 1)
-            if tok.request_id not in appended:
+            if tok.request_id not in appended:  # one pending token per step (more with accepted drafts)
+                req.num_pending_tokens = max(0, req.num_pending_tokens - 1)
                 appended[tok.request_id] = []
                 outcome.appended.append((req, appended[tok.request_id]))
             appended[tok.request_id].append(tok)

@@ -208,7 +208,8 @@ class Driver(Frontend):
         record = self._record(out)
         plan = encode_plan(out, self.worker.slots, step_id=self.step_id, token=self.lease.token,
                            epoch=self.worker.info.epoch, reset=core.reset_worker, dropped=core.to_drop,
-                           after_step_id=self.in_flight.step_id if self.in_flight else 0)
+                           after_step_id=self.in_flight.step_id if self.in_flight else 0,
+                           speculative=core.policy.speculative)
         core.reset_worker, core.to_drop = False, []
         self._notify("step_started", record)
         record.wait = self.worker.send(plan, record.trace)

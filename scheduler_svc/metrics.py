@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from scheduler_svc.outputs import SchedulerOutput
+from scheduler_svc.outputs import SchedulerOutput, SpecStats
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import Request
 
@@ -17,7 +17,7 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache")
 _CONFIG_LABELS = ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
                   "enable_prefix_caching", "scheduling_policy", "scheduling_mode", "block_size", "num_gpu_blocks",
-                  "kv_bytes_per_block", "max_model_len", "device"]
+                  "kv_bytes_per_block", "max_model_len", "device", "num_speculative_tokens"]
 
 
 class Metrics:
@@ -46,6 +46,16 @@ class Metrics:
                                       L, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", L,
                                    registry=r)
+        # Speculative decoding (vLLM's names): requests x steps that verified drafts, drafts, accepted drafts, and
+        # accepted drafts by position (0 = the first draft after the request's last token).
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Draft runs verified (one per request and step)",
+                                   L, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", L,
+                                         registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", L,
+                                     registry=r)
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted at each draft position", [*L, "position"], registry=r)
         # Not in vLLM: the configuration and the admission limit, for `llmserve diagnose`.
         self.config_info = Gauge("llmserve:config_info", "Scheduler limits and KV pool size in effect (value 1)",
                                  [*L, *_CONFIG_LABELS], registry=r)
@@ -96,6 +106,8 @@ class Metrics:
             x.labels(**m) for x in (self.grammar_compile, self.grammar_queries, self.grammar_hits,
                                     self.masked_tokens, self.mask_seconds))
         self.c_success: dict[str, Counter] = {}
+        self.c_spec = tuple(c.labels(**m) for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted))
+        self.c_spec_pos: list = []  # by position, bound as positions first appear
         # Created up front so a scrape shows 0 rather than nothing for a limit never hit.
         self.c_blocked = {lim: self.admission_blocked.labels(model_name=name, limit=lim) for lim in ADMISSION_LIMITS}
 
@@ -111,7 +123,8 @@ class Metrics:
             enable_prefix_caching=str(policy.enable_prefix_caching).lower(),
             scheduling_policy=policy.scheduling_policy, scheduling_mode=policy.scheduling_mode,
             block_size=policy.block_size, num_gpu_blocks=num_gpu_blocks, kv_bytes_per_block=kv_bytes_per_block,
-            max_model_len=max_model_len, device=device).set(1)
+            max_model_len=max_model_len, device=device,
+            num_speculative_tokens=policy.speculative.num_speculative_tokens if policy.speculative else 0).set(1)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -155,6 +168,17 @@ class Metrics:
     def structured_step(self, num_masked: int, seconds: float) -> None:
         self.c_masked.inc(num_masked)
         self.c_mask_s.inc(seconds)
+
+    def spec_decode(self, spec: SpecStats) -> None:
+        drafts, tokens, accepted = self.c_spec
+        drafts.inc(spec.num_drafts)
+        tokens.inc(spec.num_draft_tokens)
+        accepted.inc(spec.num_accepted_tokens)
+        while len(self.c_spec_pos) < len(spec.accepted_per_pos):
+            self.c_spec_pos.append(self.spec_per_pos.labels(model_name=self.model_name,
+                                                            position=str(len(self.c_spec_pos))))
+        for counter, n in zip(self.c_spec_pos, spec.accepted_per_pos, strict=False):
+            counter.inc(n)
 
     def redis_commit(self, seconds: float) -> None:
         self.c_commit.observe(seconds)

@@ -59,6 +59,8 @@ class MetricsObserver(Observer):
             m.worker_step(record.worker.forward_seconds, record.worker.idle_seconds, record.end - record.start)
             if record.worker.num_constrained:
                 m.structured_step(record.worker.num_constrained, record.worker.mask_seconds)
+            if record.worker.spec is not None:
+                m.spec_decode(record.worker.spec)
 
 
 class TracingObserver(Observer):

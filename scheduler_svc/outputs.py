@@ -45,6 +45,9 @@ class SchedulerOutput:
     # Copy-on-write (src, dst) block copies the worker makes before the forward (n > 1 siblings writing a shared
     # block).
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: request id -> draft positions the worker may verify after the request's one scheduled
+    # token (budgeted and with KV blocks allocated; the worker proposes the drafts and may use fewer).
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
     # Requests whose block table changed in place (a copy replaced a shared block): the whole table is resent.
     replaced_tables: set[str] = field(default_factory=set)
     # Why admission stopped while requests still waited (one of the STOP_* values), None when the queue emptied
@@ -74,7 +77,7 @@ class SchedulerOutput:
             self.replaced_tables.discard(req.request_id)
             mine = set(req.block_ids)
             self.copies = [(src, dst) for src, dst in self.copies if dst not in mine]
-        return self.num_tokens.pop(req.request_id)
+        return self.num_tokens.pop(req.request_id) + self.num_draft_slots.pop(req.request_id, 0)
 
 
 @dataclass
@@ -100,6 +103,17 @@ class SampledToken:
 
 
 @dataclass
+class SpecStats:
+    """Draft verification in one step (vllm:spec_decode_* metrics): requests that verified drafts, drafts
+    verified, drafts accepted, and accepted per draft position (index 0 = the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass
 class WorkerOutput:
     """One executed step as the worker reported it."""
 
@@ -110,6 +124,7 @@ class WorkerOutput:
     idle_seconds: float = 0.0  # the worker had no plan to run, before this step
     num_constrained: int = 0  # sampled rows masked by a structured-output grammar
     mask_seconds: float = 0.0  # filling and applying those masks, advancing the matchers
+    spec: SpecStats | None = None  # speculative decoding, when some request verified drafts this step
 
     @property
     def seconds(self) -> float:

@@ -19,6 +19,7 @@ from scheduler_svc import outputs
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.outputs import SchedulerOutput
 from scheduler_svc.request import Request, Status
+from scheduler_svc.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class PolicyConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enable_prefix_caching: bool = False
     scheduling_mode: str = "continuous"  # continuous | static | naive
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
 
 
 SCHEDULING_MODES = ("continuous", "static", "naive")
@@ -56,6 +58,7 @@ def _preempt(victim: Request, running: list[Request], waiting: deque[Request], p
     victim.block_ids = []
     victim.num_computed_tokens = 0
     victim.num_registered_blocks = 0
+    victim.num_draft_slots_in_flight = 0  # the worker drops it: whatever its steps in flight accept is recomputed
     victim.status = Status.WAITING
     victim.num_preemptions += 1
     waiting.appendleft(victim)
@@ -68,6 +71,20 @@ def _chunk(req: Request, budget: int, cfg: PolicyConfig) -> int:
     if cfg.long_prefill_token_threshold > 0:
         n = min(n, cfg.long_prefill_token_threshold)
     return min(n, budget)
+
+
+def _draft_slots(req: Request, n: int, budget: int, cfg: PolicyConfig) -> int:
+    """Draft positions a decode (one token, the last known one) may verify after it: within the token budget and
+    below max_tokens. Prefill chunks get none, and so do structured outputs: an n-gram draft ignores the grammar,
+    and masking every verified position would need one matcher state per draft (they decode one token a step)."""
+    if cfg.speculative is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        return 0
+    if req.sampling.constraint is not None:
+        return 0
+    if not (req.output_ids or req.num_pending_tokens):
+        return 0  # the prompt's last token: no output to continue yet
+    left = req.max_tokens - len(req.output_ids) - req.num_pending_tokens  # tokens this step may still add, >= 1
+    return max(0, min(cfg.speculative.num_speculative_tokens, budget, left - 1))
 
 
 def _shared_blocks_written(req: Request, n: int, pool: BlockPool, block_size: int) -> list[int]:
@@ -105,9 +122,20 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         if n <= 0:
             i += 1
             continue
+        k = _draft_slots(req, n, budget - n, cfg)
+        # The KV this step may write: its chunk, its draft positions, and as many positions again as steps in
+        # flight may have accepted beyond what this side knows (the worker places the chunk after those).
+        span = n + k + req.num_draft_slots_in_flight
+        # ... but never past the last KV position the request can need (its final token's KV is never computed).
+        span = max(n, min(span, req.num_prompt_tokens + req.max_tokens - 1 - req.num_computed_tokens))
         # Blocks this chunk writes into that other sequences share (n > 1 forks) get a private copy first.
-        shared = _shared_blocks_written(req, n, pool, cfg.block_size)
-        need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) + len(shared)
+        shared = _shared_blocks_written(req, span, pool, cfg.block_size)
+        need = blocks_for(req.num_computed_tokens + span, cfg.block_size) - len(req.block_ids) + len(shared)
+        if k and need > pool.num_free:
+            # Drafts never preempt anyone: without room for them the request decodes one token.
+            span, k = span - k, 0
+            shared = _shared_blocks_written(req, span, pool, cfg.block_size)
+            need = blocks_for(req.num_computed_tokens + span, cfg.block_size) - len(req.block_ids) + len(shared)
         while need > pool.num_free:
             victim = _pick_victim(running, cfg)
             budget += out.unschedule(victim)
@@ -118,8 +146,8 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
             if victim is req:
                 break
             # The victim may have shared a block req was going to copy: if req now holds it alone, no copy.
-            shared = _shared_blocks_written(req, n, pool, cfg.block_size)
-            need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) + len(shared)
+            shared = _shared_blocks_written(req, span, pool, cfg.block_size)
+            need = blocks_for(req.num_computed_tokens + span, cfg.block_size) - len(req.block_ids) + len(shared)
         if req.status != Status.RUNNING:
             continue  # req itself was the victim; `running[i]` is now the next request
         if shared:
@@ -135,7 +163,9 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         out.scheduled.append(req)
         out.num_tokens[req.request_id] = n
         out.new_blocks[req.request_id] = new
-        budget -= n
+        if k:
+            out.num_draft_slots[req.request_id] = k
+        budget -= n + k
         i += 1
 
     if cfg.scheduling_policy == "priority" and waiting:

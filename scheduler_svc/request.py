@@ -54,6 +54,9 @@ class Request:
     needs_resume: bool = False  # the worker must rebuild it from the full token list
     # Pipelined scheduling (not persisted): tokens a step in flight samples for this request, not yet received.
     num_pending_tokens: int = 0
+    # Speculative decoding (not persisted): draft positions granted to steps in flight. Each may have advanced the
+    # worker's copy by that many accepted tokens more than this side knows, so the next step's blocks cover them.
+    num_draft_slots_in_flight: int = 0
     # Tracing (never persisted): the caller's W3C context from Generate, and this request's open span.
     trace_context: Any = field(default=None, repr=False, compare=False)
     span: Any = field(default=None, repr=False, compare=False)

@@ -42,6 +42,7 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.outbox import UNAVAILABLE, Published
 from scheduler_svc.policy import SCHEDULING_MODES, PolicyConfig
 from scheduler_svc.request import FINISH_STOP
+from scheduler_svc.speculative import SpeculativeConfig, parse_speculative_config
 from scheduler_svc.store import RedisLedger
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
@@ -287,6 +288,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="commit and publish each step while the worker already runs the next one (the next plan is "
                    "built from the previous step's result); --no-async-scheduling commits between the two")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                   "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; the only method)")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="append one JSON line per step (scheduled/admitted/preempted/finished ids, queue sizes, "
                    "KV usage): for benchmarks and tests")
@@ -364,7 +368,8 @@ def scheduler_from_args(args: argparse.Namespace) -> tuple[Driver, RedisLedger]:
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
                           scheduling_policy=args.scheduling_policy,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          scheduling_mode=args.scheduling_mode)
+                          scheduling_mode=args.scheduling_mode,
+                          speculative=speculative_from_args(args))
     ledger = RedisLedger(connect_redis(args.redis_url), namespace=args.namespace)
     worker_credentials = None
     if args.worker_tls_ca is not None:
@@ -469,6 +474,13 @@ def build_server(engine: Driver, address: str, api_key: str | None = None, token
     return server, server.port, server.health
 
 
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    try:
+        return parse_speculative_config(getattr(args, "speculative_config", None))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Incompatible combinations fail at start-up, naming the flags and the values. The block size and
     max-model-len are checked here when they are flags of this command (`llmserve serve`), otherwise once the
@@ -476,6 +488,10 @@ def check_flags(args: argparse.Namespace) -> None:
     for flag in ("max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    spec = speculative_from_args(args)
+    if spec is not None and args.scheduling_mode != "continuous":
+        raise SystemExit(f"--speculative-config needs --scheduling-mode continuous (got {args.scheduling_mode}): the "
+                         "static and naive modes are baselines of plain decoding; drop one of them")
     if args.long_prefill_token_threshold and not args.enable_chunked_prefill:
         raise SystemExit("--long-prefill-token-threshold only applies with --enable-chunked-prefill; "
                          "drop one of them")

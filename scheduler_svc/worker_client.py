@@ -26,9 +26,11 @@ from scheduler_svc.outputs import (
     Logprobs,
     SampledToken,
     SchedulerOutput,
+    SpecStats,
     WorkerOutput,
 )
 from scheduler_svc.slot_table import SlotTable
+from scheduler_svc.speculative import SpeculativeConfig
 from scheduler_svc.worker_wire import sampling_to_wire
 
 _FINISH = {wpb.FINISH_REASON_EOS: WORKER_EOS, wpb.FINISH_REASON_STOP_TOKEN: WORKER_STOP_TOKEN,
@@ -184,12 +186,27 @@ def decode_result(result: wpb.StepResult, owners: list[str | None]) -> WorkerOut
     for i, lp, n in zip(result.logprob_indices, result.logprobs, result.num_top_logprobs, strict=True):
         tokens[i].logprobs = Logprobs(lp, list(zip(top_ids[at: at + n], top_lps[at: at + n], strict=True)))
         at += n
-    return WorkerOutput(tokens, result.prepare_seconds, result.forward_seconds, result.sample_seconds,
-                        result.idle_seconds, result.num_constrained, result.mask_seconds)
+    output = WorkerOutput(tokens, result.prepare_seconds, result.forward_seconds, result.sample_seconds,
+                          result.idle_seconds, result.num_constrained, result.mask_seconds)
+    if result.spec_slots:
+        output.spec = spec_stats(result.spec_num_draft_tokens, result.spec_num_accepted_tokens)
+    return output
+
+
+def spec_stats(num_draft_tokens, num_accepted_tokens) -> SpecStats:
+    """Totals and per-position acceptance of one step's verified drafts (one entry per request)."""
+    drafts, accepted = list(num_draft_tokens), list(num_accepted_tokens)
+    per_pos = [0] * max(drafts, default=0)
+    for a in accepted:  # a handful of requests, a few positions each
+        for j in range(a):
+            per_pos[j] += 1
+    return SpecStats(num_drafts=len(drafts), num_draft_tokens=sum(drafts), num_accepted_tokens=sum(accepted),
+                     accepted_per_pos=per_pos)
 
 
 def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: int, epoch: str, reset: bool,
-                dropped: list[str], after_step_id: int = 0) -> wpb.StepPlan:
+                dropped: list[str], after_step_id: int = 0,
+                speculative: SpeculativeConfig | None = None) -> wpb.StepPlan:
     """The step as a delta plan. Frees the dropped requests' slots, gives joining requests one, and marks every
     scheduled request as held by the worker from now on."""
     if reset:
@@ -204,12 +221,14 @@ def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: 
     scheduled: list[int] = []
     counts: list[int] = []
     new_blocks: list[int] = []
+    draft_slots: list[int] = []
     for req in out.scheduled:
         rid, n = req.request_id, out.num_tokens[req.request_id]
         if req.on_worker:
             slot = slots.slot_of[rid]
             cached_slots.append(slot)
             scheduled.append(n)
+            draft_slots.append(out.num_draft_slots.get(rid, 0))
             if rid in out.replaced_tables:
                 plan.replaced_tables.add(slot=slot, block_ids=req.block_ids)
                 counts.append(0)
@@ -234,4 +253,8 @@ def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: 
     if new_blocks:  # most decode steps allocate none: the counts are then left out
         cached.num_new_blocks.extend(counts)
         cached.new_block_ids.extend(new_blocks)
+    if out.num_draft_slots and speculative is not None:
+        cached.num_draft_slots.extend(draft_slots)
+        plan.prompt_lookup_min = speculative.prompt_lookup_min
+        plan.prompt_lookup_max = speculative.prompt_lookup_max
     return plan

@@ -31,11 +31,13 @@ class DriverRequest:
 
 
 def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list[DriverRequest], *, chunk: int,
-                 num_blocks: int, block_size: int, seed: int = 0, first_step_id: int = 1) -> int:
+                 num_blocks: int, block_size: int, seed: int = 0, first_step_id: int = 1,
+                 num_draft_slots: int = 0, spec_results: list[pb.StepResult] | None = None) -> int:
     """Run every request to completion; each step gives each request up to `chunk` tokens.
 
     Blocks are handed out one at a time from a shuffled pool, so tables are non-contiguous.
-    Returns the next free step id.
+    `num_draft_slots`: speculative decoding, each decode may verify that many drafts (prompt lookup 1..3); the
+    results go to `spec_results` when given. Returns the next free step id.
     """
     rng = random.Random(seed)
     free = list(range(num_blocks))
@@ -54,24 +56,32 @@ def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list
         new, cached = [], []
         for r in running:
             n = min(chunk, len(r.tokens) - r.computed)
-            need = -(-(r.computed + n) // block_size) - len(r.blocks)
-            new_blocks = [free.pop() for _ in range(need)]
+            k = num_draft_slots if r.sent and r.output and n == 1 else 0
+            need = -(-(r.computed + n + k) // block_size) - len(r.blocks)
+            new_blocks = [free.pop() for _ in range(max(0, need))]
             r.blocks += new_blocks
             if not r.sent:
                 new.append(pb.NewRequest(request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
                                          block_ids=r.blocks, num_scheduled_tokens=n))
                 r.sent = True
             else:
-                cached.append(Cached(r.request_id, n, new_blocks))
+                cached.append(Cached(r.request_id, n, new_blocks, num_draft_slots=k))
             r.computed += n
         if not running:
             continue
-        plan = wire.plan(step_id=step, new_requests=new, cached_requests=cached)
+        lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 3} if num_draft_slots else {}
+        plan = wire.plan(step_id=step, new_requests=new, cached_requests=cached, **lookup)
         step += 1
         result = execute(plan)
+        if spec_results is not None:
+            spec_results.append(result)
         by_id = {r.request_id: r for r in running}
+        got: set[str] = set()
         for t in wire.tokens(result):
             r = by_id[t.request_id]
+            if t.request_id in got:
+                r.computed += 1  # an accepted draft: its KV came with the step
+            got.add(t.request_id)
             r.tokens.append(t.token_id)
             r.output.append(t.token_id)
             r.logprobs.append(t.logprob)

@@ -25,6 +25,7 @@ class Cached:
     num_scheduled_tokens: int = 0
     new_block_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    num_draft_slots: int = 0  # speculative decoding: draft positions the worker may verify after the chunk
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Token:
 def add_cached(plan: pb.StepPlan, entries: Iterable[tuple[int, Cached]]) -> None:
     """Append (slot, entry) pairs to the plan's packed cached arrays (num_new_blocks always written)."""
     c = plan.cached
+    entries = list(entries)
+    if any(e.num_draft_slots for _, e in entries):
+        c.num_draft_slots.extend(e.num_draft_slots for _, e in entries)
     for slot, e in entries:
         c.slots.append(slot)
         c.num_scheduled_tokens.append(e.num_scheduled_tokens)

@@ -68,6 +68,8 @@ class Schedule:
     rows: np.ndarray  # int64
     starts: np.ndarray  # int64: the row's num_computed_tokens when the plan was applied
     lengths: np.ndarray  # int64, > 0
+    # Speculative decoding: draft positions row rows[i] may verify after its chunk (None: no entry has any).
+    draft_slots: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -92,6 +94,7 @@ class CachedDeltas:
     tables: dict[int, list[int]]  # entry index -> replacement block table
     # slot of a joining constrained request -> its grammar matcher (built by check_plan: compiling can fail)
     matchers: dict[int, object] = dataclasses.field(default_factory=dict)
+    draft_slots: np.ndarray | None = None  # int64 per entry; None when the plan grants no draft positions
 
     @staticmethod
     def parse(plan: pb.StepPlan) -> CachedDeltas:
@@ -106,6 +109,12 @@ class CachedDeltas:
         if int(counts.sum()) != len(c.new_block_ids):
             raise _invalid(f"cached: num_new_blocks add up to {int(counts.sum())}, new_block_ids has "
                            f"{len(c.new_block_ids)}")
+        if len(c.num_draft_slots) not in (0, n):
+            raise _invalid(f"cached: num_draft_slots has {len(c.num_draft_slots)} entries, slots {n} (or none)")
+        drafts = np.array(c.num_draft_slots, dtype=np.int64) if len(c.num_draft_slots) else None
+        if drafts is not None and not 1 <= plan.prompt_lookup_min <= plan.prompt_lookup_max:
+            raise _invalid(f"num_draft_slots needs 1 <= prompt_lookup_min ({plan.prompt_lookup_min}) <= "
+                           f"prompt_lookup_max ({plan.prompt_lookup_max})")
         tables: dict[int, list[int]] = {}
         for t in plan.replaced_tables:
             where = np.flatnonzero(slots == t.slot)
@@ -115,7 +124,8 @@ class CachedDeltas:
                 raise _invalid(f"replaced_tables[slot {t.slot}]: the slot appears more than once")
             tables[int(where[0])] = list(t.block_ids)
         return CachedDeltas(slots=slots, scheduled=np.array(c.num_scheduled_tokens, dtype=np.int64),
-                            new_counts=counts, new_blocks=np.array(c.new_block_ids, dtype=np.int64), tables=tables)
+                            new_counts=counts, new_blocks=np.array(c.new_block_ids, dtype=np.int64), tables=tables,
+                            draft_slots=drafts)
 
 
 def _invalid(msg: str) -> PlanError:
@@ -351,9 +361,13 @@ class PersistentBatch:
             inputs.set_blocks(int(cached.slots[i]), table)
         inputs.append_blocks(cached.slots, cached.new_counts, cached.new_blocks)
         on = cached.slots[cached.scheduled > 0]
+        drafts = None
+        if cached.draft_slots is not None:
+            drafts = np.concatenate([np.zeros(len(rows), dtype=np.int64), cached.draft_slots[cached.scheduled > 0]])
         return Schedule(
             inputs,
             rows=np.concatenate([np.array(rows, dtype=np.int64), on]),
             starts=np.concatenate([np.array(starts, dtype=np.int64), inputs.num_computed_tokens[on]]),
             lengths=np.concatenate([np.array(lengths, dtype=np.int64), cached.scheduled[cached.scheduled > 0]]),
+            draft_slots=drafts,
         )

@@ -205,9 +205,12 @@ class InputBatch:
 
     # -- sampling -----------------------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray, eos_token_ids: np.ndarray) -> SamplingBatch:
-        """The sampler's view of `rows` (which sample this step); tokens only for the rows with penalties."""
-        n = self.num_tokens[rows]
+    def sampling_batch(self, rows: np.ndarray, eos_token_ids: np.ndarray,
+                       offsets: np.ndarray | None = None) -> SamplingBatch:
+        """The sampler's view of `rows` (which sample this step); tokens only for the rows with penalties.
+        `offsets`: speculative verification samples a row at several positions; entry i then samples the token
+        after the row's tokens plus its next offsets[i] draft tokens (written past num_tokens)."""
+        n = self.num_tokens[rows] if offsets is None else self.num_tokens[rows] + offsets
         b = SamplingBatch(
             temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
             min_p=self.min_p[rows], repetition_penalty=self.repetition_penalty[rows],
@@ -217,9 +220,10 @@ class InputBatch:
             stop_token_ids=self.stop_token_ids[rows],
             eos_token_ids=np.broadcast_to(eos_token_ids, (len(rows), len(eos_token_ids))),
         )
-        pen = rows[b.uses_penalties]
+        uses = b.uses_penalties
+        pen = rows[uses]
         if len(pen):
-            b.penalty_num_tokens = self.num_tokens[pen]
+            b.penalty_num_tokens = n[uses]
             b.penalty_num_prompt = self.num_prompt_tokens[pen]
             b.penalty_tokens = self.token_ids[pen, : int(b.penalty_num_tokens.max())]
         return b

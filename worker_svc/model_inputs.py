@@ -22,27 +22,41 @@ class ModelInputs:
     attn_metadata: kernels.AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each chunk that reaches its end
     sample_rows: np.ndarray  # [num_sampled] int64: the batch rows those chunks belong to
+    # Speculative decoding: drafts each sampling chunk verifies (its logits are its last 1 + drafts positions, and
+    # the drafts were written to the batch's token_ids past num_tokens); None when no chunk has any.
+    num_drafts: np.ndarray | None = None
 
 
-def build_model_inputs(s: Schedule, block_size: int, device: torch.device, *, build_plan: bool) -> ModelInputs:
+def build_model_inputs(s: Schedule, block_size: int, device: torch.device, *, build_plan: bool,
+                       num_drafts: np.ndarray | None = None) -> ModelInputs:
+    """`num_drafts` (parallel to s.rows): draft tokens appended as query rows after each chunk."""
     b = s.inputs
-    ends = np.cumsum(s.lengths)
-    seq = np.repeat(np.arange(len(s.rows)), s.lengths)
-    positions = np.arange(len(seq)) + (s.starts - ends + s.lengths)[seq]
+    lengths = s.lengths if num_drafts is None else s.lengths + num_drafts
+    ends = np.cumsum(lengths)
+    seq = np.repeat(np.arange(len(s.rows)), lengths)
+    positions = np.arange(len(seq)) + (s.starts - ends + lengths)[seq]
     input_ids = b.token_ids[s.rows[seq], positions].astype(np.int64)
-    seq_lens = s.starts + s.lengths
-    samples = seq_lens == b.num_tokens[s.rows]
+    seq_lens = s.starts + lengths
+    samples = s.starts + s.lengths == b.num_tokens[s.rows]
     num_blocks = b.num_blocks[s.rows]
     # As wide as the longest table, 0 past each one's blocks (the kernels' layout).
     tables = b.block_table[s.rows, : max(1, int(num_blocks.max(initial=0)))]
-    meta = kernels.attention_metadata_from_arrays(s.lengths, seq_lens, tables, block_size, device,
+    meta = kernels.attention_metadata_from_arrays(lengths, seq_lens, tables, block_size, device,
                                                   build_plan=build_plan)
+    if num_drafts is None:
+        logits_indices, drafts = ends[samples] - 1, None
+    else:
+        drafts = num_drafts[samples]
+        per = drafts + 1  # logits of the chunk's last token and of each draft
+        first = np.cumsum(per) - per
+        logits_indices = np.repeat(ends[samples] - per, per) + np.arange(int(per.sum())) - np.repeat(first, per)
     return ModelInputs(
         input_ids=_to(input_ids, device),
         positions=_to(positions, device),
         attn_metadata=meta,
-        logits_indices=_to(ends[samples] - 1, device),
+        logits_indices=_to(logits_indices, device),
         sample_rows=s.rows[samples],
+        num_drafts=drafts,
     )
 
 

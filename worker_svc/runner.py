@@ -24,6 +24,7 @@ from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.sampler import greedy_batch, sample_batch
+from worker_svc.speculative import accepted_lengths, propose_ngram
 from worker_svc.tensor_parallel import FULL, Shard, local_config
 
 if TYPE_CHECKING:
@@ -184,14 +185,18 @@ class ModelRunner:
             if len(copies[0]):
                 self._run(copies, None)
             return result
-        inputs = build_model_inputs(sched, self.block_size, self.device,
+        num_drafts = self._propose(sched, plan) if sched.draft_slots is not None else None
+        inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
         t2 = time.perf_counter()
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
-            self._sample(logits, inputs.sample_rows, result)
+            if inputs.num_drafts is not None and inputs.num_drafts.any():
+                self._verify(logits, inputs.sample_rows, inputs.num_drafts, result)
+            else:
+                self._sample(logits, inputs.sample_rows, result)
         t3 = time.perf_counter()
         result.prepare_seconds, result.forward_seconds, result.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
@@ -239,6 +244,106 @@ class ModelRunner:
                            positions=torch.from_numpy(step.positions).to(dev), attn_metadata=meta,
                            logits_indices=torch.from_numpy(step.logits_indices).to(dev),
                            sample_rows=np.zeros(0, dtype=np.int64))
+
+    def _propose(self, sched: Schedule, plan: pb.StepPlan) -> np.ndarray:
+        """N-gram drafts for the decoding chunks with draft positions, written to the batch's token_ids past each
+        row's num_tokens (the next step's tokens overwrite them); returns the drafts per chunk (0 for most)."""
+        b = self.batch.inputs
+        rows, ends = sched.rows, sched.starts + sched.lengths
+        n = b.num_tokens[rows]
+        # Within the grant, the row's blocks, max_model_len (the bonus token included) and max_tokens.
+        cap = np.minimum(sched.draft_slots, b.num_blocks[rows] * self.block_size - ends)
+        cap = np.minimum(cap, self.max_model_len - 1 - n)
+        max_tokens = b.max_tokens[rows]
+        cap = np.where(max_tokens > 0, np.minimum(cap, max_tokens - (n - b.num_prompt_tokens[rows]) - 1), cap)
+        cap = np.where(ends == n, np.maximum(cap, 0), 0)
+        cap[b.constrained[rows]] = 0  # the scheduler grants constrained requests none; never draft past a grammar
+        num_drafts = np.zeros(len(rows), dtype=np.int64)
+        which = np.flatnonzero(cap > 0)
+        if not len(which):
+            return num_drafts
+        spec_rows = rows[which]
+        drafts, counts = propose_ngram(b.token_ids[spec_rows], n[which], cap[which], plan.prompt_lookup_min,
+                                       plan.prompt_lookup_max)
+        b.reserve_tokens(int((n[which] + counts).max()))
+        col = np.arange(drafts.shape[1])
+        r, c = np.nonzero(col[None, :] < counts[:, None])
+        b.token_ids[spec_rows[r], n[which][r] + c] = drafts[r, c]
+        num_drafts[which] = counts
+        return num_drafts
+
+    def _verify(self, logits: torch.Tensor, rows: np.ndarray, num_drafts: np.ndarray, result: pb.StepResult) -> None:
+        """Speculative decoding: logits hold 1 + num_drafts[i] positions of rows[i]. Sample a target token at each
+        (as plain sampling would), accept the leading drafts that equal their targets, append those and the bonus
+        token one position at a time (EOS, a stop token or a length limit ends a row's run there), and report."""
+        b = self.batch.inputs
+        per = num_drafts + 1
+        first = np.cumsum(per) - per
+        offsets = np.arange(int(per.sum())) - np.repeat(first, per)
+        virtual = np.repeat(rows, per)
+        logits = logits.cpu()
+        constrained = b.constrained[rows]
+        if constrained.any():  # grammar rows have no drafts (see _propose): one position each, masked as in _sample
+            t0 = time.perf_counter()
+            self.grammar_masks.apply(logits, [b.matchers[r] for r in virtual.tolist()])
+            mask_seconds = time.perf_counter() - t0
+        if b.plain[rows].all():
+            out = greedy_batch(logits)
+        else:
+            out = sample_batch(logits, b.sampling_batch(virtual, self.eos_token_ids, offsets))
+        width = int(per.max())
+        targets = np.full((len(rows), width), -1, dtype=np.int64)
+        targets[np.repeat(np.arange(len(rows)), per), offsets] = out.token_ids
+        drafts = np.zeros((len(rows), width - 1), dtype=np.int64)
+        col = np.arange(width - 1)
+        r, c = np.nonzero(col[None, :] < num_drafts[:, None])
+        drafts[r, c] = b.token_ids[rows[r], b.num_tokens[rows][r] + c]
+        accepted = accepted_lengths(targets, drafts, num_drafts)
+        # Emit position by position (a few columns, not a loop over requests); a finish stops the row.
+        alive = np.ones(len(rows), dtype=bool)
+        emitted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (chunk index, column, reason)
+        for j in range(int(accepted.max()) + 1):
+            idx = np.flatnonzero(alive & (accepted >= j))
+            if not len(idx):
+                break
+            b.append_tokens(rows[idx], targets[idx, j])
+            reasons = b.finish_reasons(rows[idx], self.eos_token_ids)
+            if j == 0 and constrained.any():
+                t0 = time.perf_counter()
+                matchers = [b.matchers[r] for r in rows[idx].tolist()]
+                ended = self.grammar_masks.advance(matchers, targets[idx, 0]) & (reasons == pb.FINISH_REASON_NONE)
+                reasons[ended] = pb.FINISH_REASON_STOP_TOKEN
+                result.num_constrained = int(constrained.sum())
+                result.mask_seconds = mask_seconds + time.perf_counter() - t0
+            emitted.append((idx, np.full(len(idx), j), reasons))
+            alive[idx[reasons != 0]] = False
+        chunk = np.concatenate([e[0] for e in emitted])
+        column = np.concatenate([e[1] for e in emitted])
+        reasons = np.concatenate([e[2] for e in emitted])
+        order = np.lexsort((column, chunk))  # each request's tokens together, in order
+        chunk, column, reasons = chunk[order], column[order], reasons[order]
+        result.slots.extend(rows[chunk].tolist())
+        result.token_ids.extend(targets[chunk, column].tolist())
+        if reasons.any():
+            result.finish_reasons.extend(reasons.tolist())
+        if out.logprob_rows:
+            entry_of = np.full(len(virtual), -1, dtype=np.int64)
+            entry_of[first[chunk] + column] = np.arange(len(chunk))
+            for v, lp, top in zip(out.logprob_rows, out.logprobs, out.top_logprobs, strict=True):
+                if entry_of[v] >= 0:
+                    result.logprob_indices.append(int(entry_of[v]))
+                    result.logprobs.append(lp)
+                    result.num_top_logprobs.append(len(top))
+                    result.top_logprob_token_ids.extend(t for t, _ in top)
+                    result.top_logprobs.extend(x for _, x in top)
+        spec = np.flatnonzero(num_drafts)
+        result.spec_slots.extend(rows[spec].tolist())
+        result.spec_num_draft_tokens.extend(num_drafts[spec].tolist())
+        result.spec_num_accepted_tokens.extend(accepted[spec].tolist())
+        # The accepted drafts' KV was computed by this forward; the bonus token's is the next step's.
+        b.num_computed_tokens[rows[alive]] += accepted[alive]
+        for row in rows[~alive].tolist():
+            b.free(row)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, result: pb.StepResult) -> None:
         """Sample for `rows`, append the tokens and fill the result's packed arrays; finished requests leave the

@@ -71,6 +71,16 @@ def test_structured_outputs(tmp_path):
     assert serving["masked_tokens"] > 0
 
 
+def test_speculative(tmp_path):
+    out = tmp_path / "spec.json"
+    run_bench("speculative", "--only", "repetitive", "--batches", 1, "--batch1-requests", 1, "--repetitive-tokens",
+              12, "--repeats", 1, "--json", out)
+    res = json.loads(out.read_text())
+    assert [(r["spec"], r["batch"]) for r in res["runs"]] == [(False, 1), (True, 1)]
+    assert all(r["output_tokens"] > 0 and r["tokens_per_s"] > 0 for r in res["runs"])
+    assert res["summary"][0]["identical"] == "1/1" and res["runs"][1]["draft_tokens"] > 0
+
+
 def test_worker_forward(tmp_path):
     out = tmp_path / "wf.json"
     run_bench("worker_forward", "--batch-sizes", 1, "--repeats", 1, "--warmup", 0, "--context", 16,
