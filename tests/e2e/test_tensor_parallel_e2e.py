@@ -115,7 +115,6 @@ def _assert_reference(streams: list[Stream], reference: list[list[int]]) -> None
         assert s.tokens == reference[i], f"{s.rid}: greedy tokens differ from Hugging Face"
 
 
-@pytest.mark.slow
 def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference):  # noqa: F811
     port = cluster.free_port()
     worker = cluster.start_worker([*WORKER_ARGS, "--port", port], timeout=START_S)
@@ -163,7 +162,7 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
     assert "--tensor-parallel-size 2 does not divide the model's 9 attention heads" in proc.stderr + proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a launch mode, not the math: the group above already proves TP3 outputs and recovery
 def test_two_torchrun_hosts_on_loopback(redis_server, hf_reference):  # noqa: F811
     """Two torchrun launches (`--nnodes 2`: "hosts" 0 and 1 on 127.0.0.1, 2 + 1 ranks) form one group of 3."""
     port, master_port = cluster.free_port(), cluster.free_port()

@@ -1,0 +1,71 @@
+"""$LLMSERVE_GGUF_CACHE_DIR: what a worker and a scheduler read back from the cache equals what they parse from the
+bundled GGUF (weights bit for bit, whole and as tensor-parallel shards; the tokenizer token for token), and a
+changed file is parsed again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from common import gguf_cache
+from scheduler_svc.tokenizer import Tokenizer
+from worker_svc.loader import load_gguf
+from worker_svc.tensor_parallel import Shard
+
+TEXT = "<|im_start|>user\nHello, wörld! 12345 naïve café\tdone<|im_end|>"
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch) -> str:
+    d = str(tmp_path / "cache")
+    monkeypatch.setenv(gguf_cache.ENV, d)
+    return d
+
+
+def test_cached_weights_equal_the_parsed_ones(bundled_model_path, cache_dir, monkeypatch):
+    monkeypatch.delenv(gguf_cache.ENV)
+    want_config, want = load_gguf(bundled_model_path)
+    shard = Shard(1, 3)
+    want_shard = load_gguf(bundled_model_path, shard)[1]
+    monkeypatch.setenv(gguf_cache.ENV, cache_dir)
+    for attempt in ("miss", "hit"):
+        config, weights = load_gguf(bundled_model_path)
+        assert config == want_config, attempt
+        assert weights.keys() == want.keys(), attempt
+        for name, w in want.items():
+            assert torch.equal(weights[name], w), (attempt, name)
+        assert len(os.listdir(cache_dir)) == 1, os.listdir(cache_dir)  # one entry, no temporary files left
+        shard_weights = load_gguf(bundled_model_path, shard)[1]
+        for name, w in want_shard.items():
+            assert torch.equal(shard_weights[name], w), (attempt, name)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 does not divide the model's 9 attention heads"):
+        load_gguf(bundled_model_path, Shard(0, 2))
+
+
+def test_cached_tokenizer_equals_the_parsed_one(bundled_model_path, cache_dir, tmp_path, monkeypatch):
+    copy = str(tmp_path / "model.gguf")
+    shutil.copy(bundled_model_path, copy)
+    monkeypatch.delenv(gguf_cache.ENV)
+    want = Tokenizer.from_gguf(copy)
+    monkeypatch.setenv(gguf_cache.ENV, cache_dir)
+    for attempt in ("miss", "hit"):
+        tok = Tokenizer.from_gguf(copy)
+        assert tok.encode(TEXT) == want.encode(TEXT), attempt
+        assert tok.decode(want.encode(TEXT)) == want.decode(want.encode(TEXT)), attempt
+        assert (tok.bos_token_id, tok.eos_token_id, tok.chat_template, tok.vocab_size) == \
+            (want.bos_token_id, want.eos_token_id, want.chat_template, want.vocab_size), attempt
+    assert len(os.listdir(cache_dir)) == 1
+
+
+def test_a_changed_file_is_a_new_entry(tmp_path, cache_dir):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    first = gguf_cache.entry(str(path), "tokenizer.json")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert gguf_cache.entry(str(path), "tokenizer.json") != first
+    path.write_bytes(b"GGUF2")
+    assert gguf_cache.entry(str(path), "tokenizer.json") != first
+    assert gguf_cache.entry(str(path), "tokenizer.json").startswith(cache_dir)
