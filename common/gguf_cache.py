@@ -15,9 +15,12 @@ the default, nothing is cached.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable
+
+log = logging.getLogger("llmserve.gguf_cache")
 
 ENV = "LLMSERVE_GGUF_CACHE_DIR"
 FORMAT = 1
@@ -37,15 +40,18 @@ def entry(path: str, kind: str) -> str | None:
 
 def store(target: str, write: Callable[[str], None]) -> None:
     """`write(tmp_path)`, then an atomic rename to `target`: concurrent starts (e.g. the ranks of a tensor-parallel
-    group) each write their own file, and a reader never sees half of one."""
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    os.close(fd)
+    group) each write their own file, and a reader never sees half of one. A cache that cannot be written (disk
+    full, read-only directory) is logged and skipped: the caller already has what it parsed."""
+    tmp = None
     try:
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        os.close(fd)
         write(tmp)
         os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
+    except OSError as e:
+        log.warning("%s: not cached (%s)", target, e)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise

@@ -25,6 +25,25 @@ if _OWN_GGUF_CACHE:
     os.environ["LLMSERVE_GGUF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-gguf-cache-")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _stop_leftover_processes():
+    """Processes a module started and did not stop (a failed test, a fixture that never reached its teardown) end
+    with the module instead of slowing every later one. The session's redis-server stays."""
+    from llmserve.stack import live, stop
+
+    before = {id(p) for p in live()}
+    yield
+    for proc in live():
+        if id(proc) not in before and proc.kind != "redis":
+            stop(proc)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from llmserve.stack import stop_all
+
+    stop_all()
+
+
 def pytest_unconfigure(config):
     if _OWN_GGUF_CACHE:
         shutil.rmtree(os.environ["LLMSERVE_GGUF_CACHE_DIR"], ignore_errors=True)

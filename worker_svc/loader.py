@@ -165,7 +165,8 @@ def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, to
         from safetensors.torch import save_file
 
         meta = {"config": json.dumps(dataclasses.asdict(config))}
-        gguf_cache.store(cached, lambda tmp: save_file(weights, tmp, metadata=meta))
+        gguf_cache.store(cached, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
+                                                       metadata=meta))
         check_shardable(config, shard.size)
         return config, shard_weights(config, weights, shard)
     from safetensors import safe_open

@@ -69,3 +69,10 @@ def test_a_changed_file_is_a_new_entry(tmp_path, cache_dir):
     path.write_bytes(b"GGUF2")
     assert gguf_cache.entry(str(path), "tokenizer.json") != first
     assert gguf_cache.entry(str(path), "tokenizer.json").startswith(cache_dir)
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    gguf_cache.store(str(blocker / "entry"), lambda tmp: open(tmp, "w").close())  # no directory there: logged
+    assert blocker.read_text() == ""

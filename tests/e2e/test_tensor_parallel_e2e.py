@@ -2,9 +2,9 @@
 `--tensor-parallel-size 3` (three gloo rank processes on this CPU), behind a real scheduler and redis-server.
 
 Greedy outputs equal Hugging Face's for 6 concurrent prompts x 32 tokens, in mixed batches with chunked
-prefill (a 32-token step budget) and preemption (a 24-block pool cannot hold all six). Then one rank is killed
-with SIGKILL mid-generation: the group exits non-zero, and the scheduler resumes every request by recompute on a
-restarted group, with the same outputs.
+prefill (a 32-token step budget) and preemption (a 24-block pool cannot hold all six), across a rank killed with
+SIGKILL mid-generation: the group exits non-zero, and the scheduler resumes every request by recompute on a
+restarted group. The torchrun launch (two "hosts" on loopback) is `slow`: a launch mode, not more math.
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference): 
 
         sched = cluster.start_scheduler(redis_server, port, SCHEDULER_ARGS)
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        _assert_reference(_run(sched.address, "tp"), hf_reference)
 
-        # Kill one rank mid-generation: the whole group goes, with a non-zero exit.
+        # Kill one rank mid-generation: the whole group goes, with a non-zero exit. (No undisturbed run first: the
+        # restarted group recomputes every request in the same chunked, preempting batches, and must equal HF.)
         streams = _run(sched.address, "kill")
         deadline = time.monotonic() + 120
         while sum(len(s.tokens) for s in streams) < 8 and time.monotonic() < deadline:
