@@ -1,6 +1,6 @@
 """$LLMSERVE_GGUF_CACHE_DIR: what a worker and a scheduler read back from the cache equals what they parse from the
-bundled GGUF (weights bit for bit, whole and as tensor-parallel shards; the tokenizer token for token), and a
-changed file is parsed again."""
+bundled GGUF (weights bit for bit, whole and as the tensor-parallel shards the GGUF loader cuts; the tokenizer
+token for token), a changed file gets a new entry, and a cache that cannot be written is skipped."""
 
 from __future__ import annotations
 
@@ -26,38 +26,35 @@ def cache_dir(tmp_path, monkeypatch) -> str:
 
 
 def test_cached_weights_equal_the_parsed_ones(bundled_model_path, cache_dir, monkeypatch):
-    monkeypatch.delenv(gguf_cache.ENV)
-    want_config, want = load_gguf(bundled_model_path)
+    want_config, want = load_gguf(bundled_model_path)  # a miss: parsed, then stored
+    assert len(os.listdir(cache_dir)) == 1, os.listdir(cache_dir)  # one entry, no temporary file left
+    config, weights = load_gguf(bundled_model_path)  # a hit
+    assert config == want_config
+    assert weights.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(weights[name], w), name
+    # A rank's slices from the cache equal the ones the GGUF loader dequantizes for it (rows only, for q/k/v, ...).
     shard = Shard(1, 3)
-    want_shard = load_gguf(bundled_model_path, shard)[1]
+    cached_shard = load_gguf(bundled_model_path, shard)[1]
+    monkeypatch.delenv(gguf_cache.ENV)
+    for name, w in load_gguf(bundled_model_path, shard)[1].items():
+        assert torch.equal(cached_shard[name], w), name
     monkeypatch.setenv(gguf_cache.ENV, cache_dir)
-    for attempt in ("miss", "hit"):
-        config, weights = load_gguf(bundled_model_path)
-        assert config == want_config, attempt
-        assert weights.keys() == want.keys(), attempt
-        for name, w in want.items():
-            assert torch.equal(weights[name], w), (attempt, name)
-        assert len(os.listdir(cache_dir)) == 1, os.listdir(cache_dir)  # one entry, no temporary files left
-        shard_weights = load_gguf(bundled_model_path, shard)[1]
-        for name, w in want_shard.items():
-            assert torch.equal(shard_weights[name], w), (attempt, name)
     with pytest.raises(ValueError, match="--tensor-parallel-size 2 does not divide the model's 9 attention heads"):
         load_gguf(bundled_model_path, Shard(0, 2))
 
 
-def test_cached_tokenizer_equals_the_parsed_one(bundled_model_path, cache_dir, tmp_path, monkeypatch):
-    copy = str(tmp_path / "model.gguf")
+def test_cached_tokenizer_equals_the_parsed_one(bundled_model_path, cache_dir, tmp_path):
+    copy = str(tmp_path / "model.gguf")  # a file of its own: no other test's entry
     shutil.copy(bundled_model_path, copy)
-    monkeypatch.delenv(gguf_cache.ENV)
-    want = Tokenizer.from_gguf(copy)
-    monkeypatch.setenv(gguf_cache.ENV, cache_dir)
-    for attempt in ("miss", "hit"):
-        tok = Tokenizer.from_gguf(copy)
-        assert tok.encode(TEXT) == want.encode(TEXT), attempt
-        assert tok.decode(want.encode(TEXT)) == want.decode(want.encode(TEXT)), attempt
-        assert (tok.bos_token_id, tok.eos_token_id, tok.chat_template, tok.vocab_size) == \
-            (want.bos_token_id, want.eos_token_id, want.chat_template, want.vocab_size), attempt
+    want = Tokenizer.from_gguf(copy)  # a miss: parsed, then stored
     assert len(os.listdir(cache_dir)) == 1
+    tok = Tokenizer.from_gguf(copy)  # a hit
+    assert tok.backend is not want.backend
+    assert tok.encode(TEXT) == want.encode(TEXT)
+    assert tok.decode(want.encode(TEXT)) == want.decode(want.encode(TEXT))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.chat_template, tok.vocab_size) == \
+        (want.bos_token_id, want.eos_token_id, want.chat_template, want.vocab_size)
 
 
 def test_a_changed_file_is_a_new_entry(tmp_path, cache_dir):
