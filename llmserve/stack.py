@@ -16,6 +16,8 @@ all come through here.
 - `serve(args)`: `llmserve serve`, which supervises its children: a redis-server or worker that dies is restarted
   on the same port (redis-server on the same append-only file) and the scheduler in this process resumes; a child
   that exits MAX_RESTARTS + 1 times within RESTART_WINDOW_S ends `serve` with exit code 1 and the end of its log.
+  Children die with their parent (`spawn`'s `die_with_parent`): a `serve` (or a test run) killed with SIGKILL
+  leaves no worker or redis-server behind.
 
 Services never import this module (common <- services <- llmserve).
 """
@@ -134,10 +136,33 @@ def _default_log_dir() -> str:
     return os.environ.get("LLMSERVE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "llmserve-logs")
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel SIGKILL the child when the thread that started it ends (Linux
+    PR_SET_PDEATHSIG), so a parent killed with SIGKILL (or a test run killed on timeout) leaves no orphans behind.
+    None where there is no prctl."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl, parent, sigkill = ctypes.CDLL(None, use_errno=True).prctl, os.getpid(), int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(1, sigkill)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: no signal will come
+            os._exit(1)
+
+    return preexec
+
+
 def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: str | None = None,
-          env: dict[str, str] | None = None, cwd: str | None = None, cls: type[Proc] = Proc, **fields) -> Proc:
+          env: dict[str, str] | None = None, cwd: str | None = None, cls: type[Proc] = Proc,
+          die_with_parent: bool | None = None, **fields) -> Proc:
     """Start `argv` in its own session with stdout+stderr appended to `log_path` (default: a new file in `log_dir`)
-    and register it in `live()` until `stop` or `kill`."""
+    and register it in `live()` until `stop` or `kill`. With `die_with_parent` the child is killed when the calling
+    thread ends; the default is on for the main thread (whose end is the process's) and off for other threads,
+    which may end before their children (`serve`'s supervisor threads outlive theirs and pass True)."""
+    if die_with_parent is None:
+        die_with_parent = threading.current_thread() is threading.main_thread()
     name = f"{kind}-{next(_counter)}"
     if log_path is None:
         log_dir = log_dir or _default_log_dir()
@@ -148,7 +173,8 @@ def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: s
     with open(log_path, "ab") as log_file:
         start = log_file.tell()
         popen = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=_die_with_parent() if die_with_parent else None)
     proc = cls(name=name, kind=kind, popen=popen, log_path=log_path, argv=argv, log_start=start, **fields)
     with _live_lock:
         _live.append(proc)
@@ -319,7 +345,8 @@ def wait_smg(proc: Proc, healthy_workers: int, timeout: float = 120.0) -> Proc:
 
 
 def start_redis(data_dir: str, *, port: int | None = None, appendonly: bool = False, extra_args: Iterable = (),
-                wait: bool = True, timeout: float = 10.0, log_path: str | None = None) -> RedisServer:
+                wait: bool = True, timeout: float = 10.0, log_path: str | None = None,
+                die_with_parent: bool | None = None) -> RedisServer:
     """redis-server on 127.0.0.1 with its files in `data_dir`: on `port` (None: a free one, retried if another
     process takes it first), RDB snapshots off, an append-only file with `appendonly`. `extra_args` come last and
     may say "{port}" for the port (e.g. `--port 0 --tls-port {port}` for TLS only, `--requirepass PW`). With `wait`
@@ -334,7 +361,7 @@ def start_redis(data_dir: str, *, port: int | None = None, appendonly: bool = Fa
                 "--appendonly", "yes" if appendonly else "no", *map(str, extra_args)]
         argv = [a.replace("{port}", str(chosen)) for a in argv]
         proc = spawn("redis", argv, log_path=log_path or os.path.join(data_dir, "redis.log"), cls=RedisServer,
-                     port=chosen, data_dir=data_dir)
+                     port=chosen, data_dir=data_dir, die_with_parent=die_with_parent)
         if not wait:
             return proc
         try:
@@ -695,11 +722,11 @@ def serve(args: argparse.Namespace) -> None:
             redis_dir, redis_port = os.path.join(workdir, "redis"), free_port()
             redis_log = os.path.join(log_dir, "redis.log")
             children.append(sup.add("redis-server", lambda: start_redis(
-                redis_dir, port=redis_port, appendonly=True, wait=False, log_path=redis_log)))
+                redis_dir, port=redis_port, appendonly=True, wait=False, log_path=redis_log, die_with_parent=True)))
             args.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         worker_port = free_port()
         wargv, worker_log = worker_argv(args, worker_port), os.path.join(log_dir, "worker.log")
-        children.append(sup.add("worker", lambda: spawn("worker", wargv, log_path=worker_log)))
+        children.append(sup.add("worker", lambda: spawn("worker", wargv, log_path=worker_log, die_with_parent=True)))
         args.worker_address = f"127.0.0.1:{worker_port}"
         for child in children:  # both start at once; the worker (loading the model) takes longer
             while not child.ready.wait(0.2) and not sup.stopping.is_set():
@@ -710,7 +737,7 @@ def serve(args: argparse.Namespace) -> None:
         sched = InProcessScheduler(args).start(args.host, args.port)
         if args.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
             api_cmd, api_log = api_argv(args, sched.port), os.path.join(log_dir, "api.log")
-            api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log))
+            api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log, die_with_parent=True))
         deadline = time.monotonic() + 120
         while not sched.engine.ready.wait(0.5) and not sup.stopping.is_set():
             if trouble():

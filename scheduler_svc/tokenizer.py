@@ -22,6 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from common import gguf_cache
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # llama.cpp token types (gguf.TokenType)
@@ -48,6 +50,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f)
 
 
 def _raise_exception(message: str) -> None:
@@ -91,6 +98,23 @@ class Tokenizer:
     # ---------------------------------------------------------------- constructors
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
+        """The tokenizer in a GGUF's metadata; kept in $LLMSERVE_GGUF_CACHE_DIR when that is set (parsing the
+        metadata takes seconds)."""
+        cached = gguf_cache.entry(path, "tokenizer.json")
+        if cached is not None and os.path.exists(cached):
+            with open(cached, encoding="utf-8") as f:
+                saved = json.load(f)
+            return cls(HFTokenizer.from_str(saved["tokenizer"]), bos_token_id=saved["bos_token_id"],
+                       eos_token_id=saved["eos_token_id"], chat_template=saved["chat_template"])
+        tokenizer = cls._read_gguf(path)
+        if cached is not None:
+            saved = {"tokenizer": tokenizer.backend.to_str(), "bos_token_id": tokenizer.bos_token_id,
+                     "eos_token_id": tokenizer.eos_token_id, "chat_template": tokenizer.chat_template}
+            gguf_cache.store(cached, lambda tmp: _write_json(tmp, saved))
+        return tokenizer
+
+    @classmethod
+    def _read_gguf(cls, path: str) -> Tokenizer:
         reader = gguf.GGUFReader(path)
         model = _gguf_field(reader, "tokenizer.ggml.model")
         if model != "gpt2":

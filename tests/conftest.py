@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +16,37 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 # (transformers imports it too), and it stays on for the session.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every worker and scheduler start would parse the bundled GGUF again (~10-20 s each on this box): one cache per
+# run (common/gguf_cache.py), so each run's first load still goes through the real parser. Set the variable to
+# keep one across runs.
+_OWN_GGUF_CACHE = "LLMSERVE_GGUF_CACHE_DIR" not in os.environ
+if _OWN_GGUF_CACHE:
+    os.environ["LLMSERVE_GGUF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-gguf-cache-")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stop_leftover_processes():
+    """Processes a module started and did not stop (a failed test, a fixture that never reached its teardown) end
+    with the module instead of slowing every later one. The session's redis-server stays."""
+    from llmserve.stack import live, stop
+
+    before = {id(p) for p in live()}
+    yield
+    for proc in live():
+        if id(proc) not in before and proc.kind != "redis":
+            stop(proc)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from llmserve.stack import stop_all
+
+    stop_all()
+
+
+def pytest_unconfigure(config):
+    if _OWN_GGUF_CACHE:
+        shutil.rmtree(os.environ["LLMSERVE_GGUF_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +78,18 @@ def runner(bundled_model_path):
     from worker_svc.runner import ModelRunner, RunnerOptions
 
     return ModelRunner(RunnerOptions(model=bundled_model_path, num_gpu_blocks_override=512))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default run leaves out tests marked `slow` (README, "Tests"); they run with LLMSERVE_TEST_ALL=1
+    (`./scripts/test.sh --all`), with any `-m` expression (`-m slow`: only them), or when named by node id."""
+    if os.environ.get("LLMSERVE_TEST_ALL") == "1" or config.getoption("markexpr"):
+        return
+    named = {arg.split("[")[0] for arg in config.args if "::" in arg}
+    keep, left_out = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None and item.nodeid.split("[")[0] not in named
+        (left_out if slow else keep).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = keep

@@ -7,6 +7,7 @@ only ever sees one naming scheme and one rotary convention (rotate-half).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -15,8 +16,17 @@ import os
 import numpy as np
 import torch
 
+from common import gguf_cache
 from worker_svc.config import ModelConfig
-from worker_svc.tensor_parallel import FULL, Shard, check_shardable, pad_vocab_rows, param_slice, shard_tensor
+from worker_svc.tensor_parallel import (
+    FULL,
+    Shard,
+    check_shardable,
+    pad_vocab_rows,
+    param_slice,
+    shard_tensor,
+    shard_weights,
+)
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -162,7 +172,29 @@ def gguf_vocabulary(reader) -> tuple[list[str], str] | None:
 
 def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Dequantize every tensor of a llama-family GGUF to float32 with HF names and shapes (a tensor-parallel
-    rank dequantizes each tensor whole, then keeps its slice: quantized blocks do not split along heads)."""
+    rank dequantizes each tensor whole, then keeps its slice: quantized blocks do not split along heads).
+    With $LLMSERVE_GGUF_CACHE_DIR set, the whole model's result is kept there and read back by later loads."""
+    cached = gguf_cache.entry(path, "weights.safetensors")
+    if cached is None:
+        return _read_gguf(path, shard)
+    if not os.path.exists(cached):
+        config, weights = _read_gguf(path, FULL)
+        from safetensors.torch import save_file
+
+        meta = {"config": json.dumps(dataclasses.asdict(config))}
+        gguf_cache.store(cached, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
+                                                       metadata=meta))
+        check_shardable(config, shard.size)
+        return config, shard_weights(config, weights, shard)
+    from safetensors import safe_open
+
+    with safe_open(cached, framework="pt") as f:
+        config = ModelConfig(**json.loads(f.metadata()["config"]))
+        check_shardable(config, shard.size)
+        return config, {name: shard_tensor(name, f.get_slice(name), config, shard) for name in f.keys()}
+
+
+def _read_gguf(path: str, shard: Shard) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)

@@ -307,6 +307,7 @@ def sweep(tmp_path_factory):
     return out, proc.stdout, {r["mode"]: r for r in records}
 
 
+@pytest.mark.slow  # a bench smoke run: two `llmserve serve` launches (~70 s)
 def test_sweep_json_has_every_field(sweep):
     _, _, records = sweep
     assert set(records) == {"chunked", "continuous"}
@@ -332,6 +333,7 @@ def test_sweep_json_has_every_field(sweep):
     assert records["continuous"]["machine"]["max_num_batched_tokens"] == 2048
 
 
+@pytest.mark.slow  # a bench smoke run: two `llmserve serve` launches (~70 s)
 def test_sweep_writes_a_table_and_plots(sweep):
     out, stdout, _ = sweep
     rows = [line for line in stdout.splitlines() if line.startswith("| chunked") or line.startswith("| continuous")]

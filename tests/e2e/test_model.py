@@ -7,7 +7,6 @@ scaling, an untied head and attention biases.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -78,11 +77,8 @@ def ours(gguf_path) -> LlamaModel:
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
-    directory, name = os.path.split(gguf_path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return tokenizer, model.eval()
+def hf(hf_tokenizer, hf_model):
+    return hf_tokenizer, hf_model  # the session's (tests/conftest.py): transformers loading the same GGUF
 
 
 @pytest.fixture(scope="module")

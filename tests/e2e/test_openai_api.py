@@ -365,7 +365,6 @@ def test_vllm_bench_serve_requests(st):
 
 # ---- fail-over (last: it restarts the scheduler) ----------------------------------------------------------------
 
-@pytest.mark.slow
 def test_scheduler_kill9_mid_stream_is_invisible(st):
     kw = {"prompt": PROMPTS[2], "temperature": 0.8, "seed": 5, "max_tokens": 48}
     undisturbed = st.client.completions.create(model=st.model, extra_body={"ignore_eos": True}, **kw)

@@ -267,13 +267,16 @@ def test_scheduler_sigkill_clients_reattach_and_lose_nothing(pool):
     port = cluster.free_port()  # the new scheduler listens where the old one did: clients keep their address
     first = pool.scheduler(ns, port)
     ledger = pool.ledger(ns)
-    streams = start_streams(REQUESTS, [first.address], "sk")
     cli_rid = f"sk-cli-{uuid.uuid4().hex[:6]}"
     cli = subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", "generate", "--server", first.address, "--json", "--request-id", cli_rid,
          "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--temperature", "0", CLI_PROMPT],
         cwd=cluster.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # The CLI's interpreter takes seconds to start on a loaded box: the in-process streams start once its
+        # request is in, or they could all finish before it has MIN_PROGRESS tokens.
+        wait_for("the CLI's request in Redis", lambda: committed(ledger, [cli_rid])[cli_rid] >= 0, timeout=120)
+        streams = start_streams(REQUESTS, [first.address], "sk")
         rids = [s.rid for s in streams.values()] + [cli_rid]
         before = wait_mid_generation(ledger, rids)
         cluster.kill(first)

@@ -1,7 +1,7 @@
 """`llmserve serve` as one process: worker flags reach its worker, and it supervises its children -- kill -9 of its
 private redis-server and then of its worker, under load, changes no stream's tokens (clients use
 `llmserve.client.stream`, which re-attaches on UNAVAILABLE), and a worker that can never start ends `serve` with
-the worker's log."""
+the worker's log; `serve` killed with SIGKILL takes its children with it."""
 
 from __future__ import annotations
 
@@ -81,6 +81,16 @@ def test_serve_with_a_pool_below_max_model_len_answers(tmp_path):
     finally:
         assert cluster.stop(serve, timeout=30) == 0, serve.log_tail()
     assert not [p for p in kids.values() if p.is_running()], "serve left its children running"
+
+
+def test_serve_killed_by_sigkill_leaves_no_children():
+    serve = cluster.start_serve(["--device", "cpu", "--num-gpu-blocks-override", 16, "--max-model-len", 512,
+                                 "--allow-kv-pool-below-max-model-len"])
+    kids = children(serve)
+    assert set(kids) == {"redis", "worker", "api"}
+    cluster.kill(serve)
+    _, alive = psutil.wait_procs(list(kids.values()), timeout=30)
+    assert not alive, f"orphans of a SIGKILLed serve: {alive}"
 
 
 class Streams:

@@ -1,6 +1,7 @@
 """llmserve/stack.py, the one place that starts processes: the worker command line of `llmserve serve` comes from the
 worker's own parser, ready lines round-trip through their parse functions, redis-server with an append-only file
-survives kill -9 on the same port, and nothing else in the repository defines its own copy of these helpers."""
+survives kill -9 on the same port, children die with the process (main thread) that started them, and nothing else
+in the repository defines its own copy of these helpers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import ast
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 import redis
@@ -143,6 +146,49 @@ def _repo_python_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
     return [os.path.join(ROOT, p) for p in out if os.path.exists(os.path.join(ROOT, p)) and "_pb2" not in p]
+
+
+# A parent that starts a child from its main thread and from a helper thread that has ended, prints both pids, and
+# waits to be killed.
+_PARENT = """
+import sys, threading, time
+from llmserve import stack
+main = stack.spawn("sleep", ["sleep", "300"], log_dir=sys.argv[1])
+other = []
+t = threading.Thread(target=lambda: other.append(stack.spawn("sleep", ["sleep", "300"], log_dir=sys.argv[1],
+                                                             die_with_parent=False)))
+t.start(); t.join()
+print(main.pid, other[0].pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_children_die_with_a_parent_killed_by_sigkill(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    main_child, other_child = map(int, parent.stdout.readline().split())
+    try:
+        parent.kill()
+        parent.wait(timeout=10)
+        assert _gone(main_child), "a child started from the main thread outlived its SIGKILLed parent"
+        assert not _gone(other_child, timeout=0.5), "die_with_parent=False: the child should stay"
+    finally:
+        for pid in (main_child, other_child):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
 
 
 def test_free_port_start_redis_percentile_and_ready_lines_are_defined_once():

@@ -1,10 +1,11 @@
 """Tensor-parallel model math: N gloo ranks on this CPU give the logits of one rank.
 
-Random-weight Llama (8 query heads, 4 KV heads) and Qwen2 (q/k/v biases, tied head) checkpoints are saved
+Random-weight Llama (8 query heads, 2 KV heads) and Qwen2 (q/k/v biases, tied head) checkpoints are saved
 as safetensors, each rank loads only its slices, and the group runs a chunked prefill then a mixed
 prefill+decode step over its shard of a paged KV pool; rank 0's gathered logits must match the unsharded model's
-within 1e-4 in float32 (the Triton kernels, in the interpreter, within 1e-3 at N = 2). N = 8 exceeds the 4 KV
-heads (each is replicated on two ranks); the vocabulary (250) does not divide by 4 or 8 (padded shards).
+within 1e-4 in float32 (the Triton kernels, in the interpreter, within 1e-3 at N = 2). N = 4 exceeds the 2 KV
+heads (each is replicated on two ranks); the vocabulary (250) does not divide by 4 (padded shards). Four rank
+processes in all: each size runs on a subgroup of one world.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def checkpoints(tmp_path_factory) -> list[str]:
     import transformers  # here, not at the top: every spawned rank imports this module
 
     common = dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
     paths = []
     for name, model in (("llama", transformers.LlamaForCausalLM(transformers.LlamaConfig(
                             **common, tie_word_embeddings=False))),
@@ -59,7 +60,7 @@ def _steps(model: LlamaModel) -> list[torch.Tensor]:
     return out
 
 
-SIZES = (2, 4, 8)
+SIZES = (2, 4)
 
 
 def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
@@ -94,7 +95,6 @@ def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # 8 processes each importing torch
 def test_sharded_logits_match_one_rank(checkpoints, tmp_path):
     expected = []
     for path in checkpoints:

@@ -2,9 +2,9 @@
 `--tensor-parallel-size 3` (three gloo rank processes on this CPU), behind a real scheduler and redis-server.
 
 Greedy outputs equal Hugging Face's for 6 concurrent prompts x 32 tokens, in mixed batches with chunked
-prefill (a 32-token step budget) and preemption (a 24-block pool cannot hold all six). Then one rank is killed
-with SIGKILL mid-generation: the group exits non-zero, and the scheduler resumes every request by recompute on a
-restarted group, with the same outputs.
+prefill (a 32-token step budget) and preemption (a 24-block pool cannot hold all six), across a rank killed with
+SIGKILL mid-generation: the group exits non-zero, and the scheduler resumes every request by recompute on a
+restarted group. The torchrun launch (two "hosts" on loopback) is `slow`: a launch mode, not more math.
 """
 
 from __future__ import annotations
@@ -115,7 +115,6 @@ def _assert_reference(streams: list[Stream], reference: list[list[int]]) -> None
         assert s.tokens == reference[i], f"{s.rid}: greedy tokens differ from Hugging Face"
 
 
-@pytest.mark.slow
 def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference):  # noqa: F811
     port = cluster.free_port()
     worker = cluster.start_worker([*WORKER_ARGS, "--port", port], timeout=START_S)
@@ -130,9 +129,9 @@ def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference): 
 
         sched = cluster.start_scheduler(redis_server, port, SCHEDULER_ARGS)
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        _assert_reference(_run(sched.address, "tp"), hf_reference)
 
-        # Kill one rank mid-generation: the whole group goes, with a non-zero exit.
+        # Kill one rank mid-generation: the whole group goes, with a non-zero exit. (No undisturbed run first: the
+        # restarted group recomputes every request in the same chunked, preempting batches, and must equal HF.)
         streams = _run(sched.address, "kill")
         deadline = time.monotonic() + 120
         while sum(len(s.tokens) for s in streams) < 8 and time.monotonic() < deadline:
@@ -163,7 +162,7 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
     assert "--tensor-parallel-size 2 does not divide the model's 9 attention heads" in proc.stderr + proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a launch mode, not the math: the group above already proves TP3 outputs and recovery
 def test_two_torchrun_hosts_on_loopback(redis_server, hf_reference):  # noqa: F811
     """Two torchrun launches (`--nnodes 2`: "hosts" 0 and 1 on 127.0.0.1, 2 + 1 ranks) form one group of 3."""
     port, master_port = cluster.free_port(), cluster.free_port()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -23,10 +22,8 @@ def tok() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_tok():
-    import transformers
-    path = _gguf_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def hf_tok(hf_tokenizer):
+    return hf_tokenizer  # the session's (tests/conftest.py): transformers' own tokenizer from the same GGUF
 
 
 TEXTS = [
