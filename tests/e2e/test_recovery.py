@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 
@@ -148,8 +149,9 @@ class Pool:
         self.procs.append(proc)
         return proc
 
-    def scheduler(self, namespace: str, port: int | None = None, wait_serving: bool = True) -> cluster.Proc:
-        extra = [*SCHEDULER_ARGS] + (["--port", port] if port else [])
+    def scheduler(self, namespace: str, port: int | None = None, wait_serving: bool = True,
+                  flags: tuple = ()) -> cluster.Proc:
+        extra = [*SCHEDULER_ARGS, *flags] + (["--port", port] if port else [])
         proc = cluster.start_scheduler(self.redis_url, self.worker_address, extra, namespace=namespace)
         self.procs.append(proc)
         if wait_serving:
@@ -310,6 +312,30 @@ def test_scheduler_sigkill_clients_reattach_and_lose_nothing(pool):
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+def test_scheduler_sigkill_mid_speculation_loses_nothing(pool):
+    """Speculative decoding on (the replacement too): drafts are verified in flight when the scheduler dies; the
+    clients re-attach and end with the reference tokens of the non-speculative run (greedy and seeded)."""
+    ns = cluster.new_namespace("rec-spec")
+    port, metrics_port = cluster.free_port(), cluster.free_port()
+    spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    first = pool.scheduler(ns, port, flags=spec)
+    ledger = pool.ledger(ns)
+    streams = start_streams(REQUESTS, [first.address], "spk")
+    rids = [s.rid for s in streams.values()]
+    wait_mid_generation(ledger, rids)
+    cluster.kill(first)
+    assert_unfinished_in_redis(ledger, rids)
+    pool.scheduler(ns, port, flags=(*spec, "--metrics-port", metrics_port))
+    assert_streams_equal_reference(pool, streams)
+    for s in streams.values():
+        assert s.sessions >= 2, f"{s.rid} never re-attached ({s.sessions} sessions)"
+    assert_ledger_clean(ledger, {s.rid: pool.reference[s.name] for s in streams.values()})
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    drafts = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
+    assert sum(drafts) > 0, "the replacement scheduler verified no drafts"
 
 
 def test_worker_sigkill_and_restart_resumes_by_recompute(pool):
