@@ -45,6 +45,7 @@ TAKEOVER_LIMIT_S = 10.0  # a standby leads within this long after the leader's S
 RUN_TIMEOUT_S = 180.0
 WORKER_ARGS = ["--device", "cpu", "--num-gpu-blocks-override", 256, "--max-model-len", 512]
 SCHEDULER_ARGS = ["--lease-ttl-ms", LEASE_TTL_MS, "--debug-invariants"]
+SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
 
 # name -> (prompt text, extra sampling fields); every request is also max_tokens=MAX_TOKENS, ignore_eos.
 REQUESTS = {
@@ -319,15 +320,14 @@ def test_scheduler_sigkill_mid_speculation_loses_nothing(pool):
     clients re-attach and end with the reference tokens of the non-speculative run (greedy and seeded)."""
     ns = cluster.new_namespace("rec-spec")
     port, metrics_port = cluster.free_port(), cluster.free_port()
-    spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
-    first = pool.scheduler(ns, port, flags=spec)
+    first = pool.scheduler(ns, port, flags=SPEC)
     ledger = pool.ledger(ns)
     streams = start_streams(REQUESTS, [first.address], "spk")
     rids = [s.rid for s in streams.values()]
     wait_mid_generation(ledger, rids)
     cluster.kill(first)
     assert_unfinished_in_redis(ledger, rids)
-    pool.scheduler(ns, port, flags=(*spec, "--metrics-port", metrics_port))
+    pool.scheduler(ns, port, flags=(*SPEC, "--metrics-port", metrics_port))
     assert_streams_equal_reference(pool, streams)
     for s in streams.values():
         assert s.sessions >= 2, f"{s.rid} never re-attached ({s.sessions} sessions)"
@@ -338,9 +338,11 @@ def test_scheduler_sigkill_mid_speculation_loses_nothing(pool):
     assert sum(drafts) > 0, "the replacement scheduler verified no drafts"
 
 
-def test_worker_sigkill_and_restart_resumes_by_recompute(pool):
+@pytest.mark.parametrize("flags", [(), SPEC], ids=["plain", "speculative"])
+def test_worker_sigkill_and_restart_resumes_by_recompute(pool, flags):
+    """With speculative decoding on, the worker dies with drafts in flight; the recompute proposes them again."""
     ns = cluster.new_namespace("rec-worker")
-    sched = pool.scheduler(ns)
+    sched = pool.scheduler(ns, flags=flags)
     ledger = pool.ledger(ns)
     old_epoch = pool.worker.epoch
     assert ledger.client.hget(ledger.k_meta, "worker_epoch").decode() == old_epoch

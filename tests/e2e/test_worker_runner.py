@@ -45,15 +45,10 @@ def greedy_params(**kw) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **kw)
 
 
-class StepIds:
-    """Step ids must grow across every test sharing the session's runner."""
-
-    next = 1
-
-
 def drive(runner, reqs: list[DriverRequest], chunk: int, seed: int = 0) -> None:
-    StepIds.next = run_requests(runner.execute, reqs, chunk=chunk, num_blocks=runner.num_blocks,
-                                block_size=runner.block_size, seed=seed, first_step_id=StepIds.next)
+    # Step ids must grow across every test (and module) sharing the session's runner.
+    run_requests(runner.execute, reqs, chunk=chunk, num_blocks=runner.num_blocks, block_size=runner.block_size,
+                 seed=seed, first_step_id=runner.batch.last_step_id + 1)
     assert not runner.batch.requests, "finished requests must leave the worker's batch"
 
 
