@@ -8,6 +8,9 @@ import pytest
 from llmserve.bench.common import RequestSpec
 from llmserve.bench.hf_backends import run_hf_backend, run_hf_continuous, run_hf_naive, run_hf_static
 
+# The benchmark's Hugging Face baselines (not server behaviour): left out of the default run (README, Tests).
+pytestmark = pytest.mark.slow
+
 MAX_NUM_SEQS = 2
 # a and b arrive together; b is short, so under continuous batching c joins while a is still running.
 SPECS = [

@@ -316,6 +316,7 @@ def _run_diagnose(*args: str) -> dict:
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow  # a whole stack for the CLI; every verdict is tested on metric snapshots above
 def test_real_stack_with_a_tiny_pool_is_diagnosed_kv_capacity(redis_server, tmp_path):  # noqa: F811
     # 16 blocks of 16 tokens; four requests of 48-72 prompt + 28 output tokens need up to 4 x 7 blocks.
     worker = cluster.start_worker(["--num-gpu-blocks-override", 16, "--max-model-len", 512,
