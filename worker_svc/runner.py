@@ -48,6 +48,7 @@ class RunnerOptions:
     max_num_batched_tokens: int = 2048  # warm-up size on CUDA
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     structured_outputs_config: str | None = None  # vLLM's --structured-outputs-config JSON
+    quantization: str | None = None  # "gguf": a GGUF's quantized weights stay quantized (worker_svc/quant.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,10 +95,13 @@ class ModelRunner:
         self.device = resolve_device(opts.device)
         if group is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", group.local_rank)
-        self.dtype = resolve_dtype(opts.dtype, self.device)
+        # Quantized weights run with bfloat16 activations: the weight-only kernels have no fast float32 path.
+        self.dtype = resolve_dtype("bfloat16" if opts.quantization and opts.dtype == "auto" else opts.dtype,
+                                   self.device)
         self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
         tp_size = group.size if group is not None else 1
-        self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL)
+        self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL,
+                                                  opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
         self.model = LlamaModel(self.local_config, weights, self.dtype, self.device,
                                 attention=kernels.get_backend(self.attention_backend), tp=group)

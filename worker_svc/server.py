@@ -158,6 +158,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="paged-attention kernels: auto = triton on CUDA, torch on CPU")
+    g.add_argument("--quantization", "-q", default=None, choices=["gguf"],
+                   help="gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls, "
+                        "bfloat16 activations) instead of dequantizing them at load")
     tracing.add_otlp_arg(g)
     add_worker_token_arg(g)
     tls.add_server_tls_args(g)
@@ -193,6 +196,7 @@ def runner_options(args: argparse.Namespace) -> RunnerOptions:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, structured_outputs_config=args.structured_outputs_config,
+        quantization=args.quantization,
     )
 
 
