@@ -59,7 +59,8 @@ class Driver(Frontend):
         self.cfg = cfg
         self.ledger = ledger
         self.metrics = metrics
-        super().__init__()
+        super().__init__(cfg.max_num_queued_requests, lambda rid: self.ledger.get_request(rid),
+                         lambda: len(self.core.waiting) if self.core else 0, lambda: self.lease.token is not None)
         self.worker = WorkerClient(cfg.worker_address, cfg.worker_credentials, cfg.worker_server_name,
                                    cfg.worker_token, cfg.step_timeout)
         self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms, cfg.step_timeout)
