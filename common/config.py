@@ -1,10 +1,10 @@
 """One declaration per setting.
 
 A setting is a dataclass field of its process's configuration (`scheduler_svc/config.py`, `worker_svc/config.py`,
-`api_svc/config.py`): its default, help, validation and device-dependent default live in the field. The command
-line (`add_arguments`), `llmserve serve`'s forwarding (`to_argv`), compose.yaml's variables (`env_name`) and
-docs/configuration.md (`llmserve/config_docs.py`) are derived from the fields. A setting that two processes share
-is declared once here and used by both classes.
+`api_svc/config.py`, and `llmserve serve`'s own in `llmserve/serve.py`): its default, help, validation and
+device-dependent default live in the field. The command line (`add_arguments`), `llmserve serve`'s forwarding
+(`to_argv`), compose.yaml's variables (`env_name`) and docs/configuration.md (`llmserve/config_docs.py`) are
+derived from the fields. A setting that two processes share is declared once here and used by both classes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ ENV_PREFIX = "LLMSERVE_"
 # Every gRPC server and channel (the public API and the scheduler->worker link): a resumed 8k-token batch of many
 # requests stays far below it.
 MAX_MESSAGE_BYTES = 256 << 20
-DEVICE_KINDS = ("cpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
