@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from api_svc.errors import APIError, bad_request, from_grpc, unavailable
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from common.config import MAX_MESSAGE_BYTES
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.admission import sequence_ids
@@ -26,7 +27,6 @@ from scheduler_svc.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.api")
 
-MAX_MESSAGE_BYTES = 64 << 20
 REATTACH_PAUSE_S = 0.2
 # Reconnect quickly to a restarted scheduler (gRPC's default backoff grows to minutes).
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -18,15 +18,6 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
-def add_server_tls_args(g) -> None:
-    """--tls-cert/--tls-key/--tls-client-ca of a gRPC server (the scheduler's public one, or a worker's)."""
-    g.add_argument("--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM); "
-                                                    "needs --tls-key (default: plaintext)")
-    g.add_argument("--tls-key", default=None, help="private key (PEM) of --tls-cert")
-    g.add_argument("--tls-client-ca", default=None,
-                   help="require client certificates signed by this CA bundle (PEM): mutual TLS; needs --tls-cert")
-
-
 def add_client_tls_args(p: argparse.ArgumentParser) -> None:
     """--tls-ca/--tls-cert/--tls-key/--tls-server-name of a client (`llmserve generate`, `llmserve health`)."""
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA bundle (PEM)")

@@ -36,10 +36,11 @@ import uuid
 
 import grpc
 
-from llmserve import stack
+from llmserve import processes
 from llmserve.bench.workloads import WorkloadParams, generate
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from tests.support.stack import start_scheduler_in_process
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
 _MODULE = '''import os
@@ -127,8 +128,8 @@ def _wave(stub, items: list[tuple[object, int]], batch: int) -> tuple[list[dict]
     return results, time.perf_counter() - t0
 
 
-def _spec_counts(engine) -> tuple[float, float, float]:
-    m = engine.metrics
+def _spec_counts(driver) -> tuple[float, float, float]:
+    m = driver.metrics
     return tuple(c._value.get() for c in m.c_spec)  # drafts, draft tokens, accepted
 
 
@@ -136,14 +137,14 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
     args = ["--namespace", f"bench-spec-{uuid.uuid4().hex[:8]}", "--max-num-batched-tokens", budget]
     if spec:
         args += ["--speculative-config", spec]
-    sched = stack.start_scheduler_in_process(redis_url, worker, args)
+    sched = start_scheduler_in_process(redis_url, worker, args)
     try:
         with grpc.insecure_channel(sched.address) as ch:
             stub = pb_grpc.LLMServeStub(ch)
             _stream(stub, "Warm up.", 4)  # loads the detokenizer
-            before = _spec_counts(sched.engine)
+            before = _spec_counts(sched.driver)
             streams, wall = _wave(stub, items, batch)
-            after = _spec_counts(sched.engine)
+            after = _spec_counts(sched.driver)
     finally:
         sched.stop()
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before, strict=True))
@@ -173,10 +174,10 @@ def main() -> None:
     workloads = [a.only] if a.only else ["repetitive", "chat"]
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
-    redis = stack.start_redis(f"{workdir}/redis", wait=False)
-    worker = stack.start_worker(worker_args, log_dir=workdir, wait=False)
-    stack.wait_ready(redis)
-    stack.wait_ready(worker, timeout=300)
+    redis = processes.start_redis(f"{workdir}/redis", wait=False)
+    worker = processes.start_worker(worker_args, log_dir=workdir, wait=False)
+    processes.wait_ready(redis)
+    processes.wait_ready(worker, timeout=300)
     report: dict = {"speculative_config": a.speculative_config, "runs": []}
     try:
         for workload in workloads:
@@ -209,8 +210,8 @@ def main() -> None:
                 print(f"== {workload} batch {batch}: on/off throughput {summary['speedup_median']:.2f}x (median of "
                       f"{len(ratios)}), greedy outputs identical {same}/{total}", flush=True)
     finally:
-        stack.stop(worker)
-        stack.stop(redis)
+        processes.stop(worker)
+        processes.stop(redis)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

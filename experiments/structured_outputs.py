@@ -27,10 +27,11 @@ import grpc
 import numpy as np
 import torch
 
-from llmserve import stack
+from llmserve import processes
 from llmserve.bench.metrics import metric_sum, percentile, scrape
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from tests.support.stack import Stack
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -103,11 +104,11 @@ def serving(n: int, max_tokens: int) -> dict:
     names = [n for n in SCHEMAS if n != "emails"]  # emails: for the compile time only (its output is long)
     plain_prompts = ["Tell me about the ocean.", "Write a short poem about rain.", "Explain how a bicycle works.",
                      "Describe your favourite city."]
-    with stack.Stack(["--num-gpu-blocks-override", "1024",
+    with Stack(["--num-gpu-blocks-override", "1024",
                       "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
                      ["--max-num-seqs", str(2 * n)]) as st:
-        metrics_port = stack.free_port()
-        st.engine.metrics.serve(metrics_port)
+        metrics_port = processes.free_port()
+        st.driver.metrics.serve(metrics_port)
         warm = {f"w{i}": chat(f"Reply with a JSON value for a {name}.", max_tokens=max_tokens,
                               json_schema=json.dumps(SCHEMAS[name])) for i, name in enumerate(names)}
         run_wave(st.address, warm)  # compiles every schema once, loads the detokenizer

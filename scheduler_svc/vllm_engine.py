@@ -135,7 +135,7 @@ def _add_logprobs(dst: vpb.OutputLogProbs, msg: pb.GenerateResponse) -> None:
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def __init__(self, public: LLMServeServicer):
         self.public = public
-        self.engine = public.engine
+        self.driver = public.driver
         self.started = time.time()
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
@@ -177,27 +177,27 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 yield vpb.GenerateResponse(complete=done)
 
     def _eos_ids(self) -> set[int]:
-        info = self.engine.worker_info
+        info = self.driver.worker_info
         return set(info.model.eos_token_ids) if info is not None else set()
 
     async def Abort(self, request: vpb.AbortRequest, context):
         for rid in request.request_ids:
             # n > 1: the sequences are rid#0..; abort whichever of them this scheduler holds
-            if not self.engine.abort(rid):
+            if not self.driver.abort(rid):
                 i = 0
-                while self.engine.abort(f"{rid}#{i}"):
+                while self.driver.abort(f"{rid}#{i}"):
                     i += 1
         return vpb.AbortResponse()
 
     async def HealthCheck(self, request, context):
-        if self.engine.ready.is_set() and not self.engine.draining.is_set():
+        if self.driver.ready.is_set() and not self.driver.draining.is_set():
             return vpb.HealthCheckResponse(healthy=True, message="serving")
-        why = "draining" if self.engine.draining.is_set() else "no worker registered yet (or a standby)"
+        why = "draining" if self.driver.draining.is_set() else "no worker registered yet (or a standby)"
         return vpb.HealthCheckResponse(healthy=False, message=why)
 
     async def GetModelInfo(self, request, context):
-        info = self.engine.worker_info
-        if info is None or not self.engine.ready.is_set():
+        info = self.driver.worker_info
+        if info is None or not self.driver.ready.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
         m = info.model
         tok = await asyncio.get_running_loop().run_in_executor(None, self.public.tokenizer)
@@ -210,18 +210,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             max_req_input_len=info.max_model_len - 1, default_sampling_params_json="{}")
 
     def _active(self) -> int:
-        return len(self.engine.outbox.unfinished_ids())
+        return len(self.driver.outbox.unfinished_ids())
 
     async def GetServerInfo(self, request, context):
         return vpb.GetServerInfoResponse(
-            active_requests=self._active(), is_paused=self.engine.draining.is_set(),
+            active_requests=self._active(), is_paused=self.driver.draining.is_set(),
             last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started,
             server_type="llmserve-grpc", data_parallel_size=1)
 
     async def GetLoads(self, request, context):
-        # Read without the engine lock: a snapshot for load balancing, at most one step old.
-        core, info = self.engine.core, self.engine.worker_info
-        load = vpb.SchedulerLoad(dp_rank=0, max_running_requests=self.engine.cfg.policy.max_num_seqs)
+        # Read without the driver lock: a snapshot for load balancing, at most one step old.
+        core, info = self.driver.core, self.driver.worker_info
+        load = vpb.SchedulerLoad(dp_rank=0, max_running_requests=self.driver.cfg.policy.max_num_seqs)
         if core is not None and info is not None:
             load.num_running_reqs, load.num_waiting_reqs = len(core.running), len(core.waiting)
             load.num_total_reqs = load.num_running_reqs + load.num_waiting_reqs
@@ -232,7 +232,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                     dp_rank_count=1, loads=[load])
 
     async def GetTokenizer(self, request, context):
-        if self.engine.worker_info is None:
+        if self.driver.worker_info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
         if self._tokenizer_zip is None:
             self._tokenizer_zip = await asyncio.get_running_loop().run_in_executor(None, self._build_tokenizer_zip)
@@ -242,8 +242,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             yield vpb.GetTokenizerChunk(data=data[start:start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else "")
 
     def _build_tokenizer_zip(self) -> tuple[bytes, str]:
-        data = tokenizer_zip(self.public._tokenizer_path or self.engine.worker_info.model.path,
-                             self.public.tokenizer(), self.engine.worker_info)
+        data = tokenizer_zip(self.public._tokenizer_path or self.driver.worker_info.model.path,
+                             self.public.tokenizer(), self.driver.worker_info)
         return data, hashlib.sha256(data).hexdigest()
 
 

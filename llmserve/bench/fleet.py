@@ -24,7 +24,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from llmserve import stack
+from llmserve import processes
 from llmserve.bench import loadgen, metrics, openai_loadgen, report, runner
 from llmserve.bench.runner import LocalServer, RunSettings, Target, model_info
 
@@ -50,7 +50,7 @@ def _counters(pool: LocalServer) -> dict[str, float]:
     return {key: metrics.metric_sum(sample, name) for key, name in POOL_COUNTERS.items()}
 
 
-def _smg_branches(gateway: stack.Proc) -> dict[str, float]:
+def _smg_branches(gateway: processes.Proc) -> dict[str, float]:
     """smg's cache-aware routing decisions by branch (empty for other policies or where it does not export them)."""
     try:
         sample = metrics.scrape(f"http://127.0.0.1:{gateway.extra['metrics_port']}/metrics")
@@ -87,9 +87,9 @@ def run_policy(policy: str, settings: RunSettings, args: argparse.Namespace, ser
             list(starting.map(LocalServer.__enter__, pools))
         for pool in pools:  # first-step costs and the detokenizer load, outside the gateway and the measurement
             asyncio.run(loadgen.warm_up(pool.address, settings.warmup, settings.api_key))
-        gateway = stack.start_smg([p.address for p in pools], policy, args.smg_args.split(),
+        gateway = processes.start_smg([p.address for p in pools], policy, args.smg_args.split(),
                                   log_path=os.path.join(args.result_dir, f"smg_{policy}.log"))
-        pools_up.callback(stack.stop, gateway)
+        pools_up.callback(processes.stop, gateway)
         url = f"http://127.0.0.1:{gateway.port}"
         target = Target(backend="openai", mode=f"smg-{policy}", http_url=url, api_pid=gateway.pid,
                         text_prompts=True, model=model_info(pools[0].address, settings.api_key),

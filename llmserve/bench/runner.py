@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from llmserve import stack
+from llmserve import processes
 from llmserve.bench import loadgen, metrics, openai_loadgen, workloads
 from llmserve.bench.common import RequestResult, RequestSpec
 from protos import llmserve_pb2 as pb
@@ -51,18 +51,18 @@ def _has_flag(argv: list[str], flag: str) -> bool:
 
 
 class LocalServer:
-    """`python -m llmserve.cli serve` in a subprocess (`llmserve.stack.start_serve`): started on free ports, ready
+    """`python -m llmserve.cli serve` in a subprocess (`llmserve.processes.start_serve`): started on free ports, ready
     when it prints its ready line, stopped with SIGTERM. Its output (scheduler, worker and redis-server logs) goes
     to `log_path`."""
 
     def __init__(self, mode: str, max_model_len: int, extra: list[str], log_path: str, timeout_s: float = 300):
         self.mode = mode
-        self.port, self.metrics_port, self.http_port = stack.free_port(), stack.free_port(), stack.free_port()
+        self.port, self.metrics_port, self.http_port = (processes.free_port() for _ in range(3))
         self.flags = server_flags(mode, max_model_len, extra)
         self.server_args = ["--metrics-port", str(self.metrics_port), *self.flags]
         self.argv = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), *self.server_args]
         self.log_path, self.timeout_s = log_path, timeout_s
-        self.proc: stack.Proc | None = None
+        self.proc: processes.Proc | None = None
 
     @property
     def address(self) -> str:
@@ -90,15 +90,15 @@ class LocalServer:
         if os.path.exists(self.log_path):
             os.remove(self.log_path)  # one run per log file
         try:
-            self.proc = stack.start_serve(self.server_args, port=self.port, http_port=self.http_port,
+            self.proc = processes.start_serve(self.server_args, port=self.port, http_port=self.http_port,
                                           timeout=self.timeout_s, log_path=self.log_path)
-        except stack.ProcError as e:
+        except processes.ProcError as e:
             raise RuntimeError(f"`{' '.join(self.argv)}` did not get ready; {e}") from None
         return self
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
-            stack.stop(self.proc, timeout=60)
+            processes.stop(self.proc, timeout=60)
 
 
 def model_info(address: str, api_key: str | None = None) -> dict:
