@@ -85,11 +85,15 @@ def stream(req: pb.GenerateRequest, address: str, *, api_key: str | None = None,
            credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
            retry_seconds: float = 60.0, on_message: Callable[[pb.GenerateResponse], None] | None = None,
            on_unavailable: Callable[[grpc.RpcError], None] | None = None) -> Result:
-    """Run `req` to the end with common.client (a request id is made up when it has none), re-attaching while
-    the server answers UNAVAILABLE (a scheduler restart, fail-over, a Redis or worker restart behind it) for up
-    to `retry_seconds` without a message; `on_message` sees each token once. Raises the grpc.RpcError of any
-    other failure, or of UNAVAILABLE lasting past `retry_seconds`; IncompleteStream if the server ends early."""
-    req.request_id = req.request_id or uuid.uuid4().hex
+    """Run `req` to the end with common.client, re-attaching while the server answers UNAVAILABLE (a scheduler
+    restart, fail-over, a Redis or worker restart behind it) for up to `retry_seconds` without a message (a copy
+    of a request without an id gets one for that); `on_message` sees each token once. Raises the grpc.RpcError
+    of any other failure, or of UNAVAILABLE lasting past `retry_seconds`; IncompleteStream if the server ends
+    early."""
+    if not req.request_id:  # a copy: the caller may send its request again
+        named = pb.GenerateRequest()
+        named.CopyFrom(req)
+        named.request_id, req = uuid.uuid4().hex, named
     n = max(1, req.sampling.n)
     res = Result([[] for _ in range(n)], [[] for _ in range(n)], [None] * n, [None] * n)
 
