@@ -1,5 +1,6 @@
-"""The gRPC bridge: OpenAI request bodies -> llmserve.v1 GenerateRequests, and one Generate stream per request,
-re-attached by request id after a scheduler fail-over so that the HTTP client sees one uninterrupted stream.
+"""The gRPC bridge: OpenAI request bodies -> llmserve.v1 GenerateRequests, and one Generate stream per request
+through common.client, which re-attaches by request id after a scheduler fail-over so that the HTTP client sees
+one uninterrupted stream.
 
 Stateless: everything a request needs is in its own stream; several API processes may share one scheduler.
 """
