@@ -1,5 +1,5 @@
-"""Starting llmserve's processes, in one place: `llmserve serve`, `llmserve bench`, the bench/ scripts and the tests
-all come through here.
+"""Starting llmserve's processes, in one place: `llmserve serve`, `llmserve bench`, the experiments/ scripts and the
+tests all come through here.
 
 - `free_port()`; `start_redis(data_dir, ...)`: a private redis-server (fixed or free port, append-only file, extra
   flags such as --requirepass or TLS ports).

@@ -1,5 +1,5 @@
-"""Running a bench/ script the way its smoke tests do: `python -m bench.NAME` (or `llmserve bench ...`) from the
-repository root."""
+"""Running an experiments/ script the way its smoke tests do: `python -m experiments.NAME` (or
+`llmserve bench ...`) from the repository root."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(name: str, *args, timeout: float = 240) -> str:
-    """Run bench.NAME without the caller's OTLP settings (a bench starts its own receiver where it needs one);
+    """Run experiments.NAME without the caller's OTLP settings (a bench starts its own receiver where it needs one);
     fail with its stderr when it exits non-zero; return its stdout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", *map(str, args)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{name}", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"bench.{name} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"experiments.{name} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc.stdout
 
 

@@ -13,7 +13,7 @@ import grpc
 import psutil
 import pytest
 
-from bench.scheduler_overhead import make_tiny_llama
+from experiments.scheduler_overhead import make_tiny_llama
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests import cluster

@@ -1,6 +1,6 @@
 """OpenTelemetry tracing during a real multi-request run.
 
-An in-process scheduler (Engine + gRPC server, as bench/scheduler_overhead.py builds it) traces into an in-memory
+An in-process scheduler (Engine + gRPC server, as experiments/scheduler_overhead.py builds it) traces into an in-memory
 exporter; the worker is a real process started with OTEL_TRACES_EXPORTER=console, whose spans are parsed from its
 output to check that they continue the scheduler's trace across the process boundary (W3C context in gRPC metadata).
 """

@@ -1,6 +1,6 @@
 """Scheduler step overhead with OpenTelemetry tracing off vs on.
 
-Reuses bench/scheduler_overhead.py's machinery (`Stack`, `Probe`, `run_level`: real redis-server, a worker process
+Reuses experiments/scheduler_overhead.py's machinery (`Stack`, `Probe`, `run_level`: real redis-server, a worker process
 serving a 2-layer random-weight Llama, the scheduler in this process, N concurrent gRPC streams from a client
 process) and measures steady decode steps, overhead = step wall time - the worker's own execute time, in modes:
 
@@ -16,10 +16,10 @@ alike. Runs interleave (the mode order rotates each repeat) because this 2-core 
 per mode and N, the median over repeats of each run's p50/p99 overhead and the ratio to `off`. Spans created in
 this process are counted (a wrapper on the SDK's `Tracer.start_span`) to show that `off` builds none.
 
-    .venv/bin/python -m bench.tracing_overhead                         # N = 16, 64; 5 repeats (~2 minutes)
-    .venv/bin/python -m bench.tracing_overhead --modes off otlp --repeats 5 --json /tmp/tracing.json
+    .venv/bin/python -m experiments.tracing_overhead                         # N = 16, 64; 5 repeats (~2 minutes)
+    .venv/bin/python -m experiments.tracing_overhead --modes off otlp --repeats 5 --json /tmp/tracing.json
 
-Results: bench/TRACING.md.
+Results: experiments/TRACING.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tempfile
 import threading
 import timeit
 
-from bench.scheduler_overhead import REPO, Probe, Stack, make_tiny_llama, run_level
+from experiments.scheduler_overhead import REPO, Probe, Stack, make_tiny_llama, run_level
 from llmserve.bench.metrics import percentile
 
 MODES = ("off", "otlp", "sdk")
@@ -79,7 +79,7 @@ def receiver_main() -> None:
 
 class ReceiverProc:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.tracing_overhead", "--receiver"], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "experiments.tracing_overhead", "--receiver"], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("PORT "):

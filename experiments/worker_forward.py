@@ -19,9 +19,9 @@ Cases (one sequence = one row of the batch):
 Runs of ours and HF are interleaved (the order rotates each repetition) and the table shows medians, because a
 shared machine is noisy. tokens/s = tokens produced (decode: B; prefill: N) / median seconds.
 
-    .venv/bin/python -m bench.worker_forward                      # all cores, B = 1 8 32 64, C = 256
-    .venv/bin/python -m bench.worker_forward --threads 1 --repeats 9 --json /tmp/wf.json
-    .venv/bin/python -m bench.worker_forward --profile 32,64       # + where our decode step spends its time
+    .venv/bin/python -m experiments.worker_forward                      # all cores, B = 1 8 32 64, C = 256
+    .venv/bin/python -m experiments.worker_forward --threads 1 --repeats 9 --json /tmp/wf.json
+    .venv/bin/python -m experiments.worker_forward --profile 32,64       # + where our decode step spends its time
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Produce bench/RESULTS.md: every run the benchmark issue asks for, on this machine, in one command.
+"""Produce experiments/RESULTS.md: every run the benchmark issue asks for, on this machine, in one command.
 
-    .venv/bin/python -m bench.results                 # all sections (about 45 minutes on a 2-core CPU)
-    .venv/bin/python -m bench.results --page-only     # rebuild the page from the JSON files already there
-    .venv/bin/python -m bench.results --smoke --out /tmp/r --page /tmp/r/RESULTS.md   # the pipeline in a minute
+    .venv/bin/python -m experiments.results                 # all sections (about 45 minutes on a 2-core CPU)
+    .venv/bin/python -m experiments.results --page-only     # rebuild the page from the JSON files already there
+    .venv/bin/python -m experiments.results --smoke --out /tmp/r --page /tmp/r/RESULTS.md   # the pipeline in a minute
 
 Each run is a separate `llmserve bench ...` process (a launched server per llmserve mode, the Hugging Face
 baselines in the bench process itself), so one run's memory or threads never leak into the next. JSON files, the
@@ -131,12 +131,12 @@ def _machine() -> str:
 
 
 def page(out: str) -> str:
-    rel = os.path.relpath(out, os.path.join(ROOT, "bench"))
+    rel = os.path.relpath(out, os.path.join(ROOT, "experiments"))
     runs_path = os.path.join(out, "runs.json")
     runs = json.load(open(runs_path)) if os.path.exists(runs_path) else []
     lines = ["# llmserve benchmark results", "",
-             "Produced by `.venv/bin/python -m bench.results` (every command it ran is listed at the end). "
-             f"Raw JSON per run, plots and server logs: `bench/{rel}/`.", "", f"Machine: {_machine()}.", ""]
+             "Produced by `.venv/bin/python -m experiments.results` (every command it ran is listed at the end). "
+             f"Raw JSON per run, plots and server logs: `experiments/{rel}/`.", "", f"Machine: {_machine()}.", ""]
     sections: dict[str, dict[str, dict]] = {w: _latest(os.path.join(out, w)) for w in ("chat", "mixed")}
     for workload, recs in sections.items():
         if not recs:
@@ -156,7 +156,7 @@ def page(out: str) -> str:
     if sweep:
         lines += ["## Rate sweep on `mixed`", "", report.markdown_table(sorted(sweep.values(), key=_sweep_order))]
         for png in sorted(glob.glob(os.path.join(out, "sweep", "*.png")))[-2:]:
-            lines += [f"![{os.path.basename(png)}]({os.path.relpath(png, os.path.join(ROOT, 'bench'))})", ""]
+            lines += [f"![{os.path.basename(png)}]({os.path.relpath(png, os.path.join(ROOT, 'experiments'))})", ""]
     lines += _rag(out)
     lines += _fleet(out)
     kv_path = os.path.join(out, "kv_waste.json")
@@ -242,7 +242,7 @@ def _fleet(out: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results"))
     ap.add_argument("--num-requests", type=int, default=64, help="chat and mixed runs")
     ap.add_argument("--sweep-requests", type=int, default=32, help="each sweep point and each RAG run")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (chat, mixed, sweep, rag-on, "
@@ -252,7 +252,7 @@ def main() -> None:
     ap.add_argument("--page-only", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="only a 2-request chat run (chunked) and the KV-waste table: "
                     "checks the pipeline quickly; use with --out and --page elsewhere")
-    ap.add_argument("--page", default=os.path.join(ROOT, "bench", "RESULTS.md"))
+    ap.add_argument("--page", default=os.path.join(ROOT, "experiments", "RESULTS.md"))
     args = ap.parse_args()
     if not args.page_only:
         runs = plan(args.out, args.num_requests, args.sweep_requests, args.smoke)

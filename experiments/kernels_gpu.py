@@ -3,11 +3,11 @@
 Needs only torch (CUDA build), triton and this repository; installs nothing, downloads nothing. Run from the
 repository root:
 
-    python -m bench.kernels_gpu                      # grid (bf16, fp16, fp32) + figures (a)-(d): table + JSON
-    python -m bench.kernels_gpu --sweep              # also time a few tile configs per figure, report the best
-    python -m bench.kernels_gpu --json results.json  # where the JSON goes (also printed on stdout)
-    python -m bench.kernels_gpu --smoke              # no GPU: tiny grid under TRITON_INTERPRET=1 (~1 min on CPU)
-    python -m bench.kernels_gpu --compile-only       # no GPU: compile the kernels for sm_90a, registers/spills
+    python -m experiments.kernels_gpu                      # grid (bf16, fp16, fp32) + figures (a)-(d): table + JSON
+    python -m experiments.kernels_gpu --sweep              # also time a few tile configs per figure, report the best
+    python -m experiments.kernels_gpu --json results.json  # where the JSON goes (also printed on stdout)
+    python -m experiments.kernels_gpu --smoke              # no GPU: tiny grid under TRITON_INTERPRET=1 (~1 min on CPU)
+    python -m experiments.kernels_gpu --compile-only       # no GPU: compile the kernels for sm_90a, registers/spills
 
 Figures (bf16, Hq/Hkv = 32/8, head dim 128, block size 16, shuffled block tables):
 

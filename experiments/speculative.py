@@ -17,11 +17,11 @@ acceptance rate (vllm:spec_decode_num_accepted_tokens_total / ..._num_draft_toke
 draft run; the speed-up is the median on/off throughput ratio over the repeats. Greedy outputs with speculation on
 must equal off (reported as "identical k/N").
 
-    .venv/bin/python -m bench.speculative                        # both workloads, batch 1 and 16
-    .venv/bin/python -m bench.speculative --only repetitive --batches 1 --repeats 1
-    .venv/bin/python -m bench.speculative --json out.json
+    .venv/bin/python -m experiments.speculative                        # both workloads, batch 1 and 16
+    .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
+    .venv/bin/python -m experiments.speculative --json out.json
 
-Results and commands: bench/RESULTS.md (speculative decoding).
+Results and commands: experiments/RESULTS.md (speculative decoding).
 """
 
 from __future__ import annotations

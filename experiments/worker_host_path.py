@@ -14,9 +14,9 @@ two versions can be compared: with `--baseline-ref REV` the same measurement als
 table shows both side by side, with whether their outputs are identical. The plans are built in the measured
 version's worker protocol (v1: by request id; v2: by slot, packed), so a revision before the v2 wire compares too.
 
-    .venv/bin/python -m bench.worker_host_path
-    .venv/bin/python -m bench.worker_host_path --baseline-ref HEAD~1 --rounds 2 --json /tmp/host.json
-    .venv/bin/python -m bench.worker_host_path --smoke        # 4 decodes, a few steps: seconds
+    .venv/bin/python -m experiments.worker_host_path
+    .venv/bin/python -m experiments.worker_host_path --baseline-ref HEAD~1 --rounds 2 --json /tmp/host.json
+    .venv/bin/python -m experiments.worker_host_path --smoke        # 4 decodes, a few steps: seconds
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def child_main(args: argparse.Namespace) -> None:
 
 def run_version(args: argparse.Namespace, source: str, model: str, tmp: str) -> list[dict]:
     out = os.path.join(tmp, f"result-{time.monotonic_ns()}.json")
-    cmd = [sys.executable, "-m", "bench.worker_host_path", "--child", out, "--source", source, "--model", model,
+    cmd = [sys.executable, "-m", "experiments.worker_host_path", "--child", out, "--source", source, "--model", model,
            "--decodes", ",".join(map(str, args.decodes)), "--cases", ",".join(args.cases),
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--threads", str(args.threads)]

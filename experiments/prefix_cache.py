@@ -22,11 +22,11 @@ outputs with caching on must equal caching off (reported as "identical for k/N")
 caching (hash the prompt's blocks, look them up, register computed blocks) is also timed in process, without a
 model, per request.
 
-    .venv/bin/python -m bench.prefix_cache                                   # issue 5's sizes (long on a CPU)
-    .venv/bin/python -m bench.prefix_cache --num-requests 16 --repeats 3     # scaled down
-    .venv/bin/python -m bench.prefix_cache --skip-zero-hit --json out.json
+    .venv/bin/python -m experiments.prefix_cache                                   # issue 5's sizes (long on a CPU)
+    .venv/bin/python -m experiments.prefix_cache --num-requests 16 --repeats 3     # scaled down
+    .venv/bin/python -m experiments.prefix_cache --skip-zero-hit --json out.json
 
-Results and commands: bench/PREFIX_CACHE.md.
+Results and commands: experiments/PREFIX_CACHE.md.
 """
 
 from __future__ import annotations

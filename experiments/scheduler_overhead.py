@@ -17,15 +17,16 @@ comes from the server's own counters over the measured window: `INFO commandstat
 `INFO stats` (bytes).
 `--direct` submits straight to the engine with no gRPC streams: the loop without the API layer.
 
-    .venv/bin/python -m bench.scheduler_overhead --repeats 3              # N = 16, 64, 256, median of 3 runs
-    .venv/bin/python -m bench.scheduler_overhead --repeats 3 --direct     # the loop alone
-    .venv/bin/python -m bench.scheduler_overhead --running 256 --profile  # + cProfile (CPU time) of the engine thread
-    .venv/bin/python -m bench.scheduler_overhead --running 2 --warmup 2 --measure 5 --tail-tokens 16  # smoke
+    .venv/bin/python -m experiments.scheduler_overhead --repeats 3              # N = 16, 64, 256, median of 3 runs
+    .venv/bin/python -m experiments.scheduler_overhead --repeats 3 --direct     # the loop alone
+    .venv/bin/python -m experiments.scheduler_overhead --running 256 --profile  # + cProfile of the engine thread
+    .venv/bin/python -m experiments.scheduler_overhead --running 2 --warmup 2 --measure 5 --tail-tokens 16  # smoke
 
-Results and how to read them: bench/SCHEDULER.md.
+Results and how to read them: experiments/SCHEDULER.md.
 
-Run it from the repository root (`python -m bench.NAME`: bench/ is a package). The module also holds the pieces
-`bench/serve_throughput.py` and `bench/tracing_overhead.py` reuse: `Stack` and the streaming client.
+Run it from the repository root (`python -m experiments.NAME`: experiments/ is a package). The module also holds
+the pieces `experiments/serve_throughput.py` and `experiments/tracing_overhead.py` reuse: `Stack` and the streaming
+client.
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ class Stack(stack.Stack):
 
 # --------------------------------------------------------------------------------------- streaming client
 #
-# Runs in its own process (`python -m bench.scheduler_overhead --client SPEC OUT`): N concurrent Generate streams
-# over one common.client channel. Records, per request, the submit time and each streamed message's arrival time and
-# token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
+# Runs in its own process (`python -m experiments.scheduler_overhead --client SPEC OUT`): N concurrent Generate
+# streams over one common.client channel. Records, per request, the submit time and each streamed message's arrival
+# time and token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
 
 
 async def _client_main(spec: dict) -> list[dict]:
@@ -179,7 +180,7 @@ def start_clients(address: str, prompts: list[list[int]], max_tokens: int, tag: 
     out_path = os.path.join(workdir, f"client-{tag}.out.json")
     with open(spec_path, "w") as f:
         json.dump({"address": address, "prompts": prompts, "max_tokens": max_tokens, "tag": tag}, f)
-    proc = subprocess.Popen([sys.executable, "-m", "bench.scheduler_overhead", "--client", spec_path, out_path],
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.scheduler_overhead", "--client", spec_path, out_path],
                             cwd=REPO)
     return proc, out_path
 

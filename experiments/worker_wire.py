@@ -15,8 +15,8 @@ so every number is the product code's. Per decode step, p50:
 With `--baseline-ref REV` the same measurement runs on REV too (a `git worktree`, its own process), side by side:
 v1 plans and results are nested messages with string ids, v2's are packed arrays addressed by slot.
 
-    .venv/bin/python -m bench.worker_wire --baseline-ref 0c1ac8c
-    .venv/bin/python -m bench.worker_wire --smoke
+    .venv/bin/python -m experiments.worker_wire --baseline-ref 0c1ac8c
+    .venv/bin/python -m experiments.worker_wire --smoke
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench.worker_host_path import BLOCK_SIZE, make_model
+from experiments.worker_host_path import BLOCK_SIZE, make_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = ("plan_bytes", "result_bytes", "encode", "parse", "worker", "result", "wire")
@@ -136,7 +136,7 @@ def child_main(args: argparse.Namespace) -> None:
 
 def run_version(args: argparse.Namespace, source: str, model: str, tmp: str) -> list[dict]:
     out = os.path.join(tmp, f"wire-{time.monotonic_ns()}.json")
-    cmd = [sys.executable, "-m", "bench.worker_wire", "--child", out, "--source", source, "--model", model,
+    cmd = [sys.executable, "-m", "experiments.worker_wire", "--child", out, "--source", source, "--model", model,
            "--running", ",".join(map(str, args.running)), "--prompt-len", str(args.prompt_len),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))

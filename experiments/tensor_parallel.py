@@ -11,8 +11,8 @@ times one all-reduce of a [B, hidden] float32 tensor alone: the floor of each of
 The model has SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, vocab 49152) with 8 query heads and 4 KV
 heads of 72 (the bundled model's 9/3 heads do not split in two), random float32 weights.
 
-    .venv/bin/python -m bench.tensor_parallel                          # N=1 x 2 threads vs N=2 x 1 thread
-    .venv/bin/python -m bench.tensor_parallel --batch-sizes 1,8 --steps 3 --layers 2    # smoke
+    .venv/bin/python -m experiments.tensor_parallel                          # N=1 x 2 threads vs N=2 x 1 thread
+    .venv/bin/python -m experiments.tensor_parallel --batch-sizes 1,8 --steps 3 --layers 2    # smoke
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/worker_forward.py: spinning threads on a shared box
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # experiments/worker_forward.py: spinning threads, shared box
 
 import torch
 import torch.distributed as dist

@@ -10,10 +10,10 @@
 3. The cost of masking per step at R running requests (in process): fill the R rows' bitmasks, apply them to
    [R, vocab] logits, advance the matchers; against the plain greedy sampling of the same logits.
 
-    .venv/bin/python -m bench.structured_outputs                        # N=32, M=32, R=64
-    .venv/bin/python -m bench.structured_outputs --num-requests 8 --skip-serving --json out.json
+    .venv/bin/python -m experiments.structured_outputs                        # N=32, M=32, R=64
+    .venv/bin/python -m experiments.structured_outputs --num-requests 8 --skip-serving --json out.json
 
-Results and commands: bench/STRUCTURED_OUTPUTS.md.
+Results and commands: experiments/STRUCTURED_OUTPUTS.md.
 """
 
 from __future__ import annotations

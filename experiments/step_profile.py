@@ -1,8 +1,8 @@
-"""Single worker steps on the bundled model (the profile in bench/RESULTS.md): 56 decodes; a 1,536-token prompt
+"""Single worker steps on the bundled model (the profile in experiments/RESULTS.md): 56 decodes; a 1,536-token prompt
 whole vs in chunks, alone and next to the decodes; and the Hugging Face forward of the same prompt.
 
-    .venv/bin/python -m bench.step_profile
-    .venv/bin/python -m bench.step_profile --smoke    # 4 decodes, a 96-token prompt: the same steps in seconds
+    .venv/bin/python -m experiments.step_profile
+    .venv/bin/python -m experiments.step_profile --smoke    # 4 decodes, a 96-token prompt: the same steps in seconds
 """
 
 from __future__ import annotations

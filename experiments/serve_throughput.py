@@ -11,9 +11,9 @@ one at a time with `generate(do_sample=False, max_new_tokens=M, min_new_tokens=M
 `ignore_eos`). With `--hf-requests K < N` only K of them (evenly spaced, so their prompt lengths span the range)
 are timed and the wall for all N is extrapolated from the measured output tokens/s (the report says so).
 
-    .venv/bin/python -m bench.serve_throughput                    # 32 requests, prompts 32-256, 64 new; HF on 8
-    .venv/bin/python -m bench.serve_throughput --hf-requests 32   # HF timed on all 32 (~8 minutes here)
-    .venv/bin/python -m bench.serve_throughput --num-requests 8 --hf-requests 2   # quick
+    .venv/bin/python -m experiments.serve_throughput                    # 32 requests, prompts 32-256, 64 new; HF on 8
+    .venv/bin/python -m experiments.serve_throughput --hf-requests 32   # HF timed on all 32 (~8 minutes here)
+    .venv/bin/python -m experiments.serve_throughput --num-requests 8 --hf-requests 2   # quick
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import random
 import time
 
-from bench.scheduler_overhead import REPO, Stack, client_latencies, finish_clients, start_clients
+from experiments.scheduler_overhead import REPO, Stack, client_latencies, finish_clients, start_clients
 from llmserve.bench.metrics import percentile
 
 
