@@ -23,7 +23,7 @@ from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
 from api_svc.streaming import events, merged
-from scheduler_svc.admission import CHAT_ROLES
+from common.tokenizer import CHAT_ROLES
 
 log = logging.getLogger("llmserve.api")
 VERSION = "0.1.0"

@@ -32,6 +32,7 @@ Results and commands: experiments/PREFIX_CACHE.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -39,7 +40,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -145,38 +145,27 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def stream_all(address: str, prompts: list[list[int]], max_tokens: int, tag: str) -> list[dict]:
-    """Submit every prompt at once (a thread each) and stream them back; per request: submit, first token, end."""
-    import grpc
-
+    """Submit every prompt at once and stream them back; per request: submit, first token, end."""
+    from common.client import Client
     from protos import llmserve_pb2 as pb
-    from protos import llmserve_pb2_grpc as pb_grpc
 
-    results: list[dict] = [{} for _ in prompts]
-    start = threading.Barrier(len(prompts))
-    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-        stub = pb_grpc.LLMServeStub(ch)
+    async def one(client: Client, i: int) -> dict:
+        req = pb.GenerateRequest(request_id=f"{tag}-{i}", token_ids=pb.TokenIds(ids=prompts[i]),
+                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        r = {"submit": time.perf_counter(), "tokens": []}
+        async for msg in client.generate(req):
+            if msg.token_ids and "first" not in r:
+                r["first"] = time.perf_counter()
+            r["tokens"] += msg.token_ids
+            r["finish"] = msg.finish_reason or r.get("finish", "")
+        r["end"] = time.perf_counter()
+        return r
 
-        def one(i: int) -> None:
-            req = pb.GenerateRequest(request_id=f"{tag}-{i}", token_ids=pb.TokenIds(ids=prompts[i]),
-                                     sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                ignore_eos=True))
-            start.wait(timeout=60)
-            r = results[i]
-            r["submit"] = time.perf_counter()
-            r["tokens"] = []
-            for msg in stub.Generate(req, timeout=3600):
-                if msg.token_ids and "first" not in r:
-                    r["first"] = time.perf_counter()
-                r["tokens"] += msg.token_ids
-                r["finish"] = msg.finish_reason or r.get("finish", "")
-            r["end"] = time.perf_counter()
+    async def run() -> list[dict]:
+        async with Client(address) as client:
+            return list(await asyncio.gather(*(one(client, i) for i in range(len(prompts)))))
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return results
+    return asyncio.run(run())
 
 
 def run(bench: Bench, caching: bool, prompts: list[list[int]], max_tokens: int, label: str,

@@ -132,20 +132,16 @@ class Stack(HarnessStack):
 
 # --------------------------------------------------------------------------------------- streaming client
 #
-# Runs in its own process (`python -m experiments.scheduler_overhead --client SPEC OUT`): N concurrent Generate streams
-# over one grpc.aio channel. Records, per request, the submit time and each streamed message's arrival time and
-# token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
+# Runs in its own process (`python -m experiments.scheduler_overhead --client SPEC OUT`): N concurrent Generate
+# streams over one common.client channel. Records, per request, the submit time and each streamed message's arrival
+# time and token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
 
 
 async def _client_main(spec: dict) -> list[dict]:
-    import grpc
-
+    from common.client import Client
     from protos import llmserve_pb2 as pb
-    from protos import llmserve_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(spec["address"], options=[
-            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        stub = pb_grpc.LLMServeStub(channel)
+    async with Client(spec["address"]) as client:
 
         async def one(i: int, prompt: list[int]) -> dict:
             sampling = pb.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -157,7 +153,7 @@ async def _client_main(spec: dict) -> list[dict]:
             events: list[tuple[float, int]] = []
             token_ids: list[int] = []
             finish = ""
-            async for msg in stub.Generate(req):
+            async for msg in client.generate(req):
                 if msg.token_ids:
                     events.append((time.perf_counter(), len(msg.token_ids)))
                     token_ids.extend(msg.token_ids)

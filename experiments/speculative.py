@@ -34,12 +34,9 @@ import threading
 import time
 import uuid
 
-import grpc
-
-from llmserve import processes
+from llmserve import client, processes
 from llmserve.bench.workloads import WorkloadParams, generate
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support.stack import start_scheduler_in_process
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
@@ -103,23 +100,25 @@ def _request(prompt, max_tokens: int) -> pb.GenerateRequest:
     return req
 
 
-def _stream(stub, prompt, max_tokens: int) -> dict:
-    t0, times, tokens = time.perf_counter(), [], []
-    for m in stub.Generate(_request(prompt, max_tokens), timeout=1800):
+def _stream(address: str, prompt, max_tokens: int) -> dict:
+    t0, times = time.perf_counter(), []
+
+    def arrived(m: pb.GenerateResponse) -> None:
         if m.token_ids:
             times.append(time.perf_counter())
-            tokens += m.token_ids
+
+    tokens = client.stream(_request(prompt, max_tokens), address, on_message=arrived).token_ids[0]
     tpot = (times[-1] - times[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
     return {"tokens": tokens, "tpot_s": tpot, "start": t0, "end": times[-1] if times else t0}
 
 
-def _wave(stub, items: list[tuple[object, int]], batch: int) -> tuple[list[dict], float]:
+def _wave(address: str, items: list[tuple[object, int]], batch: int) -> tuple[list[dict], float]:
     """Send `items` `batch` at a time (each group waits for the previous one); returns the streams and wall time."""
     results: list[dict | None] = [None] * len(items)
     t0 = time.perf_counter()
     for start in range(0, len(items), batch):
         group = list(range(start, min(start + batch, len(items))))
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream(stub, *items[i])))
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream(address, *items[i])))
                    for i in group]
         for t in threads:
             t.start()
@@ -139,12 +138,10 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
         args += ["--speculative-config", spec]
     sched = start_scheduler_in_process(redis_url, worker, args)
     try:
-        with grpc.insecure_channel(sched.address) as ch:
-            stub = pb_grpc.LLMServeStub(ch)
-            _stream(stub, "Warm up.", 4)  # loads the detokenizer
-            before = _spec_counts(sched.driver)
-            streams, wall = _wave(stub, items, batch)
-            after = _spec_counts(sched.driver)
+        _stream(sched.address, "Warm up.", 4)  # loads the detokenizer
+        before = _spec_counts(sched.driver)
+        streams, wall = _wave(sched.address, items, batch)
+        after = _spec_counts(sched.driver)
     finally:
         sched.stop()
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before, strict=True))

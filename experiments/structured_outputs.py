@@ -23,14 +23,12 @@ import json
 import threading
 import time
 
-import grpc
 import numpy as np
 import torch
 
-from llmserve import processes
+from llmserve import client, processes
 from llmserve.bench.metrics import metric_sum, percentile, scrape
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support.stack import Stack
 
 SCHEMAS = {
@@ -69,15 +67,15 @@ def run_wave(address: str, reqs: dict[str, pb.GenerateRequest]) -> dict[str, dic
     out: dict[str, dict] = {}
 
     def one(key: str, req: pb.GenerateRequest) -> None:
-        rec = {"tokens": 0, "text": "", "finish": "", "times": []}
-        with grpc.insecure_channel(address) as ch:
-            for m in pb_grpc.LLMServeStub(ch).Generate(req, timeout=1800):
-                rec["tokens"] += len(m.token_ids)
-                rec["text"] += m.text
-                rec["finish"] = m.finish_reason or rec["finish"]
-                if m.token_ids:
-                    rec["times"].append(time.monotonic())
-        out[key] = rec
+        times: list[float] = []
+
+        def arrived(m: pb.GenerateResponse) -> None:
+            if m.token_ids:
+                times.append(time.monotonic())
+
+        res = client.stream(req, address, on_message=arrived)
+        out[key] = {"tokens": len(res.token_ids[0]), "text": "".join(res.text[0]), "finish": res.finish[0] or "",
+                    "times": times}
 
     threads = [threading.Thread(target=one, args=kv) for kv in reqs.items()]
     start = time.monotonic()

@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
 
 from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
+from common.tokenizer import CHAT_ROLES, Tokenizer
 from protos import llmserve_pb2 as pb
 from scheduler_svc.request import Request
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 MAX_STOP_BYTES = 256
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class AdmissionError(Exception):
@@ -117,6 +117,19 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) ->
 def sequence_ids(request_id: str, n: int) -> list[str]:
     """Ids of a request's sequences: the request id itself for n = 1, `id#i` for n > 1."""
     return [request_id] if n <= 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def abort_sequences(abort: Callable[[str], bool], request_id: str) -> bool:
+    """Abort a request by the id its client sent: that id (n = 1), else each of its sequences `id#i` (submitted
+    together, so the first missing index ends them). `abort(sequence id)` says whether it was found."""
+    if abort(request_id):
+        return True
+    found = False
+    for rid in sequence_ids(request_id, MAX_N):
+        if not abort(rid):
+            break
+        found = True
+    return found
 
 
 def build_requests(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str) -> list[Request]:

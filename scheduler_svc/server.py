@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import logging
 import re
 import signal
@@ -23,12 +22,14 @@ from common import tls, tracing
 from common.auth import api_key_interceptor
 from common.config import MAX_MESSAGE_BYTES, ConfigError, add_arguments, from_namespace
 from common.structured_outputs import Constraint
+from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from scheduler_svc.admission import (
     AdmissionError,
     Limits,
+    abort_sequences,
     build_requests,
     check_sampling,
     constraint_of,
@@ -45,7 +46,6 @@ from scheduler_svc.outbox import UNAVAILABLE, Published
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FINISH_STOP
 from scheduler_svc.store import RedisLedger
-from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_svc.vllm_engine import VllmEngineServicer
 from scheduler_svc.worker_client import WorkerError
@@ -64,13 +64,6 @@ def parse_listening_line(text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer_for(model_path: str) -> Tokenizer:
-    if model_path.endswith(".gguf"):
-        return Tokenizer.from_gguf(model_path)
-    return Tokenizer.from_hf_dir(model_path)
-
-
 class LLMServeServicer(pb_grpc.LLMServeServicer):
     """The public API on one asyncio event loop (grpc.aio). Streams sleep until the outbox rings them: a committed
     step wakes only the streams whose requests got tokens or finished. Admission (tokenizing, Redis look-ups,
@@ -85,7 +78,7 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
     def tokenizer(self) -> Tokenizer:
         with self._tok_lock:
             if self._tokenizer is None:
-                self._tokenizer = _tokenizer_for(self._tokenizer_path or self.driver.worker_info.model.path)
+                self._tokenizer = load_tokenizer(self._tokenizer_path or self.driver.worker_info.model.path)
             return self._tokenizer
 
     def limits(self) -> Limits:
@@ -107,7 +100,7 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        return pb.AbortResponse(found=self.driver.abort(request.request_id))
+        return pb.AbortResponse(found=abort_sequences(self.driver.abort, request.request_id))
 
     def _admit(self, request: pb.GenerateRequest, metadata) -> tuple[str, list[_SequenceStream]]:
         """In the thread pool: find the request (memory, then Redis) or validate, tokenize and submit it."""
@@ -333,7 +326,7 @@ def build_driver(cfg: SchedulerConfig) -> tuple[Driver, RedisLedger]:
         worker_credentials = tls.channel_credentials(cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key)
     tokenizer = None  # an explicit --tokenizer must fit the model's vocabulary (checked once the worker answers)
     if cfg.tokenizer:
-        tokenizer = (cfg.tokenizer, _tokenizer_for(cfg.tokenizer).vocab_size)
+        tokenizer = (cfg.tokenizer, load_tokenizer(cfg.tokenizer).vocab_size)
     dcfg = DriverConfig(policy=PolicyConfig.unsized(cfg), tokenizer=tokenizer, async_scheduling=cfg.async_scheduling,
                         worker_address=cfg.worker_address,
                         max_num_queued_requests=cfg.max_num_queued_requests, queue_timeout=cfg.queue_timeout,

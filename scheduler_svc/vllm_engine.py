@@ -22,6 +22,7 @@ import grpc
 from protos import llmserve_pb2 as pb
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
+from scheduler_svc.admission import abort_sequences
 
 if TYPE_CHECKING:
     from scheduler_svc.server import LLMServeServicer
@@ -182,11 +183,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def Abort(self, request: vpb.AbortRequest, context):
         for rid in request.request_ids:
-            # n > 1: the sequences are rid#0..; abort whichever of them this scheduler holds
-            if not self.driver.abort(rid):
-                i = 0
-                while self.driver.abort(f"{rid}#{i}"):
-                    i += 1
+            abort_sequences(self.driver.abort, rid)
         return vpb.AbortResponse()
 
     async def HealthCheck(self, request, context):

@@ -8,17 +8,19 @@ that 429 and 504 can be provoked. The scheduler kill test comes last: it restart
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
-import grpc
 import httpx
 import openai
 import pytest
 
+from common.client import Client
 from llmserve.bench.metrics import metric_sum, scrape
 from llmserve.client import stream as grpc_stream
 from protos import llmserve_pb2 as pb
@@ -105,7 +107,7 @@ def test_completion_greedy_equals_grpc_and_usage(st):
                                          **greedy(max_tokens=12))
         req = pb.GenerateRequest(request_id=f"grpc-{abs(hash(prompt))}", text=prompt,
                                  sampling=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        res = grpc_stream(req, lambda: grpc.insecure_channel(st.sched_addr))
+        res = grpc_stream(req, st.sched_addr)
         assert r.choices[0].text == "".join(res.text[0])
         assert r.choices[0].finish_reason == "length"
         ids = st.post("/tokenize", {"prompt": prompt}).json()
@@ -323,6 +325,25 @@ def test_client_disconnect_aborts_and_frees_kv(st):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=3,
                    json={"prompt": "Write a long story.", "max_tokens": 900, "ignore_eos": True})
+    assert st.wait_kv_free(timeout=5) == 0
+
+
+def test_abort_by_the_client_id_ends_every_sequence(st):
+    """Abort takes the id the client sent; the scheduler finds the sequences of an n > 1 request (common.client)."""
+    req = pb.GenerateRequest(request_id=f"abort-n2-{uuid.uuid4().hex[:6]}", text="Write a long story.",
+                             sampling=pb.SamplingParams(n=2, max_tokens=900, ignore_eos=True, temperature=0.8, seed=7))
+
+    async def run() -> tuple[bool, dict[int, str]]:
+        found, finish = None, {}
+        async with Client(st.sched_addr) as client, client.generate(req) as messages:
+            async for msg in messages:
+                if found is None:
+                    found = await client.abort(req.request_id)
+                if msg.finish_reason:
+                    finish[msg.index] = msg.finish_reason
+        return found, finish
+
+    assert asyncio.run(run()) == (True, {0: "abort", 1: "abort"})
     assert st.wait_kv_free(timeout=5) == 0
 
 

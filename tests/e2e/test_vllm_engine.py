@@ -56,9 +56,9 @@ class Stack:
 
 
 def _tokenizer(st: Stack):
-    from scheduler_svc.server import _tokenizer_for
+    from common.tokenizer import load_tokenizer
     info = st.llmserve.GetModelInfo(pb.GetModelInfoRequest())
-    return _tokenizer_for(info.model_path)
+    return load_tokenizer(info.model_path)
 
 
 @pytest.fixture(scope="module")

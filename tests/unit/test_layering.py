@@ -22,8 +22,8 @@ FORBIDDEN = {
     "kernels": {"llmserve", "scheduler_svc", "worker_svc", "api_svc"} | HARNESS,
     "scheduler_svc": {"llmserve", "worker_svc", "api_svc"} | HARNESS,
     "worker_svc": {"llmserve", "scheduler_svc", "api_svc"} | HARNESS,
-    # The HTTP API reuses the scheduler's tokenizer and request-id rules, and reaches it only over gRPC.
-    "api_svc": {"llmserve", "worker_svc", "kernels"} | HARNESS,
+    # The HTTP API reaches the scheduler only over gRPC (test_api_imports_only_common_and_protos).
+    "api_svc": {"llmserve", "scheduler_svc", "worker_svc", "kernels"} | HARNESS,
     "llmserve": HARNESS,
 }
 # The settings' modules are read to build every command line (and the docs): no I/O library, no model code.
@@ -61,6 +61,18 @@ def test_imports_point_one_way(package):
              for path in python_files(package) for line, name in sorted(imported_packages(path))
              if name in FORBIDDEN[package]]
     assert not wrong, "imports that run the wrong way:\n" + "\n".join(wrong)
+
+
+def test_api_imports_only_common_and_protos():
+    """The HTTP API is a client of the scheduler's public gRPC API: of this repository it may use only common/
+    (the client, the tokenizer) and protos/, never a service's internals."""
+    ours = {name for name in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, name, "")) and
+            os.path.exists(os.path.join(ROOT, name, "__init__.py"))}
+    assert {"scheduler_svc", "worker_svc", "common", "protos"} <= ours
+    wrong = [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+             for path in python_files("api_svc") for line, name in sorted(imported_packages(path))
+             if name in ours - {"api_svc", "common", "protos"}]
+    assert not wrong, "api_svc may import only common/ and protos/ of this repository:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module", PURE_MODULES)
