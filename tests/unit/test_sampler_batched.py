@@ -26,7 +26,7 @@ from worker_svc.sampler import (
     sample,
     sample_batch,
 )
-from worker_svc.sampling import SamplingParams
+from worker_svc.sampling import SamplingParams, to_proto
 
 EOS = frozenset({0, 3})
 
@@ -136,15 +136,15 @@ def test_random_rows_are_all_filtered_when_one_needs_it(monkeypatch):
     monkeypatch.setattr(sampler, "_filter", lambda x, *a: filtered.append(len(x)) or x)
     plain, top_p = SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, top_p=0.5, seed=2)
     logits = torch.randn(3, 10)
-    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(), plain)])
-    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(), top_p)])
+    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(temperature=0.0), plain)])
+    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(temperature=0.0), top_p)])
     assert filtered == [2]
 
 
 def test_greedy_rows_need_only_the_argmax():
     logits = torch.randn(50, 300, generator=torch.Generator().manual_seed(1)).round()  # many ties
     logits[3] = float("-inf")
-    rows = [SampleRow(SamplingParams(), [1], [], 1, EOS) for _ in range(50)]
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1], [], 1, EOS) for _ in range(50)]
     assert greedy_batch(logits).token_ids.tolist() == sample(logits.clone(), rows).token_ids
     assert greedy_batch(logits).token_ids.tolist() == logits.argmax(dim=-1).tolist()
 
@@ -160,7 +160,7 @@ def test_through_the_persistent_batch_with_finish_checks(seed):
     for i, r in enumerate(rows):
         ids = r.prompt_ids + r.output_ids
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=ids, num_prompt_tokens=len(r.prompt_ids),
-                                  sampling=r.params.to_proto(), block_ids=range(i * 10, i * 10 + 10))
+                                  sampling=to_proto(r.params), block_ids=range(i * 10, i * 10 + 10))
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
     inputs = batch.inputs
     order = np.array([inputs.row_of[f"r{i}"] for i in range(len(rows))], dtype=np.int64)
@@ -187,7 +187,7 @@ def test_finish_reasons_cover_every_branch():
     """min_tokens holds back EOS and stop, not the length; EOS beats stop beats length."""
     batch = PersistentBatch(BatchLimits(num_blocks=100, block_size=4, max_model_len=12, vocab_size=20))
     cases = [  # (sampling, output so far, next token, expected)
-        (pb.SamplingParams(), [5], 0, pb.FINISH_REASON_EOS),
+        (pb.SamplingParams(temperature=0.0), [5], 0, pb.FINISH_REASON_EOS),
         (pb.SamplingParams(ignore_eos=True), [5], 0, pb.FINISH_REASON_NONE),
         (pb.SamplingParams(stop_token_ids=[7]), [5], 7, pb.FINISH_REASON_STOP_TOKEN),
         (pb.SamplingParams(stop_token_ids=[0]), [5], 0, pb.FINISH_REASON_EOS),
@@ -195,8 +195,8 @@ def test_finish_reasons_cover_every_branch():
         (pb.SamplingParams(min_tokens=2, max_tokens=2), [5], 0, pb.FINISH_REASON_EOS),
         (pb.SamplingParams(min_tokens=3, max_tokens=2), [5], 0, pb.FINISH_REASON_MAX_TOKENS),
         (pb.SamplingParams(max_tokens=2), [5], 9, pb.FINISH_REASON_MAX_TOKENS),
-        (pb.SamplingParams(), [5] * 8, 9, pb.FINISH_REASON_MAX_TOKENS),  # 3 + 9 tokens reach max_model_len 12
-        (pb.SamplingParams(), [5] * 7, 9, pb.FINISH_REASON_NONE),
+        (pb.SamplingParams(temperature=0.0), [5] * 8, 9, pb.FINISH_REASON_MAX_TOKENS),  # 3 + 9 tokens reach max_model_len 12
+        (pb.SamplingParams(temperature=0.0), [5] * 7, 9, pb.FINISH_REASON_NONE),
     ]
     plan = pb.StepPlan(step_id=1)
     for i, (sp, out, _, _) in enumerate(cases):
