@@ -109,7 +109,7 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("max_tokens", INT, 0, Limit(1), openai=False, vllm=_SAME, column="int64"),
     SamplingField("stop_token_ids", TOKEN_IDS, [], vllm=_SAME),
     # None: none; n >= 0: the sampled token's logprob and the n top ones (chat's logprobs + top_logprobs map to it).
-    SamplingField("logprobs", INT, None, Limit(0, 20), openai=False, vllm=_SAME, column="int64", column_fill=-1),
+    SamplingField("logprobs", INT, None, Limit(hi=20), openai=False, vllm=_SAME, column="int64", column_fill=-1),
     SamplingField("constraint", CONSTRAINT, None, api=None),  # common/structured_outputs.py
     # OpenAI semantics: added to the logits before any other processing.
     SamplingField("logit_bias", LOGIT_BIAS, {}, Limit(-100, 100), max_items=MAX_LOGIT_BIAS, vllm=_SAME),

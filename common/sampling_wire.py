@@ -13,7 +13,6 @@ from typing import Any
 from common.sampling_fields import FIELDS, SamplingField, SamplingParams
 
 
-
 def read(msg: Any, f: SamplingField, name: str) -> Any:
     """Field `name` of `msg` as plain data for row `f`, or None where the message leaves it unset: an optional
     field not set, an empty container, or a proto3 zero that the row's limit does not allow (top_p 0 = unset)."""

@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
+from common.sampling_wire import read
 from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
 from protos import llmserve_pb2 as pb
 from scheduler_svc.request import Request
-from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
-from common.sampling_wire import read
 from scheduler_svc.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16

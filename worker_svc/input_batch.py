@@ -49,7 +49,8 @@ def _capacity(current: int, need: int, limit: int | None = None) -> int:
 
 class InputBatch:
     """Rows of requests: the columns of _COLUMNS ([num_rows]) and token_ids, block_table, stop_token_ids,
-    logit_bias_ids / _values ([num_rows, capacity]) and bad_words ([num_rows, K, L]); row_of maps a request id to its row (for logs and tools; the step uses rows)."""
+    logit_bias_ids / _values ([num_rows, capacity]) and bad_words ([num_rows, K, L]); row_of maps a request id to its
+    row (for logs and tools; the step uses rows)."""
 
     num_tokens: np.ndarray
     num_prompt_tokens: np.ndarray

@@ -187,7 +187,7 @@ def test_finish_reasons_cover_every_branch():
     """min_tokens holds back EOS and stop, not the length; EOS beats stop beats length."""
     batch = PersistentBatch(BatchLimits(num_blocks=100, block_size=4, max_model_len=12, vocab_size=20))
     cases = [  # (sampling, output so far, next token, expected)
-        (pb.SamplingParams(temperature=0.0), [5], 0, pb.FINISH_REASON_EOS),
+        (pb.SamplingParams(), [5], 0, pb.FINISH_REASON_EOS),
         (pb.SamplingParams(ignore_eos=True), [5], 0, pb.FINISH_REASON_NONE),
         (pb.SamplingParams(stop_token_ids=[7]), [5], 7, pb.FINISH_REASON_STOP_TOKEN),
         (pb.SamplingParams(stop_token_ids=[0]), [5], 0, pb.FINISH_REASON_EOS),
@@ -195,8 +195,8 @@ def test_finish_reasons_cover_every_branch():
         (pb.SamplingParams(min_tokens=2, max_tokens=2), [5], 0, pb.FINISH_REASON_EOS),
         (pb.SamplingParams(min_tokens=3, max_tokens=2), [5], 0, pb.FINISH_REASON_MAX_TOKENS),
         (pb.SamplingParams(max_tokens=2), [5], 9, pb.FINISH_REASON_MAX_TOKENS),
-        (pb.SamplingParams(temperature=0.0), [5] * 8, 9, pb.FINISH_REASON_MAX_TOKENS),  # 3 + 9 tokens reach max_model_len 12
-        (pb.SamplingParams(temperature=0.0), [5] * 7, 9, pb.FINISH_REASON_NONE),
+        (pb.SamplingParams(), [5] * 8, 9, pb.FINISH_REASON_MAX_TOKENS),  # 3 + 9 tokens reach max_model_len 12
+        (pb.SamplingParams(), [5] * 7, 9, pb.FINISH_REASON_NONE),
     ]
     plan = pb.StepPlan(step_id=1)
     for i, (sp, out, _, _) in enumerate(cases):
