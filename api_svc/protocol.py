@@ -51,11 +51,8 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-def _wire_type(fd) -> object:
+def _wire_type(fd: FieldDescriptor) -> object:
     """The Python type of a llmserve.v1 SamplingParams field, bounded as its wire type is."""
-    if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
-        key, value = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
-        return dict[_wire_type(key), _wire_type(value)]
     scalar: object
     if fd.type in (fd.TYPE_FLOAT, fd.TYPE_DOUBLE):
         scalar = float

@@ -225,7 +225,7 @@ class InputBatch:
         if len(bad):
             r = rows[bad]
             b.bad_words_rows, b.bad_words = bad, self.bad_words[r]
-            b.bad_words_tail = output_tails(self.token_ids[r], n[bad], self.num_prompt_tokens[r],
+            b.bad_words_tail = output_tails(self.token_ids, r, n[bad], self.num_prompt_tokens[r],
                                             self.bad_words.shape[2] - 1)
         uses = b.uses_penalties
         pen = rows[uses]

@@ -185,11 +185,12 @@ def right_aligned(seqs: Sequence[Sequence[int]], width: int) -> np.ndarray:
     return out
 
 
-def output_tails(token_ids: np.ndarray, num_tokens: np.ndarray, num_prompt: np.ndarray, width: int) -> np.ndarray:
-    """[rows, width]: each row's last `width` tokens before num_tokens, -1 where they are not output tokens."""
+def output_tails(token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, num_prompt: np.ndarray,
+                 width: int) -> np.ndarray:
+    """[len(rows), width]: the last `width` tokens of each of token_ids' `rows` before its num_tokens, -1 where they
+    are not output tokens (one gather of just those columns)."""
     pos = num_tokens[:, None] - width + np.arange(width)
-    tokens = np.take_along_axis(token_ids, np.maximum(pos, 0), axis=1) if width else pos
-    return np.where(pos >= num_prompt[:, None], tokens, -1)
+    return np.where(pos >= num_prompt[:, None], token_ids[rows[:, None], np.maximum(pos, 0)], -1)
 
 
 def apply_min_tokens(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -329,7 +330,8 @@ def batch_of_rows(rows: Sequence[SampleRow]) -> SamplingBatch:
             b.bad_words[j, : len(ps[i].bad_words)] = right_aligned(ps[i].bad_words, width)
         rs = [rows[i] for i in bad]
         tokens = _padded([r.prompt_ids + r.output_ids for r in rs], 0)
-        b.bad_words_tail = output_tails(tokens, np.array([len(r.prompt_ids) + len(r.output_ids) for r in rs]),
+        b.bad_words_tail = output_tails(tokens, np.arange(len(rs)),
+                                        np.array([len(r.prompt_ids) + len(r.output_ids) for r in rs]),
                                         np.array([len(r.prompt_ids) for r in rs]), width - 1)
     pen = [r for r, used in zip(rows, b.uses_penalties.tolist(), strict=True) if used]
     if pen:
