@@ -19,6 +19,7 @@ import grpc
 from api_svc.errors import APIError, bad_request, from_grpc, unavailable
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from common.client import Client, IncompleteStream
+from common.sampling_wire import public_fields
 from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
 
@@ -27,15 +28,9 @@ log = logging.getLogger("llmserve.api")
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
-    s = pb.SamplingParams(min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stop_list(),
-                          stop_token_ids=body.stop_token_ids or [], n=body.n,
-                          include_stop_str_in_output=body.include_stop_str_in_output,
+    s = pb.SamplingParams(stop=body.stop_list(), n=body.n, include_stop_str_in_output=body.include_stop_str_in_output,
                           skip_special_tokens=body.skip_special_tokens)
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        value = getattr(body, name)
-        if value is not None:
-            setattr(s, name, value)
+    public_fields(lambda name: getattr(body, name), s)  # the sampling table's fields, by name
     if max_tokens is not None:
         s.max_tokens = max_tokens
     if logprobs is not None:

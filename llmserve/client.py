@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.client import Client, IncompleteStream
+from common.sampling_wire import public_fields
 from common.tls import add_client_tls_args, client_credentials
 from protos import llmserve_pb2 as pb
 
@@ -50,11 +51,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    s = pb.SamplingParams(min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, stop=args.stop,
-                          stop_token_ids=args.stop_token_ids,
-                          include_stop_str_in_output=args.include_stop_str_in_output)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "logprobs"):
+    s = pb.SamplingParams(stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output)
+    public_fields(lambda name: getattr(args, name, None), s)  # the sampling table's fields that have a flag
+    for name in ("max_tokens", "logprobs"):
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)

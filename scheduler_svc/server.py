@@ -111,8 +111,9 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         pubs = [p for rid in seq_ids if (p := driver.lookup(rid)) is not None]
         if not pubs:
             limits = self.limits()
-            ids = prompt_ids(request, self.tokenizer(), limits)
-            reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex)
+            tokenizer = self.tokenizer()
+            ids = prompt_ids(request, tokenizer, limits)
+            reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex, tokenizer)
             if structured is not None:  # the request waits here, not in a batch slot, while its grammar compiles
                 self._prepare(*structured)
             if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common.sampling_wire import vllm_to_public
 from protos import llmserve_pb2 as pb
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
@@ -55,13 +56,9 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
                        "regex, grammar, json_object and choice are)")
     if s.HasField("prompt_logprobs"):
         raise _Refused("sampling_params.prompt_logprobs is not supported by llmserve (prompts are not scored)")
-    if s.logit_bias:
-        raise _Refused("sampling_params.logit_bias is not supported by llmserve yet")
     if s.HasField("logprobs") and s.logprobs < 0:
         raise _Refused(f"sampling_params.logprobs must be 0..20, got {s.logprobs} (-1, the whole vocabulary, is "
                        "not supported)")
-    if s.HasField("seed") and s.seed < 0:
-        raise _Refused(f"sampling_params.seed must be >= 0, got {s.seed}")
     if req.HasField("kv_transfer_params") or req.HasField("kv_transfer_params_json"):
         raise _Refused("kv_transfer_params: prefill/decode disaggregation is not supported by llmserve")
     if req.HasField("mm_inputs"):
@@ -87,29 +84,12 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
         out.text = req.text
 
     o = out.sampling
-    if s.HasField("temperature"):
-        o.temperature = s.temperature
-    if s.top_p:  # proto3 scalar: 0 means unset
-        o.top_p = s.top_p
-    if s.top_k:
-        o.top_k = s.top_k
-    o.min_p = s.min_p
-    o.frequency_penalty = s.frequency_penalty
-    o.presence_penalty = s.presence_penalty
-    if s.repetition_penalty:
-        o.repetition_penalty = s.repetition_penalty
-    if s.HasField("max_tokens"):
-        o.max_tokens = s.max_tokens
-    o.min_tokens = s.min_tokens
+    refused = vllm_to_public(s, o)  # the sampling table's fields, by vLLM's names (proto3 zeros it forbids: unset)
+    if refused is not None:
+        raise _Refused(refused)
     o.stop.extend(s.stop)
-    o.stop_token_ids.extend(s.stop_token_ids)
     o.skip_special_tokens = s.skip_special_tokens
-    o.ignore_eos = s.ignore_eos
     o.n = max(1, s.n)
-    if s.HasField("logprobs"):
-        o.logprobs = s.logprobs
-    if s.HasField("seed"):
-        o.seed = s.seed
     o.include_stop_str_in_output = s.include_stop_str_in_output
     if constraint == "choice":
         o.choice.choices.extend(s.choice.choices)
