@@ -32,6 +32,7 @@ Results and commands: experiments/PREFIX_CACHE.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -39,11 +40,10 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
-from llmserve import stack
+from llmserve import processes
 from llmserve.bench.metrics import percentile
 
 BLOCK_SIZE = 16
@@ -75,21 +75,21 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.workdir = tempfile.mkdtemp(prefix="llmserve-prefix-bench-")
-        self.redis: stack.RedisServer | None = None
-        self.worker: stack.Proc | None = None
+        self.redis: processes.RedisServer | None = None
+        self.worker: processes.Proc | None = None
         self.runs = 0
 
     def start_worker(self, num_blocks: int) -> None:
         """(Re)start the worker with a pool of `num_blocks` (and redis-server on first use)."""
         if self.redis is None:
-            self.redis = stack.start_redis(os.path.join(self.workdir, "redis"))
+            self.redis = processes.start_redis(os.path.join(self.workdir, "redis"))
         if self.worker is not None:
-            stack.stop(self.worker, timeout=30)
+            processes.stop(self.worker, timeout=30)
         a = self.args
         argv = ["--block-size", BLOCK_SIZE, "--num-gpu-blocks-override", num_blocks, "--max-model-len",
                 a.max_model_len, "--dtype", a.dtype, "--device", a.device, *(["--model", a.model] if a.model else [])]
         t0 = time.perf_counter()
-        self.worker = stack.start_worker(argv, log_dir=self.workdir)
+        self.worker = processes.start_worker(argv, log_dir=self.workdir)
         print(f"worker up in {time.perf_counter() - t0:.1f} s: {num_blocks} KV blocks of {BLOCK_SIZE}", flush=True)
 
     def ledger(self):
@@ -103,22 +103,22 @@ class Bench:
     def stop(self) -> None:
         for p in (self.worker, self.redis):
             if p is not None:
-                stack.stop(p, timeout=15)
+                processes.stop(p, timeout=15)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def scheduler(self, caching: bool) -> tuple[stack.Proc, str, int]:
+    def scheduler(self, caching: bool) -> tuple[processes.Proc, str, int]:
         """A fresh scheduler process (own namespace) on the worker, SERVING; returns it, its address and its metrics
         port."""
         self.runs += 1
-        mport = stack.free_port()
+        mport = processes.free_port()
         argv = ["--metrics-port", mport, "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
         if self.args.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", self.args.max_num_batched_tokens]
         if self.args.max_num_seqs:
             argv += ["--max-num-seqs", self.args.max_num_seqs]
-        proc = stack.start_scheduler(self.redis.url, self.worker, argv, namespace=f"bench-{self.runs}",
+        proc = processes.start_scheduler(self.redis.url, self.worker, argv, namespace=f"bench-{self.runs}",
                                      log_dir=self.workdir)
-        stack.wait_healthy(proc.address, timeout=120, proc=proc)
+        processes.wait_healthy(proc.address, timeout=120, proc=proc)
         return proc, proc.address, mport
 
 
@@ -145,38 +145,27 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def stream_all(address: str, prompts: list[list[int]], max_tokens: int, tag: str) -> list[dict]:
-    """Submit every prompt at once (a thread each) and stream them back; per request: submit, first token, end."""
-    import grpc
-
+    """Submit every prompt at once and stream them back; per request: submit, first token, end."""
+    from common.client import Client
     from protos import llmserve_pb2 as pb
-    from protos import llmserve_pb2_grpc as pb_grpc
 
-    results: list[dict] = [{} for _ in prompts]
-    start = threading.Barrier(len(prompts))
-    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-        stub = pb_grpc.LLMServeStub(ch)
+    async def one(client: Client, i: int) -> dict:
+        req = pb.GenerateRequest(request_id=f"{tag}-{i}", token_ids=pb.TokenIds(ids=prompts[i]),
+                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        r = {"submit": time.perf_counter(), "tokens": []}
+        async for msg in client.generate(req):
+            if msg.token_ids and "first" not in r:
+                r["first"] = time.perf_counter()
+            r["tokens"] += msg.token_ids
+            r["finish"] = msg.finish_reason or r.get("finish", "")
+        r["end"] = time.perf_counter()
+        return r
 
-        def one(i: int) -> None:
-            req = pb.GenerateRequest(request_id=f"{tag}-{i}", token_ids=pb.TokenIds(ids=prompts[i]),
-                                     sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                ignore_eos=True))
-            start.wait(timeout=60)
-            r = results[i]
-            r["submit"] = time.perf_counter()
-            r["tokens"] = []
-            for msg in stub.Generate(req, timeout=3600):
-                if msg.token_ids and "first" not in r:
-                    r["first"] = time.perf_counter()
-                r["tokens"] += msg.token_ids
-                r["finish"] = msg.finish_reason or r.get("finish", "")
-            r["end"] = time.perf_counter()
+    async def run() -> list[dict]:
+        async with Client(address) as client:
+            return list(await asyncio.gather(*(one(client, i) for i in range(len(prompts)))))
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return results
+    return asyncio.run(run())
 
 
 def run(bench: Bench, caching: bool, prompts: list[list[int]], max_tokens: int, label: str,
@@ -199,7 +188,7 @@ def run(bench: Bench, caching: bool, prompts: list[list[int]], max_tokens: int, 
         after = scrape(mport)
         cached_after = ledger.check_ledger()["evictable"]
     finally:
-        stack.stop(proc, timeout=30)
+        processes.stop(proc, timeout=30)
     bad = [r for r in res if r.get("finish") != "length" or len(r["tokens"]) != max_tokens]
     if bad:
         raise SystemExit(f"{label}: {len(bad)} requests did not finish with {max_tokens} tokens")

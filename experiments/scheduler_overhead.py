@@ -1,25 +1,25 @@
 """Scheduler overhead per iteration: step wall time minus the worker's reported execute time.
 
 Runs the real stack -- a private redis-server, a worker process serving a 2-layer random-weight Llama (so the
-model costs little), and the scheduler (Engine + gRPC server) in this process, built the way
-`llmserve serve` builds it (`llmserve/stack.py`) -- and streams N concurrent requests from a separate client
+model costs little), and the scheduler (driver + gRPC server) in this process, built the way
+`llmserve serve` builds it (`llmserve/serve.py`) -- and streams N concurrent requests from a separate client
 process (so client work does not share the scheduler's GIL). Only steady-state decode steps (every request
-running, one token each) are measured, from `engine.step_stats`:
+running, one token each) are measured, from `driver.step_stats`:
 
     overhead = wall - worker      wall   = schedule + plan + ExecuteStep RPC + token bookkeeping + Redis commit
                                   worker = the worker's prepare + forward + sample seconds
 
-The overhead is split by timing wrappers installed around the engine's pieces (policy, plan build, the RPC, the
-commit; "other" is the rest of the step: token bookkeeping and metrics), and the engine thread's CPU time per
+The overhead is split by timing wrappers installed around the driver's pieces (policy, plan build, the RPC, the
+commit; "other" is the rest of the step: token bookkeeping and metrics), and the driver thread's CPU time per
 iteration is reported beside it (steadier than wall time on a shared machine), and so is the whole scheduler
 process's CPU time per generated token (driver, the gRPC API's event loop, every stream). Redis cost per step
 comes from the server's own counters over the measured window: `INFO commandstats` (calls, script time) and
 `INFO stats` (bytes).
-`--direct` submits straight to the engine with no gRPC streams: the loop without the API layer.
+`--direct` submits straight to the driver with no gRPC streams: the loop without the API layer.
 
     .venv/bin/python -m experiments.scheduler_overhead --repeats 3              # N = 16, 64, 256, median of 3 runs
     .venv/bin/python -m experiments.scheduler_overhead --repeats 3 --direct     # the loop alone
-    .venv/bin/python -m experiments.scheduler_overhead --running 256 --profile  # + cProfile of the engine thread
+    .venv/bin/python -m experiments.scheduler_overhead --running 256 --profile  # + cProfile of the driver thread
     .venv/bin/python -m experiments.scheduler_overhead --running 2 --warmup 2 --measure 5 --tail-tokens 16  # smoke
 
 Results and how to read them: experiments/SCHEDULER.md.
@@ -47,8 +47,8 @@ import tempfile
 import threading
 import time
 
-from llmserve import stack
 from llmserve.bench.metrics import percentile
+from tests.support.stack import Stack as HarnessStack
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,9 +88,9 @@ def save_word_tokenizer(path: str, vocab_size: int) -> None:
     tok.save(os.path.join(path, "tokenizer.json"))
 
 
-class Stack(stack.Stack):
-    """redis-server + worker process + in-process scheduler (Engine + gRPC server), like `llmserve serve`
-    (`llmserve.stack.Stack`), with the attributes the instrumentation below reads."""
+class Stack(HarnessStack):
+    """redis-server + worker process + in-process scheduler (driver + gRPC server), like `llmserve serve`
+    (`tests.support.stack.Stack`), with the attributes the instrumentation below reads."""
 
     def __init__(self, model: str, *, max_num_seqs: int | None, max_num_batched_tokens: int | None,
                  num_blocks: int | None,
@@ -125,27 +125,23 @@ class Stack(stack.Stack):
 
     def wait_idle(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
-        while self.engine.core is not None and (self.engine.core.has_work or self.engine.in_flight is not None) \
+        while self.driver.core is not None and (self.driver.core.has_work or self.driver.in_flight is not None) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------------------- streaming client
 #
-# Runs in its own process (`python -m experiments.scheduler_overhead --client SPEC OUT`): N concurrent Generate streams
-# over one grpc.aio channel. Records, per request, the submit time and each streamed message's arrival time and
-# token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
+# Runs in its own process (`python -m experiments.scheduler_overhead --client SPEC OUT`): N concurrent Generate
+# streams over one common.client channel. Records, per request, the submit time and each streamed message's arrival
+# time and token count (time.perf_counter: CLOCK_MONOTONIC, comparable across processes on Linux).
 
 
 async def _client_main(spec: dict) -> list[dict]:
-    import grpc
-
+    from common.client import Client
     from protos import llmserve_pb2 as pb
-    from protos import llmserve_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(spec["address"], options=[
-            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        stub = pb_grpc.LLMServeStub(channel)
+    async with Client(spec["address"]) as client:
 
         async def one(i: int, prompt: list[int]) -> dict:
             sampling = pb.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -157,7 +153,7 @@ async def _client_main(spec: dict) -> list[dict]:
             events: list[tuple[float, int]] = []
             token_ids: list[int] = []
             finish = ""
-            async for msg in stub.Generate(req):
+            async for msg in client.generate(req):
                 if msg.token_ids:
                     events.append((time.perf_counter(), len(msg.token_ids)))
                     token_ids.extend(msg.token_ids)
@@ -214,13 +210,13 @@ def client_latencies(results: list[dict]) -> tuple[list[float], list[float]]:
 
 
 class Probe:
-    """Timing wrappers around the engine's pieces; one record per ExecuteStep call, in step order."""
+    """Timing wrappers around the driver's pieces; one record per ExecuteStep call, in step order."""
 
-    def __init__(self, engine):
+    def __init__(self, driver):
         import scheduler_svc.core as core_mod
         import scheduler_svc.driver as driver_mod
 
-        self.engine = engine
+        self.driver = driver
         self.records: list[dict] = []
         self.iterations: list[tuple[float, float, float]] = []  # (start, end, driver-thread CPU) per _iteration
         self.payloads: dict[int, int] = {}  # step id -> bytes of its commit payload
@@ -249,7 +245,7 @@ class Probe:
             core_mod.schedule, driver_mod.encode_plan = orig_schedule, orig_encode
 
         self._restore = restore
-        orig_iteration = engine._iteration
+        orig_iteration = driver._iteration
 
         def iteration():
             prof = self.profiler if self.profile_window.is_set() else None
@@ -263,15 +259,15 @@ class Probe:
                     prof.disable()
                 self.iterations.append((t, time.perf_counter(), time.thread_time() - c))
 
-        engine._iteration = iteration
+        driver._iteration = iteration
 
-        ledger = engine.ledger
+        ledger = driver.ledger
         orig_commit_script = ledger._commit
         self.commit_sha = orig_commit_script.sha  # to pick its calls out of the server's SLOWLOG
 
         def commit_script(keys=None, args=None, client=None):
             # Every ARGV as sent: bytes as they are, the rest as its text.
-            self.payloads[self.engine.step_id] = sum(len(a) if isinstance(a, bytes) else len(str(a).encode())
+            self.payloads[self.driver.step_id] = sum(len(a) if isinstance(a, bytes) else len(str(a).encode())
                                                      for a in args or ())
             return orig_commit_script(keys=keys, args=args, client=client)
 
@@ -279,7 +275,7 @@ class Probe:
 
     def wrap_worker(self) -> None:
         """Call once the driver holds its worker stub (after `ready`): time each ExecuteStep from send to result."""
-        stub = self.engine.worker.stub
+        stub = self.driver.worker.stub
         probe, orig = self, stub.ExecuteStep
 
         class Timed:
@@ -339,15 +335,15 @@ def redis_counters(client) -> dict:
 
 
 class DirectClients:
-    """`--direct`: hand Requests straight to `engine.submit` (admission as the API does it) with no gRPC streams,
+    """`--direct`: hand Requests straight to `driver.submit` (admission as the API does it) with no gRPC streams,
     so the loop is measured without the API layer's stream threads competing for this process's GIL."""
 
     def __init__(self, stack: Stack, prompts: list[list[int]], max_tokens: int, tag: str):
         from protos import llmserve_pb2 as pb
         from scheduler_svc import admission
 
-        self.engine = stack.engine
-        info = self.engine.worker_info
+        self.driver = stack.driver
+        info = self.driver.worker_info
         limits = admission.Limits(max_model_len=info.max_model_len, vocab_size=info.model.vocab_size,
                         kv_pool_tokens=info.num_blocks * info.block_size, block_size=info.block_size)
         self.rids = []
@@ -355,9 +351,9 @@ class DirectClients:
             g = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
             rid = os.urandom(16).hex()  # the shape of the ids the API assigns (uuid4 hex)
             if hasattr(admission, "build_requests"):  # the API's own admission path, as its Generate calls it
-                self.engine.submit(admission.build_requests(g, ids, limits, rid))
+                self.driver.submit(admission.build_requests(g, ids, limits, rid))
             else:
-                self.engine.submit(admission.build_request(g, ids, limits, rid, list(info.model.eos_token_ids)))
+                self.driver.submit(admission.build_request(g, ids, limits, rid, list(info.model.eos_token_ids)))
             self.rids.append(rid)
         self.returncode = None
 
@@ -366,7 +362,7 @@ class DirectClients:
 
     def terminate(self) -> None:
         for rid in self.rids:
-            self.engine.abort(rid)
+            self.driver.abort(rid)
 
     def wait(self, timeout: float | None = None) -> int:
         return 0
@@ -374,14 +370,14 @@ class DirectClients:
 
 def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: int, measure: int, vocab: int,
               seed: int, profile: bool, tail_tokens: int, direct: bool = False) -> dict:
-    engine = stack.engine
+    driver = stack.driver
     rng = random.Random(seed + n)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
-    # Requests reach the engine over several steps (client start-up, per-request admission), so all N run together
+    # Requests reach the driver over several steps (client start-up, per-request admission), so all N run together
     # only once the last has arrived; a long max_tokens keeps them together well past the window, and the clients
     # are cancelled once it closes (their blocks are freed at the next iteration boundary).
     max_tokens = warmup + measure + tail_tokens
-    base_stats = len(engine.step_stats)
+    base_stats = len(driver.step_stats)
     base_rec = len(probe.records)
     # Fresh request ids each run: a known id would re-attach to the earlier (finished) request.
     tag = f"n{n}-{os.urandom(4).hex()}"
@@ -393,7 +389,7 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     seen = [base_stats, 0]  # [stats scanned so far, steady steps among them]
 
     def steady_count() -> int:
-        stats = engine.step_stats
+        stats = driver.step_stats
         end = len(stats)
         seen[1] += sum(1 for i in range(seen[0], end) if stats[i].running == n and stats[i].tokens == n)
         seen[0] = end
@@ -402,8 +398,8 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     def wait_for(count: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while steady_count() < count:
-            if not engine.ready.is_set():
-                raise RuntimeError(f"the engine stepped down at N={n} (see its log above)")
+            if not driver.ready.is_set():
+                raise RuntimeError(f"the driver stepped down at N={n} (see its log above)")
             if proc.poll() is not None:
                 raise RuntimeError(f"clients ended (rc={proc.returncode}) before {count} steady steps at N={n}")
             if time.monotonic() > deadline:
@@ -412,7 +408,7 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
 
     wait_for(warmup)
     script_times_start(stack.redis)
-    a_idx, a_red, a_it = len(engine.step_stats), redis_counters(stack.redis), len(probe.iterations)
+    a_idx, a_red, a_it = len(driver.step_stats), redis_counters(stack.redis), len(probe.iterations)
     if profile:
         # Engine-thread CPU time, not wall: waits (GIL, locks, sockets) on a shared machine would swamp it.
         probe.profiler = cProfile.Profile(time.thread_time)
@@ -421,19 +417,19 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     wait_for(warmup + measure)
     t_b, cpu_b = time.perf_counter(), time.process_time()
     probe.profile_window.clear()
-    b_idx, b_red, b_it = len(engine.step_stats), redis_counters(stack.redis), len(probe.iterations)
+    b_idx, b_red, b_it = len(driver.step_stats), redis_counters(stack.redis), len(probe.iterations)
     commit_script_ms = script_times_end(stack.redis, probe.commit_sha)
     proc.terminate()
     proc.wait(timeout=30)
     stack.wait_idle()
 
     deadline = time.monotonic() + 5  # pipelined: the last step's commit may still be under way
-    while len(probe.records) - base_rec != len(engine.step_stats) - base_stats and time.monotonic() < deadline:
+    while len(probe.records) - base_rec != len(driver.step_stats) - base_stats and time.monotonic() < deadline:
         time.sleep(0.01)
-    stats = list(engine.step_stats)
+    stats = list(driver.step_stats)
     recs = probe.records[base_rec:]
     if len(recs) != len(stats) - base_stats:
-        raise RuntimeError(f"probe saw {len(recs)} steps, the engine {len(stats) - base_stats}")
+        raise RuntimeError(f"probe saw {len(recs)} steps, the driver {len(stats) - base_stats}")
     window = [(s, recs[i - base_stats]) for i, s in enumerate(stats[a_idx:b_idx], start=a_idx)
               if s.running == n and s.tokens == n]
     steps = b_idx - a_idx
@@ -546,11 +542,11 @@ def run_mode(args, mode: str, model_dir: str, blocks: int, max_model_len: int) -
     with Stack(model_dir, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                num_blocks=blocks, max_model_len=max_model_len, dtype="float32", device=args.device,
                extra_scheduler_args=flags) as stack:
-        info = stack.engine.worker_info
+        info = stack.driver.worker_info
         print(f"stack up: worker {info.model.num_layers} layers hidden {info.model.hidden_size} vocab "
               f"{info.model.vocab_size} on {info.device}, {info.num_blocks} KV blocks of {info.block_size}; "
-              f"policy {stack.engine.cfg.policy}", flush=True)
-        probe = Probe(stack.engine)
+              f"policy {stack.driver.cfg.policy}", flush=True)
+        probe = Probe(stack.driver)
         probe.wrap_worker()
         # Warm every path once (tokenizer load, first plans, gRPC channels).
         run_level(stack, probe, 4, prompt_len=args.prompt_len, warmup=2, measure=5, vocab=args.vocab,
@@ -570,7 +566,7 @@ def run_mode(args, mode: str, model_dir: str, blocks: int, max_model_len: int) -
                       f"{r['worker_p50_ms']:.2f} ms, split {json.dumps(r['split_p50_ms'])}, "
                       f"{r['evalsha_per_step']:.2f} EVALSHA/step, {r['redis_cmds_per_step']:.2f} cmds/step, "
                       f"in {r['redis_in_bytes_per_step']:.0f} B/step, out {r['redis_out_bytes_per_step']:.0f} "
-                      f"B/step, commit payload {r['commit_payload_bytes']:.0f} B, engine CPU/iteration "
+                      f"B/step, commit payload {r['commit_payload_bytes']:.0f} B, driver CPU/iteration "
                       f"{r['engine_cpu_p50_ms']:.2f} ms (RPC part {r['rpc_cpu_p50_ms']:.2f}), Redis script time "
                       f"{r['redis_evalsha_ms']:.2f} ms (commit script p50 {r['commit_script_p50_ms']:.3f} ms), "
                       f"iteration p50 {r['loop_period_ms']:.2f} ms, "
@@ -605,10 +601,10 @@ def main() -> None:
                    help="worker KV blocks (default: enough for max(N) requests)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--direct", action="store_true",
-                   help="submit straight to the engine (no gRPC streams): the loop alone, without the API layer")
+                   help="submit straight to the driver (no gRPC streams): the loop alone, without the API layer")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this (scheduler) process, seconds (Python's default: 0.005)")
-    p.add_argument("--profile", action="store_true", help="cProfile the engine thread over the measured window")
+    p.add_argument("--profile", action="store_true", help="cProfile the driver thread over the measured window")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduling", nargs="+", choices=["async", "sync"], default=["async", "sync"],

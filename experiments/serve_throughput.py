@@ -55,7 +55,7 @@ def run_llmserve(args, model: str, prompts: list[list[int]]) -> dict:
                num_blocks=blocks, max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                block_size=block_size, extra_scheduler_args=extra) as stack:
         startup = time.perf_counter() - t0
-        info, pol = stack.engine.worker_info, stack.engine.cfg.policy
+        info, pol = stack.driver.worker_info, stack.driver.cfg.policy
         print(f"llmserve up in {startup:.1f} s: {info.model.name} on {info.device} ({info.dtype}), {info.num_blocks} "
               f"KV blocks of {info.block_size}; max_num_seqs {pol.max_num_seqs}, max_num_batched_tokens "
               f"{pol.max_num_batched_tokens}", flush=True)
@@ -63,7 +63,7 @@ def run_llmserve(args, model: str, prompts: list[list[int]]) -> dict:
         proc, out = start_clients(stack.address, [prompts[0][:16]], 4, f"warm-{os.urandom(3).hex()}", stack.workdir)
         finish_clients(proc, out, timeout=300)
         stack.wait_idle()
-        base = len(stack.engine.step_stats)
+        base = len(stack.driver.step_stats)
         # CPU seconds of the three serving processes (the scheduler is this one), to set against transformers'.
         pids = [p.pid for p in stack.procs]  # redis-server, worker
         cpu0 = [proc_cpu_s(pid) for pid in pids] + [time.process_time()]
@@ -71,7 +71,7 @@ def run_llmserve(args, model: str, prompts: list[list[int]]) -> dict:
                                   stack.workdir)
         results = finish_clients(proc, out, timeout=3600)
         cpu1 = [proc_cpu_s(pid) for pid in pids] + [time.process_time()]
-        stats = list(stack.engine.step_stats)[base:]
+        stats = list(stack.driver.step_stats)[base:]
     cpu = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
     decode = [s for s in stats if s.tokens == s.running]
     wall = max(r["end"] for r in results) - min(r["submit"] for r in results)

@@ -34,12 +34,10 @@ import threading
 import time
 import uuid
 
-import grpc
-
-from llmserve import stack
+from llmserve import client, processes
 from llmserve.bench.workloads import WorkloadParams, generate
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
+from tests.support.stack import start_scheduler_in_process
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
 _MODULE = '''import os
@@ -102,23 +100,25 @@ def _request(prompt, max_tokens: int) -> pb.GenerateRequest:
     return req
 
 
-def _stream(stub, prompt, max_tokens: int) -> dict:
-    t0, times, tokens = time.perf_counter(), [], []
-    for m in stub.Generate(_request(prompt, max_tokens), timeout=1800):
+def _stream(address: str, prompt, max_tokens: int) -> dict:
+    t0, times = time.perf_counter(), []
+
+    def arrived(m: pb.GenerateResponse) -> None:
         if m.token_ids:
             times.append(time.perf_counter())
-            tokens += m.token_ids
+
+    tokens = client.stream(_request(prompt, max_tokens), address, on_message=arrived).token_ids[0]
     tpot = (times[-1] - times[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
     return {"tokens": tokens, "tpot_s": tpot, "start": t0, "end": times[-1] if times else t0}
 
 
-def _wave(stub, items: list[tuple[object, int]], batch: int) -> tuple[list[dict], float]:
+def _wave(address: str, items: list[tuple[object, int]], batch: int) -> tuple[list[dict], float]:
     """Send `items` `batch` at a time (each group waits for the previous one); returns the streams and wall time."""
     results: list[dict | None] = [None] * len(items)
     t0 = time.perf_counter()
     for start in range(0, len(items), batch):
         group = list(range(start, min(start + batch, len(items))))
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream(stub, *items[i])))
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream(address, *items[i])))
                    for i in group]
         for t in threads:
             t.start()
@@ -127,8 +127,8 @@ def _wave(stub, items: list[tuple[object, int]], batch: int) -> tuple[list[dict]
     return results, time.perf_counter() - t0
 
 
-def _spec_counts(engine) -> tuple[float, float, float]:
-    m = engine.metrics
+def _spec_counts(driver) -> tuple[float, float, float]:
+    m = driver.metrics
     return tuple(c._value.get() for c in m.c_spec)  # drafts, draft tokens, accepted
 
 
@@ -136,14 +136,12 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
     args = ["--namespace", f"bench-spec-{uuid.uuid4().hex[:8]}", "--max-num-batched-tokens", budget]
     if spec:
         args += ["--speculative-config", spec]
-    sched = stack.start_scheduler_in_process(redis_url, worker, args)
+    sched = start_scheduler_in_process(redis_url, worker, args)
     try:
-        with grpc.insecure_channel(sched.address) as ch:
-            stub = pb_grpc.LLMServeStub(ch)
-            _stream(stub, "Warm up.", 4)  # loads the detokenizer
-            before = _spec_counts(sched.engine)
-            streams, wall = _wave(stub, items, batch)
-            after = _spec_counts(sched.engine)
+        _stream(sched.address, "Warm up.", 4)  # loads the detokenizer
+        before = _spec_counts(sched.driver)
+        streams, wall = _wave(sched.address, items, batch)
+        after = _spec_counts(sched.driver)
     finally:
         sched.stop()
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before, strict=True))
@@ -173,10 +171,10 @@ def main() -> None:
     workloads = [a.only] if a.only else ["repetitive", "chat"]
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
-    redis = stack.start_redis(f"{workdir}/redis", wait=False)
-    worker = stack.start_worker(worker_args, log_dir=workdir, wait=False)
-    stack.wait_ready(redis)
-    stack.wait_ready(worker, timeout=300)
+    redis = processes.start_redis(f"{workdir}/redis", wait=False)
+    worker = processes.start_worker(worker_args, log_dir=workdir, wait=False)
+    processes.wait_ready(redis)
+    processes.wait_ready(worker, timeout=300)
     report: dict = {"speculative_config": a.speculative_config, "runs": []}
     try:
         for workload in workloads:
@@ -209,8 +207,8 @@ def main() -> None:
                 print(f"== {workload} batch {batch}: on/off throughput {summary['speedup_median']:.2f}x (median of "
                       f"{len(ratios)}), greedy outputs identical {same}/{total}", flush=True)
     finally:
-        stack.stop(worker)
-        stack.stop(redis)
+        processes.stop(worker)
+        processes.stop(redis)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)

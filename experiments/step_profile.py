@@ -14,15 +14,16 @@ import time
 import torch
 
 from protos import worker_pb2 as pb
+from worker_svc.config import WorkerConfig
 from worker_svc.loader import default_model_path
-from worker_svc.runner import ModelRunner, RunnerOptions
+from worker_svc.runner import ModelRunner
 
 BLOCK = 16
 
 
 class Steps:
     def __init__(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(RunnerOptions(model=default_model_path(), num_gpu_blocks_override=num_blocks))
+        self.runner = ModelRunner(WorkerConfig(model=default_model_path(), num_gpu_blocks_override=num_blocks))
         self.free = list(range(num_blocks))
         self.slot_of: dict[str, int] = {}  # the worker protocol addresses requests by slot
         self.step_id = 0

@@ -23,14 +23,13 @@ import json
 import threading
 import time
 
-import grpc
 import numpy as np
 import torch
 
-from llmserve import stack
+from llmserve import client, processes
 from llmserve.bench.metrics import metric_sum, percentile, scrape
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
+from tests.support.stack import Stack
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -68,15 +67,15 @@ def run_wave(address: str, reqs: dict[str, pb.GenerateRequest]) -> dict[str, dic
     out: dict[str, dict] = {}
 
     def one(key: str, req: pb.GenerateRequest) -> None:
-        rec = {"tokens": 0, "text": "", "finish": "", "times": []}
-        with grpc.insecure_channel(address) as ch:
-            for m in pb_grpc.LLMServeStub(ch).Generate(req, timeout=1800):
-                rec["tokens"] += len(m.token_ids)
-                rec["text"] += m.text
-                rec["finish"] = m.finish_reason or rec["finish"]
-                if m.token_ids:
-                    rec["times"].append(time.monotonic())
-        out[key] = rec
+        times: list[float] = []
+
+        def arrived(m: pb.GenerateResponse) -> None:
+            if m.token_ids:
+                times.append(time.monotonic())
+
+        res = client.stream(req, address, on_message=arrived)
+        out[key] = {"tokens": len(res.token_ids[0]), "text": "".join(res.text[0]), "finish": res.finish[0] or "",
+                    "times": times}
 
     threads = [threading.Thread(target=one, args=kv) for kv in reqs.items()]
     start = time.monotonic()
@@ -103,11 +102,11 @@ def serving(n: int, max_tokens: int) -> dict:
     names = [n for n in SCHEMAS if n != "emails"]  # emails: for the compile time only (its output is long)
     plain_prompts = ["Tell me about the ocean.", "Write a short poem about rain.", "Explain how a bicycle works.",
                      "Describe your favourite city."]
-    with stack.Stack(["--num-gpu-blocks-override", "1024",
+    with Stack(["--num-gpu-blocks-override", "1024",
                       "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
                      ["--max-num-seqs", str(2 * n)]) as st:
-        metrics_port = stack.free_port()
-        st.engine.metrics.serve(metrics_port)
+        metrics_port = processes.free_port()
+        st.driver.metrics.serve(metrics_port)
         warm = {f"w{i}": chat(f"Reply with a JSON value for a {name}.", max_tokens=max_tokens,
                               json_schema=json.dumps(SCHEMAS[name])) for i, name in enumerate(names)}
         run_wave(st.address, warm)  # compiles every schema once, loads the detokenizer

@@ -149,7 +149,7 @@ def _rank(rank: int, size: int, threads: int, port: int, args: argparse.Namespac
 def run(args: argparse.Namespace) -> list[dict]:
     import tempfile
 
-    from llmserve.stack import free_port
+    from llmserve.processes import free_port
 
     cfg = model_config(args.layers)
     rows = []

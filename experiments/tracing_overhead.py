@@ -143,7 +143,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| running | mode | overhead p50 (ms) | overhead p99 (ms) | p50 / off | p99 / off | engine CPU / "
+    print("\n| running | mode | overhead p50 (ms) | overhead p99 (ms) | p50 / off | p99 / off | driver CPU / "
           "iteration p50 (ms) | CPU / off | RPC - worker p50 (ms) | step wall p50 (ms) | worker p50 (ms) | "
           "spans created here / step | runs' p50 (ms) |")
     print("|" + "---|" * 13)
@@ -201,7 +201,7 @@ def main() -> None:
                       worker_otlp_endpoint=worker_otlp)
             stacks[name] = (s, None)
             s.start()
-            probe = Probe(s.engine)
+            probe = Probe(s.driver)
             probe.wrap_worker()
             stacks[name] = (s, probe)
 
@@ -231,16 +231,16 @@ def main() -> None:
                 for mode in order:
                     s, probe = use(mode)
                     assert tracing.enabled == (mode != "off")
-                    spans0, steps0 = counter.count, len(s.engine.step_stats)
+                    spans0, steps0 = counter.count, len(s.driver.step_stats)
                     r = run_level(s, probe, n, warmup=args.warmup, measure=args.measure, seed=args.seed + rep, **kw)
-                    steps = len(s.engine.step_stats) - steps0
+                    steps = len(s.driver.step_stats) - steps0
                     r["spans_created"] = counter.count - spans0
                     r["spans_per_step"] = r["spans_created"] / steps if steps else float("nan")
                     if mode == "off" and r["spans_created"]:
                         raise RuntimeError(f"tracing off created {r['spans_created']} spans")
                     results.setdefault((n, mode), []).append(r)
                     print(f"N={n} rep {rep + 1} {mode:>4}: overhead p50 {r['overhead_p50_ms']:.2f} ms, p99 "
-                          f"{r['overhead_p99_ms']:.2f} ms, engine CPU/iteration {r['engine_cpu_p50_ms']:.2f} ms, "
+                          f"{r['overhead_p99_ms']:.2f} ms, driver CPU/iteration {r['engine_cpu_p50_ms']:.2f} ms, "
                           f"RPC-worker {r['split_p50_ms']['rpc_minus_worker']:.2f} ms, "
                           f"{r['spans_per_step']:.2f} spans created here/step", flush=True)
             off = summarize(results[(n, "off")])
@@ -258,7 +258,7 @@ def main() -> None:
             if probe is not None:
                 probe.close()
             if name == "traced":
-                traced_steps = len(s.engine.step_stats)
+                traced_steps = len(s.driver.step_stats)
             s.stop()  # SIGTERM: the traced worker flushes its spans
         counter.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -268,7 +268,7 @@ def main() -> None:
     print_table(rows)
     print(f"\nspans created in this process with tracing off: "
           f"{sum(r['spans_created'] for (n, m), rs in results.items() if m == 'off' for r in rs)}")
-    # What tracing off leaves in the step: `if tracing.enabled:` checks (engine: 2 a step + 1 a new request;
+    # What tracing off leaves in the step: `if tracing.enabled:` checks (driver: 2 a step + 1 a new request;
     # worker: 2 a step).
     check_ns = timeit.timeit("if tracing.enabled: pass", globals={"tracing": tracing}, number=1_000_000) * 1e3
     print(f"one `if tracing.enabled` check with tracing off: {check_ns:.0f} ns")

@@ -49,8 +49,9 @@ import torch
 import kernels
 from protos import worker_pb2 as pb
 from worker_svc import runner as runner_mod
+from worker_svc.config import WorkerConfig
 from worker_svc.loader import default_model_path
-from worker_svc.runner import ModelRunner, RunnerOptions
+from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 16
 PREFILL_STEP_TOKENS = 2048  # setup prefill: sequences per step so that a step holds at most this many tokens
@@ -118,7 +119,7 @@ def interleaved(timer: Timer, fns: dict[str, Callable[[], object]], repeats: int
 
 class Ours:
     def __init__(self, model_path: str, num_blocks: int):
-        self.runner = ModelRunner(RunnerOptions(model=model_path, device="cpu", dtype="float32",
+        self.runner = ModelRunner(WorkerConfig(model=model_path, device="cpu", dtype="float32",
                                                 num_gpu_blocks_override=num_blocks))
         self.step_id = 0
         self.slot_of: dict[str, int] = {}  # the worker protocol addresses requests by slot

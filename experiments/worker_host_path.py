@@ -136,12 +136,13 @@ def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
     import torch
 
     from protos import worker_pb2 as pb
-    from worker_svc.runner import ModelRunner, RunnerOptions
+    from worker_svc.config import WorkerConfig
+    from worker_svc.runner import ModelRunner
 
     gc.collect()  # the previous case's runner and KV pool go first
     total_steps = args.warmup + args.steps
     per_request = -(-(args.prompt_len + total_steps + 1) // BLOCK_SIZE)
-    runner = ModelRunner(RunnerOptions(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+    runner = ModelRunner(WorkerConfig(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                                        num_gpu_blocks_override=n * per_request + 1,
                                        max_model_len=args.prompt_len + total_steps + 16))
     rng = random.Random(n)

@@ -69,15 +69,17 @@ def run_size(model: str, n: int, args: argparse.Namespace) -> dict:
     from scheduler_svc.policy import PolicyConfig
     from scheduler_svc.request import Request
     from scheduler_svc.sampling import SamplingParams
-    from worker_svc.runner import ModelRunner, RunnerOptions
+    from worker_svc.config import WorkerConfig
+    from worker_svc.runner import ModelRunner
 
     total = args.warmup + args.steps
     per_request = -(-(args.prompt_len + total + 2) // BLOCK_SIZE)
     num_blocks = n * per_request + 1
-    runner = ModelRunner(RunnerOptions(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+    runner = ModelRunner(WorkerConfig(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                                        num_gpu_blocks_override=num_blocks,
                                        max_model_len=args.prompt_len + total + 16))
-    policy = PolicyConfig(max_num_seqs=n, max_num_batched_tokens=n * args.prompt_len, block_size=BLOCK_SIZE)
+    policy = PolicyConfig(max_num_seqs=n, max_num_batched_tokens=n * args.prompt_len, block_size=BLOCK_SIZE,
+                          enable_prefix_caching=False)
     core = SchedulerCore(policy, BlockPool(num_blocks))
     for i in range(n):
         rid = f"cmpl-{i:04d}-{(i * 2654435761) % (1 << 32):08x}"  # as long as a typical generated id

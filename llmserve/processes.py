@@ -1,5 +1,5 @@
-"""Starting llmserve's processes, in one place: `llmserve serve`, `llmserve bench`, the experiments/ scripts and the
-tests all come through here.
+"""Starting and stopping llmserve's processes: `llmserve serve`, `llmserve bench`, the experiments/ scripts and the
+tests start their processes through here.
 
 - `free_port()`; `start_redis(data_dir, ...)`: a private redis-server (fixed or free port, append-only file, extra
   flags such as --requirepass or TLS ports).
@@ -8,26 +8,17 @@ tests all come through here.
   `wait` they return once the ready line the server prints is in the log (`worker_svc.server.READY_LINE`,
   `scheduler_svc.server.LISTENING_LINE`, `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one
   returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
+- `start_smg(...)`: the smg gateway in front of schedulers.
 - `health(address)`, `wait_healthy(address)`: grpc.health.v1.
-- `InProcessScheduler` / `start_scheduler_in_process(...)`: the scheduler (engine + gRPC server) inside this
-  process, built by the same public functions `llmserve scheduler` uses; `Stack`: redis-server + a worker process +
-  that scheduler, for benchmarks that look inside the engine.
-- `worker_argv(args, port)`: the worker command line of `llmserve serve`, from the worker's own argument parser.
-- `serve(args)`: `llmserve serve`, which supervises its children: a redis-server or worker that dies is restarted
-  on the same port (redis-server on the same append-only file) and the scheduler in this process resumes; a child
-  that exits MAX_RESTARTS + 1 times within RESTART_WINDOW_S ends `serve` with exit code 1 and the end of its log.
-  Children die with their parent (`spawn`'s `die_with_parent`): a `serve` (or a test run) killed with SIGKILL
-  leaves no worker or redis-server behind.
 
-Services never import this module (common <- services <- llmserve).
+Children die with the thread that started them (`spawn`'s `die_with_parent`): a `serve` (or a test run) killed with
+SIGKILL leaves no worker or redis-server behind. Services never import this module (common <- services <-
+llmserve).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import itertools
-import logging
 import os
 import re
 import shutil
@@ -41,12 +32,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("llmserve.serve")
-
 START_TIMEOUT_S = 120.0
 LOG_TAIL_CHARS = 6000
-MAX_RESTARTS = 5  # restarts of one child within RESTART_WINDOW_S before `serve` gives up
-RESTART_WINDOW_S = 60.0
 REDIS_INSTALL_HINT = ("redis-server was not found: install it (Debian/Ubuntu: `apt-get install redis-server`, "
                       "macOS: `brew install redis`), point LLMSERVE_REDIS_SERVER at the binary, or pass --redis-url "
                       "to an existing Redis")
@@ -219,7 +206,7 @@ def wait_ready(proc: Proc, timeout: float | None = START_TIMEOUT_S, abort: threa
         if _ready(proc, text[: text.rfind("\n") + 1]):
             return proc
         if not proc.alive():
-            _unregister(proc)
+            forget(proc)
             raise ProcError(f"{proc.describe()} exited before it was ready:\n{proc.log_tail()}")
         if abort is not None and abort.is_set():
             stop(proc)
@@ -230,7 +217,8 @@ def wait_ready(proc: Proc, timeout: float | None = START_TIMEOUT_S, abort: threa
         time.sleep(0.05)
 
 
-def _cli(*args) -> list[str]:
+def cli_argv(*args) -> list[str]:
+    """`python -m llmserve.cli *args` with this interpreter."""
     return [sys.executable, "-m", "llmserve.cli", *map(str, args)]
 
 
@@ -239,7 +227,7 @@ def start_worker(extra_args: Iterable = (), *, port: int = 0, wait: bool = True,
                  log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
     """`llmserve worker --host 127.0.0.1 --port PORT *extra_args` (0: a free port; the bundled model unless --model).
     `env` adds variables; extra args come last, so they may override the defaults."""
-    argv = _cli("worker", "--host", "127.0.0.1", "--port", port, *extra_args)
+    argv = cli_argv("worker", "--host", "127.0.0.1", "--port", port, *extra_args)
     proc = spawn("worker", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
     return wait_ready(proc, timeout) if wait else proc
 
@@ -251,7 +239,8 @@ def new_namespace(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def _address(worker) -> str:
+def address_of(worker) -> str:
+    """A worker Proc, its port (int) or "host:port", as "host:port"."""
     if isinstance(worker, Proc):
         return worker.address
     if isinstance(worker, int):
@@ -268,8 +257,8 @@ def start_scheduler(redis_url: str, worker, extra_args: Iterable = (), *, namesp
     `worker`: a worker Proc, its port (int) or "host:port"; the namespace defaults to a fresh `new_namespace()`.
     Returns once it listens, which is not SERVING yet: `wait_healthy` for that."""
     namespace = namespace or new_namespace("sched")
-    argv = _cli("scheduler", "--host", "127.0.0.1", "--port", port, "--redis-url", redis_url, "--worker-address",
-                _address(worker), "--namespace", namespace, *extra_args)
+    argv = cli_argv("scheduler", "--host", "127.0.0.1", "--port", port, "--redis-url", redis_url, "--worker-address",
+                address_of(worker), "--namespace", namespace, *extra_args)
     proc = spawn("scheduler", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd, namespace=namespace)
     return wait_ready(proc, timeout) if wait else proc
 
@@ -281,7 +270,7 @@ def start_serve(extra_args: Iterable = (), *, port: int | None = None, http_port
     `extra_args` turns the HTTP API off); with `wait`, returns once it printed SERVE_READY_LINE (its scheduler
     leads the pool and sees the worker, and the HTTP API listens). `proc.extra["http_port"]` is the HTTP port."""
     http_port = http_port or free_port()
-    argv = _cli("serve", "--port", port or free_port(), "--http-port", http_port, *extra_args)
+    argv = cli_argv("serve", "--port", port or free_port(), "--http-port", http_port, *extra_args)
     proc = spawn("serve", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd, extra={"http_port": http_port})
     return wait_ready(proc, timeout) if wait else proc
 
@@ -291,7 +280,7 @@ def start_api(scheduler: str, extra_args: Iterable = (), *, port: int = 0, wait:
               log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
     """`llmserve api --host 127.0.0.1 --port PORT --scheduler SCHEDULER *extra_args` (0: a free port); with `wait`
     it returns once it listens (`proc.port`); /health answers 200 once the scheduler is SERVING."""
-    argv = _cli("api", "--host", "127.0.0.1", "--port", port, "--scheduler", scheduler, *extra_args)
+    argv = cli_argv("api", "--host", "127.0.0.1", "--port", port, "--scheduler", scheduler, *extra_args)
     proc = spawn("api", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
     return wait_ready(proc, timeout) if wait else proc
 
@@ -336,7 +325,7 @@ def wait_smg(proc: Proc, healthy_workers: int, timeout: float = 120.0) -> Proc:
         except (OSError, ValueError):
             pass
         if not proc.alive():
-            _unregister(proc)
+            forget(proc)
             raise ProcError(f"{proc.describe()} exited before it was ready:\n{proc.log_tail()}")
         if time.monotonic() > deadline:
             raise ProcError(f"{proc.describe()}: fewer than {healthy_workers} healthy workers after {timeout:.0f} s:"
@@ -401,7 +390,7 @@ def wait_healthy(address: str, timeout: float = 60.0, service: str = "", proc: P
     raise ProcError(f"{address} not SERVING within {timeout:.0f}s (last: {last}){shown}")
 
 
-def _unregister(proc: Proc) -> None:
+def forget(proc: Proc) -> None:
     with _live_lock:
         if proc in _live:
             _live.remove(proc)
@@ -416,7 +405,7 @@ def stop(proc: Proc, timeout: float = 10.0) -> int | None:
         except subprocess.TimeoutExpired:
             proc.popen.kill()
             proc.popen.wait(timeout=10)
-    _unregister(proc)
+    forget(proc)
     return proc.popen.returncode
 
 
@@ -425,7 +414,7 @@ def kill(proc: Proc) -> int | None:
     if proc.alive():
         proc.popen.kill()
         proc.popen.wait(timeout=10)
-    _unregister(proc)
+    forget(proc)
     return proc.popen.returncode
 
 
@@ -440,340 +429,3 @@ def stop_all() -> None:
     order = {"serve": 0, "api": 0, "scheduler": 1, "worker": 2, "redis": 3}
     for proc in sorted(live(), key=lambda p: order.get(p.kind, 2)):
         stop(proc)
-
-
-# ---- the scheduler in this process ------------------------------------------------------------------------------
-
-
-class InProcessScheduler:
-    """The scheduler (engine + public gRPC server) inside this process, assembled from `llmserve scheduler` flags by
-    the same public functions `llmserve scheduler` runs: `check_flags`, `scheduler_from_args`, `build_server`,
-    `shutdown`. `engine` offers `.ready`, `.fatal`, `.worker_info`, `.metrics`."""
-
-    def __init__(self, args: argparse.Namespace):
-        from scheduler_svc.server import check_flags, scheduler_from_args
-
-        check_flags(args)
-        self.args = args
-        self.engine, self.ledger = scheduler_from_args(args)
-        self.server = None
-        self.health = None
-        self.host, self.port = "127.0.0.1", 0
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> InProcessScheduler:
-        from common import tls
-        from scheduler_svc.server import build_server
-
-        a = self.args
-        self.server, self.port, self.health = build_server(
-            self.engine, f"{host}:{port}", a.api_key, a.tokenizer,
-            tls.server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca))
-        self.host = host
-        if a.metrics_port is not None:
-            self.engine.metrics.serve(a.metrics_port)
-        self.server.start()
-        self.engine.start()
-        return self
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        """Wait until the engine leads its pool and sees the worker; ProcError on a fatal error or the timeout."""
-        deadline = time.monotonic() + timeout
-        while not self.engine.ready.wait(timeout=0.5):
-            if self.engine.fatal:
-                raise ProcError(f"scheduler: {self.engine.fatal}")
-            if time.monotonic() > deadline:
-                raise ProcError(f"the scheduler did not take the pool within {timeout:.0f} s")
-
-    def stop(self, timeout: float = 0.0) -> None:
-        """Drain (up to `timeout` seconds; 0 leaves requests in Redis for a next leader) and stop."""
-        from scheduler_svc.server import shutdown
-
-        if self.server is None:
-            self.engine.stop()
-        else:
-            shutdown(self.engine, self.server, timeout)
-            self.server = None
-
-
-def start_scheduler_in_process(redis_url: str, worker, extra_args: Iterable = (), *, host: str = "127.0.0.1",
-                               port: int = 0, ready_timeout: float | None = 180.0) -> InProcessScheduler:
-    """An InProcessScheduler from `llmserve scheduler` flags (`extra_args`) on `worker` (a Proc, port or address);
-    started, and with `ready_timeout` (None: don't wait) once it leads its pool."""
-    from llmserve.cli import build_parser
-
-    argv = ["scheduler", "--redis-url", redis_url, "--worker-address", _address(worker), *extra_args]
-    args = build_parser().parse_args([str(a) for a in argv])
-    sched = InProcessScheduler(args).start(host, port)
-    if ready_timeout is not None:
-        try:
-            sched.wait_ready(ready_timeout)
-        except BaseException:
-            sched.stop()
-            raise
-    return sched
-
-
-class Stack:
-    """A private redis-server, one worker process and the scheduler in this process (what `llmserve serve` runs,
-    without restarts), for benchmarks that look inside the engine. Files and logs go to `workdir` (a new temporary
-    directory by default, removed by `stop`)."""
-
-    def __init__(self, worker_args: Iterable = (), scheduler_args: Iterable = (), *,
-                 worker_env: dict[str, str] | None = None, ready_timeout: float = 180.0):
-        self.worker_args, self.scheduler_args = list(worker_args), list(scheduler_args)
-        self.worker_env, self.ready_timeout = worker_env, ready_timeout
-        self.workdir = ""
-        self.redis_server: RedisServer | None = None
-        self.worker: Proc | None = None
-        self.scheduler: InProcessScheduler | None = None
-
-    @property
-    def redis_url(self) -> str:
-        return self.redis_server.url
-
-    @property
-    def engine(self):
-        return self.scheduler.engine if self.scheduler is not None else None
-
-    @property
-    def address(self) -> str:
-        return self.scheduler.address
-
-    def start(self) -> Stack:
-        try:
-            self.workdir = tempfile.mkdtemp(prefix="llmserve-stack-")
-            self.redis_server = start_redis(os.path.join(self.workdir, "redis"), wait=False)
-            self.worker = start_worker(self.worker_args, env=self.worker_env, log_dir=self.workdir, wait=False)
-            wait_ready(self.redis_server)  # the two start side by side; the worker takes longer
-            wait_ready(self.worker, timeout=self.ready_timeout)
-            self.scheduler = start_scheduler_in_process(self.redis_url, self.worker, self.scheduler_args,
-                                                        ready_timeout=self.ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
-            self.scheduler = None
-        for proc in (self.worker, self.redis_server):
-            if proc is not None:
-                stop(proc, timeout=15)
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = ""
-
-    def __enter__(self) -> Stack:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-# ---- `llmserve serve` -------------------------------------------------------------------------------------------
-
-# Flags of the worker's parser that `serve` keeps for its public server: its worker is a private loopback process.
-SERVE_ONLY = frozenset({"tls_cert", "tls_key", "tls_client_ca"})
-
-
-def worker_argv(args: argparse.Namespace, port: int) -> list[str]:
-    """The `llmserve worker` command line for `serve`'s worker: every flag of `worker_svc.server.add_worker_args`
-    whose value in `args` differs from its default, plus loopback host and `port` (TLS flags excepted)."""
-    from worker_svc.server import add_worker_args
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_worker_args(parser)
-    argv = _cli("worker", "--host", "127.0.0.1", "--port", port)
-    for action in parser._actions:  # argparse has no public list of a parser's options
-        value = getattr(args, action.dest, action.default)
-        if not action.option_strings or action.dest in SERVE_ONLY or value == action.default:
-            continue
-        flag = next(s for s in action.option_strings if s.startswith("--"))
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        elif type(action) is argparse._StoreAction and action.nargs is None:
-            argv += [flag, str(value)]
-        else:  # a new kind of worker option: teach this function to forward it
-            raise TypeError(f"cannot forward {flag} ({type(action).__name__}) to the worker")
-    return argv
-
-
-def api_argv(args: argparse.Namespace, scheduler_port: int) -> list[str]:
-    """The `llmserve api` command line of `serve`: on --host and --http-port, in front of its scheduler, with the
-    scheduler's --api-key (clients use one key for both APIs) and --tokenizer."""
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    argv = _cli("api", "--host", args.host, "--port", args.http_port, "--scheduler", f"{host}:{scheduler_port}")
-    for flag, value in (("--api-key", args.api_key), ("--tokenizer", args.tokenizer),
-                        ("--served-model-name", args.served_model_name)):
-        if value:
-            argv += [flag, value]
-    return argv
-
-
-class _Child:
-    """One supervised process: started by `start` (which must not wait), restarted whenever it exits."""
-
-    def __init__(self, name: str, start: Callable[[], Proc], ready_timeout: float | None):
-        self.name, self.start, self.ready_timeout = name, start, ready_timeout
-        self.proc: Proc | None = None
-        self.ready = threading.Event()  # the first run is ready
-        self.exits: collections.deque[float] = collections.deque()
-        self.restarts = 0
-
-
-class Supervisor:
-    """Keeps `serve`'s children running: each has a thread that starts it, waits for its ready line, waits for it to
-    exit and starts it again (the caller's `start` reuses the port and data directory). More than MAX_RESTARTS
-    exits of one child within RESTART_WINDOW_S (counting runs that never got ready) sets `failure`."""
-
-    def __init__(self):
-        self.children: list[_Child] = []
-        self.stopping = threading.Event()
-        self.failure: str | None = None  # set once, by the thread of a child that keeps failing
-
-    def add(self, name: str, start: Callable[[], Proc], ready_timeout: float | None = None) -> _Child:
-        child = _Child(name, start, ready_timeout)
-        self.children.append(child)
-        threading.Thread(target=self._keep_running, args=(child,), name=f"supervise-{name}", daemon=True).start()
-        return child
-
-    def _keep_running(self, child: _Child) -> None:
-        while not self.stopping.is_set():
-            try:
-                child.proc = child.start()
-            except (OSError, ProcError) as e:
-                self.failure = f"llmserve serve: cannot start the {child.name}: {e}"
-                return
-            try:
-                wait_ready(child.proc, child.ready_timeout, abort=self.stopping)
-                if child.restarts:
-                    log.info("%s is back (pid %d)", child.name, child.proc.pid)
-                child.ready.set()
-                child.proc.popen.wait()
-            except ProcError:
-                pass  # exited (or was stopped) before it was ready: an exit like any other
-            _unregister(child.proc)
-            if self.stopping.is_set():
-                return
-            now = time.monotonic()
-            child.exits.append(now)
-            while child.exits[0] < now - RESTART_WINDOW_S:
-                child.exits.popleft()
-            code = child.proc.popen.returncode
-            if len(child.exits) > MAX_RESTARTS:
-                tail = "\n".join(child.proc.log_text()[child.proc.log_start:].splitlines()[-30:])
-                self.failure = (f"llmserve serve: the {child.name} exited {len(child.exits)} times within "
-                                f"{RESTART_WINDOW_S:.0f} s (last exit code {code}); giving up. Last lines of its log "
-                                f"{child.proc.log_path}:\n{tail}")
-                return
-            child.restarts += 1
-            log.warning("the %s exited with code %s; restarting it (restart %d of at most %d within %.0f s)",
-                        child.name, code, len(child.exits), MAX_RESTARTS, RESTART_WINDOW_S)
-
-    def stop(self) -> None:
-        """Stop the children, last added first, and let no thread restart them."""
-        self.stopping.set()
-        for child in reversed(self.children):
-            if child.proc is not None:
-                stop(child.proc, timeout=15)
-
-
-def serve(args: argparse.Namespace) -> None:
-    """`llmserve serve`: a private redis-server (unless --redis-url), a worker process and the scheduler in this
-    process, until SIGTERM / Ctrl-C; the children are supervised (module docstring)."""
-    from common import tracing
-    from scheduler_svc.server import check_flags, redact_url
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # The worker of `serve` is a private process on loopback and stays plaintext; --tls-* secure the public server.
-    for flag in ("worker_tls_ca", "worker_tls_cert", "worker_tls_key", "worker_tls_server_name"):
-        if getattr(args, flag) is not None:
-            raise SystemExit(f"--{flag.replace('_', '-')} is for a scheduler talking to a separate worker "
-                             "(`llmserve scheduler`); `llmserve serve` runs its own worker on loopback without TLS")
-    check_flags(args)
-    tracing.setup("llmserve-scheduler", args.otlp_traces_endpoint)
-    workdir = tempfile.mkdtemp(prefix="llmserve-")
-    log_dir = args.log_dir or workdir
-    os.makedirs(log_dir, exist_ok=True)
-    sup = Supervisor()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sup.stopping.set())
-    sched: InProcessScheduler | None = None
-    api: _Child | None = None
-    keep_logs = False  # a failed serve keeps the logs its message points to
-
-    def trouble() -> str | None:
-        if sup.failure:
-            return sup.failure
-        if sched is not None and sched.engine.fatal:
-            return f"scheduler: {sched.engine.fatal}"
-        return None
-
-    try:
-        children = []
-        if not args.redis_url:
-            redis_dir, redis_port = os.path.join(workdir, "redis"), free_port()
-            redis_log = os.path.join(log_dir, "redis.log")
-            children.append(sup.add("redis-server", lambda: start_redis(
-                redis_dir, port=redis_port, appendonly=True, wait=False, log_path=redis_log, die_with_parent=True)))
-            args.redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        worker_port = free_port()
-        wargv, worker_log = worker_argv(args, worker_port), os.path.join(log_dir, "worker.log")
-        children.append(sup.add("worker", lambda: spawn("worker", wargv, log_path=worker_log, die_with_parent=True)))
-        args.worker_address = f"127.0.0.1:{worker_port}"
-        for child in children:  # both start at once; the worker (loading the model) takes longer
-            while not child.ready.wait(0.2) and not sup.stopping.is_set():
-                if trouble():
-                    raise SystemExit(trouble())
-        if sup.stopping.is_set():
-            return
-        sched = InProcessScheduler(args).start(args.host, args.port)
-        if args.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
-            api_cmd, api_log = api_argv(args, sched.port), os.path.join(log_dir, "api.log")
-            api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log, die_with_parent=True))
-        deadline = time.monotonic() + 120
-        while not sched.engine.ready.wait(0.5) and not sup.stopping.is_set():
-            if trouble():
-                raise SystemExit(trouble())
-            if time.monotonic() > deadline:
-                raise SystemExit("the scheduler did not take the pool within 120 s")
-        if sup.stopping.is_set():
-            return
-        http = ""
-        if api is not None:  # started with the scheduler; ready once it listens
-            while not api.ready.wait(0.2) and not sup.stopping.is_set():
-                if trouble():
-                    raise SystemExit(trouble())
-            http = f"; OpenAI API on http://{args.host}:{args.http_port}/v1"
-        if sup.stopping.is_set():
-            return
-        info = sched.engine.worker_info
-        print(SERVE_READY_LINE.format(host=args.host, port=sched.port, details=(
-            f"{info.model.name} on {info.device} ({info.dtype}), {info.num_blocks} KV blocks of {info.block_size}, "
-            f"redis {redact_url(args.redis_url)}{http}; logs in {log_dir}")), flush=True)
-        while not sup.stopping.wait(0.5):
-            if trouble():
-                raise SystemExit(trouble())
-    except BaseException:
-        keep_logs = log_dir == workdir
-        raise
-    finally:
-        sup.stopping.set()
-        if api is not None and api.proc is not None and api.proc.alive():
-            api.proc.popen.terminate()  # first: it stops taking requests while its streams drain with the scheduler
-        if sched is not None:
-            sched.stop(args.shutdown_timeout)
-        sup.stop()
-        tracing.shutdown()
-        if keep_logs:
-            shutil.rmtree(os.path.join(workdir, "redis"), ignore_errors=True)
-            print(f"llmserve serve: logs kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)

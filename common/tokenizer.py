@@ -1,4 +1,4 @@
-"""Text <-> token ids for the scheduler, built on the HF `tokenizers` library.
+"""Text <-> token ids for the scheduler and the HTTP API, built on the HF `tokenizers` library.
 
 Two sources:
 - a GGUF file: the BPE vocabulary, merges and special tokens live in the metadata (llama.cpp key names),
@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from common import gguf_cache
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a chat message may have, in every API
 
 # llama.cpp token types (gguf.TokenType)
 _TOKEN_CONTROL = 3
@@ -255,3 +255,9 @@ class Tokenizer:
         if token_id is None:
             return ""
         return self._tok.id_to_token(token_id) or ""
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a GGUF file or a HF model directory (one per path per process: loading takes seconds)."""
+    return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_hf_dir(path)
