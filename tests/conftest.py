@@ -77,7 +77,7 @@ def hf_model(bundled_model_path):
 def runner(bundled_model_path):
     from worker_svc.runner import ModelRunner, RunnerOptions
 
-    return ModelRunner(RunnerOptions(model=bundled_model_path, num_gpu_blocks_override=512))
+    return ModelRunner(RunnerOptions(model=bundled_model_path, dtype="float32", num_gpu_blocks_override=512))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,7 +21,7 @@ from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.config import ModelConfig
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model import LlamaModel, cpu_has_native_bf16
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.sampler import greedy_batch, sample_batch
 from worker_svc.speculative import accepted_lengths, propose_ngram
@@ -38,7 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class RunnerOptions:
     model: str
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32 (resolve_dtype)
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: int = 2 << 30  # bytes, CPU sizing
@@ -77,8 +77,11 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on a CPU with native bf16 (AVX512-BF16 or AMX), as vLLM recommends; float32
+    elsewhere (emulated bf16 is no faster)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if native else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
