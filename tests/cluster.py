@@ -71,10 +71,17 @@ def log_dir() -> str:
     return d
 
 
+# The tests compare outputs with float32 Hugging Face: workers run in float32 unless a test passes its own --dtype
+# (extra args come later and win), not in `--dtype auto`'s bfloat16 on a CPU with native bf16.
+FLOAT32 = ("--dtype", "float32")
+
+
 def start_worker(extra_args=(), wait: bool = True, timeout: float = START_TIMEOUT_S,
                  env: dict[str, str] | None = None) -> Proc:
-    """`llmserve worker --port 0 *extra_args` (bundled model unless --model is given); `env` adds variables."""
-    return processes.start_worker(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
+    """`llmserve worker --port 0 --dtype float32 *extra_args` (bundled model unless --model is given); `env` adds
+    variables."""
+    return processes.start_worker([*FLOAT32, *extra_args], wait=wait, timeout=timeout, env=env, log_dir=log_dir(),
+                              cwd=ROOT)
 
 
 def start_scheduler(redis_url: str, worker, extra_args=(), namespace: str | None = None, wait: bool = True,
@@ -85,8 +92,10 @@ def start_scheduler(redis_url: str, worker, extra_args=(), namespace: str | None
 
 
 def start_serve(extra_args=(), wait: bool = True, timeout: float = 300.0, env: dict[str, str] | None = None) -> Proc:
-    """`llmserve serve --port FREE --http-port FREE *extra_args`; returns once it is ready (with `wait`)."""
-    return processes.start_serve(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
+    """`llmserve serve --port FREE --http-port FREE --dtype float32 *extra_args`; returns once it is ready (with
+    `wait`)."""
+    return processes.start_serve([*FLOAT32, *extra_args], wait=wait, timeout=timeout, env=env, log_dir=log_dir(),
+                                 cwd=ROOT)
 
 
 def start_api(scheduler: str, extra_args=(), port: int = 0, wait: bool = True, timeout: float = START_TIMEOUT_S,

@@ -78,7 +78,7 @@ def runner(bundled_model_path):
     from worker_svc.config import WorkerConfig
     from worker_svc.runner import ModelRunner
 
-    return ModelRunner(WorkerConfig(model=bundled_model_path, num_gpu_blocks_override=512))
+    return ModelRunner(WorkerConfig(model=bundled_model_path, dtype="float32", num_gpu_blocks_override=512))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -42,7 +42,8 @@ class WorkerConfig:
     host: str = setting("127.0.0.1", "address of the worker's gRPC server")
     port: int = setting(50061, "port of the worker's gRPC server (0 picks a free one)")
     model: str | None = setting(None, "GGUF file or Hugging Face directory (default: bundled SmolLM2-135M)")
-    dtype: str = setting("auto", "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    dtype: str = setting("auto", "weights and KV cache dtype (auto: bfloat16 on CUDA and on a CPU with AVX512-BF16 "
+                         "or AMX, float32 elsewhere)",
                          choices=("auto", "float32", "bfloat16", "float16"))
     device: str = setting("auto", "auto, cpu, cuda, cuda:N")
     block_size: int = setting(16, "tokens per KV block", check=c.is_power_of_two)

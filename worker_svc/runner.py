@@ -21,7 +21,7 @@ from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model import LlamaModel, cpu_has_native_bf16
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.sampler import greedy_batch, sample_batch
 from worker_svc.speculative import accepted_lengths, propose_ngram
@@ -62,8 +62,11 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on a CPU with native bf16 (AVX512-BF16 or AMX), as vLLM recommends; float32
+    elsewhere (emulated bf16 is no faster)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if native else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]

@@ -33,8 +33,8 @@ pytest_plugins = ("tests.cluster",)
 TP = 3
 MAX_TOKENS = 32
 NUM_BLOCKS = 24
-WORKER_ARGS = ["--tensor-parallel-size", TP, "--num-gpu-blocks-override", NUM_BLOCKS, "--max-model-len", 512,
-               "--allow-kv-pool-below-max-model-len"]
+WORKER_ARGS = ["--dtype", "float32", "--tensor-parallel-size", TP, "--num-gpu-blocks-override", NUM_BLOCKS,
+               "--max-model-len", 512, "--allow-kv-pool-below-max-model-len"]
 SCHEDULER_ARGS = ["--max-num-batched-tokens", 32, "--debug-invariants"]
 _rng = random.Random(14)
 PROMPTS = [[_rng.randrange(300, 40000) for _ in range(n)] for n in (5, 70, 12, 45, 90, 21)]

@@ -1,0 +1,102 @@
+"""The bare `LlamaModel.forward` of one decode step in several modes, interleaved in one process, as ratios.
+
+Modes: float32 (oneDNN-prepacked weights, the CPU default before bfloat16), bfloat16 with plain F.linear (what
+`--dtype bfloat16` ran before its weights were prepacked) and bfloat16 prepacked (`--dtype auto` on a CPU with
+AVX512-BF16 or AMX). Every repetition runs each mode once, in rotating order, so a shared machine's load hits all
+modes alike; the table shows medians and the ratio to the first mode. The attention share is the time inside
+`write_kv_cache` + `paged_attention` over the whole forward (a perf_counter around each call).
+
+    .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16,64 --context 256
+    .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16 --context 2048 --modes bfloat16-packed
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/worker_forward.py
+
+import torch
+
+import kernels
+from worker_svc import kv_cache
+from worker_svc.loader import default_model_path, load_model_weights
+from worker_svc.model import LlamaModel
+
+BLOCK_SIZE = 16
+MODES = {"float32": (torch.float32, None), "bfloat16-linear": (torch.bfloat16, False),
+         "bfloat16-packed": (torch.bfloat16, True)}
+
+
+class TimedAttention:
+    """The reference backend, with the seconds spent in it summed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def write_kv_cache(self, *a, **kw):
+        t = time.perf_counter()
+        kernels.write_kv_cache(*a, **kw)
+        self.seconds += time.perf_counter() - t
+
+    def paged_attention(self, *a, **kw):
+        t = time.perf_counter()
+        out = kernels.paged_attention(*a, **kw)
+        self.seconds += time.perf_counter() - t
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--context", type=int, default=256, help="cached tokens per sequence")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    modes = a.modes.split(",")
+    config, weights = load_model_weights(a.model or default_model_path())
+    blocks_each = -(-(a.context + 1) // BLOCK_SIZE)
+    models, caches, timers = {}, {}, {}
+    for name in modes:
+        dtype, prepack = MODES[name]
+        timers[name] = TimedAttention()
+        models[name] = LlamaModel(config, weights, dtype, "cpu", attention=timers[name], prepack=prepack)
+        caches[name] = kv_cache.allocate(config, blocks_each * max(batch_sizes), BLOCK_SIZE, dtype,
+                                         torch.device("cpu")).normal_()
+    del weights
+    print(f"threads {a.threads}, context {a.context}, {a.repeats} interleaved repeats; ms (ratio to {modes[0]}), "
+          "attention share")
+    for b in batch_sizes:
+        tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(b)]
+        ids, pos, rows = torch.randint(0, 1000, (b,)), torch.full((b,), a.context), torch.arange(b)
+        meta = {}
+        for name in modes:  # a plan per mode: its gather buffers follow the cache's dtype
+            meta[name] = kernels.build_attention_metadata([1] * b, [a.context + 1] * b, tables, BLOCK_SIZE, "cpu")
+            models[name].forward(ids, pos, caches[name], meta[name], rows)  # warm-up
+        wall = {n: [] for n in modes}
+        attn = {n: [] for n in modes}
+        for r in range(a.repeats):
+            for name in modes[r % len(modes):] + modes[:r % len(modes)]:
+                timers[name].seconds = 0.0
+                t = time.perf_counter()
+                models[name].forward(ids, pos, caches[name], meta[name], rows)
+                wall[name].append(time.perf_counter() - t)
+                attn[name].append(timers[name].seconds)
+        base = statistics.median(wall[modes[0]])
+        cells = []
+        for name in modes:
+            m = statistics.median(wall[name])
+            share = statistics.median(x / w for x, w in zip(attn[name], wall[name], strict=True))
+            cells.append(f"{name} {m * 1e3:.1f} ms ({m / base:.2f}x) attn {share:.0%}")
+        print(f"batch {b:3d}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
