@@ -16,6 +16,7 @@ import torch
 from protos import worker_pb2 as pb
 from worker_svc.loader import default_model_path
 from worker_svc.runner import ModelRunner, RunnerOptions
+from worker_svc.server import execute_step
 
 BLOCK = 16
 
@@ -35,7 +36,7 @@ class Steps:
         self.step_id += 1
         plan.step_id = self.step_id
         t = time.perf_counter()
-        self.runner.execute(plan)
+        execute_step(self.runner, plan)
         print(f"{label:<44} {time.perf_counter() - t:6.3f} s", flush=True)
 
     def new(self, plan: pb.StepPlan, rid: str, prompt: list[int], n: int) -> None:
