@@ -290,8 +290,8 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
                 phase[name] += time.perf_counter() - t
         return wrapper
 
-    orig_meta = kernels.build_attention_metadata
-    kernels.build_attention_metadata = timed("metadata", orig_meta)
+    orig_meta = kernels.attention_metadata_from_arrays
+    kernels.attention_metadata_from_arrays = timed("metadata", orig_meta)
     try:
         ours.decode_step(rids)  # warm
         ours.rewind(rids, context)
@@ -306,7 +306,7 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
                 phase["sampling"] += res.sample_seconds
                 ours.rewind(rids, context)
     finally:
-        kernels.build_attention_metadata = orig_meta
+        kernels.attention_metadata_from_arrays = orig_meta
 
     # self CPU time of the ops that ran inside the forward (sampling ops are counted there too: small)
     by_cat: dict[str, float] = defaultdict(float)
@@ -321,7 +321,7 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
         "step_ms": 1e3 * wall / steps,
         "phases_ms": {
             "forward": 1e3 * forward / steps,
-            "attention metadata (build_attention_metadata)": 1e3 * phase["metadata"] / steps,
+            "attention metadata (attention_metadata_from_arrays)": 1e3 * phase["metadata"] / steps,
             "sampling (the step's sample_seconds)": 1e3 * phase["sampling"] / steps,
             "plan check/apply, input tensors, bookkeeping": 1e3 * rest / steps,
         },

@@ -259,8 +259,8 @@ class ModelRunner:
             emitted = speculative.verify(b, rows, num_drafts, sampled.token_ids, self.eos_token_ids)
         if constrained.any():  # a completed grammar ends its request as a stop (vLLM: finish_reason "stop")
             t0 = time.perf_counter()
-            first = np.flatnonzero(np.diff(emitted.chunks, prepend=-1))  # each row's first token (grammar rows
-            # have no drafts: their only one)
+            # Each row's first token: a grammar row's only one (it is granted no drafts).
+            first = np.flatnonzero(np.diff(emitted.chunks, prepend=-1))
             matchers = [b.matchers[r] for r in rows.tolist()]
             ended = (self.grammar_masks.advance(matchers, emitted.token_ids[first])
                      & (emitted.reasons[first] == FINISH_NONE))
