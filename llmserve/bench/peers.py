@@ -113,7 +113,7 @@ def _machine() -> dict:
 
 def _load_average() -> list[float] | None:
     try:
-        return list(os.getloadavg())
+        return [round(x, 1) for x in os.getloadavg()]
     except OSError:
         return None
 
@@ -128,8 +128,8 @@ class _Results:
         self.workload, self.meta, self.items = workload, meta, []
 
     def add(self, m: peer_plan.Measurement) -> None:
+        m.extra["load_average"] = self.meta["load_average_end"] = _load_average()  # the box's noise, per load
         self.items.append(m)
-        self.meta["load_average_end"] = _load_average()
         with open(self.json_path, "w") as f:
             json.dump({**self.meta, "measurements": [x.to_json() for x in self.items]}, f, indent=1)
         with open(self.md_path, "w") as f:
@@ -193,7 +193,8 @@ def main(args: argparse.Namespace) -> None:
         return
     llmserve_model = {None: gguf, "hf": hf_dir}.get(args.llmserve_model, args.llmserve_model)
 
-    meta = {"command": " ".join(shlex.quote(a) for a in sys.argv),
+    prog = "llmserve" if sys.argv[0].endswith(("llmserve", "cli.py")) else "python -m llmserve.bench.peers"
+    meta = {"command": shlex.join([prog, *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(), "load_average_start": _load_average(), "workload": workload.__dict__,
             "gguf": gguf, "hf_dir": hf_dir, "llmserve_model": llmserve_model,

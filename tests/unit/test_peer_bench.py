@@ -129,3 +129,15 @@ def test_model_dir_is_keyed_by_the_file(tmp_path):
     first = peer_env.model_dir_for(str(tmp_path), str(gguf))
     gguf.write_bytes(b"x" * 11)
     assert peer_env.model_dir_for(str(tmp_path), str(gguf)) != first
+
+
+def test_results_are_rewritten_after_each_measurement(tmp_path):
+    meta = {"command": "llmserve bench peers --quick", "date": "2026-12-02T01:00:00+00:00",
+            "machine": {"cpu": "x", "cpus": 2}, "load_average_start": [1.0, 1.0, 1.0]}
+    results = peers._Results(str(tmp_path), peer_plan.Workload(), meta)
+    results.add(peer_plan.parse_result(_canned(tmp_path, "a.json", 20.0, 50.0, 90.0), "llmserve", "float32",
+                                       peer_plan.Load(1, 8)))
+    saved = json.loads(open(results.json_path).read())
+    assert saved["command"] == meta["command"] and saved["measurements"][0]["output_throughput"] == 20.0
+    text = open(results.md_path).read()
+    assert text.startswith("`llmserve bench peers --quick`") and "| float32 | 1 | 8 | 20.0 (50 ms, 90 ms) |" in text
