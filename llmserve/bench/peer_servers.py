@@ -47,7 +47,8 @@ def vllm_spec(vllm_cli: list[str], model_dir: str, dtype: str, served_name: str,
     port = stack.free_port()
     argv = [*vllm_cli, "serve", model_dir, "--dtype", dtype, "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(port), *extra]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib), "VLLM_CPU_OMP_THREADS_BIND": threads_bind}
+    env = {"VLLM_TARGET_DEVICE": "cpu",  # its platform check also reads the `+cpu` the wrapper's version carries
+           "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib), "VLLM_CPU_OMP_THREADS_BIND": threads_bind}
     return ServerSpec("vllm", argv, env, port)
 
 
