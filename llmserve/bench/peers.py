@@ -74,6 +74,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "or $LLMSERVE_PEERS_DIR)")
     o.add_argument("--result-dir", default="bench/out/peers", help="the table, the JSON, the logs")
     o.add_argument("--install-only", action="store_true", help="install the peers and write the model directory")
+    o.add_argument("--from-json", nargs="+", metavar="FILE", default=None,
+                   help="start nothing: one table from the measurements in these earlier runs' JSON files")
 
 
 def add_command(subparsers) -> None:
@@ -171,9 +173,25 @@ def _run_load(vllm_cli, base_url, args, run, load, workload, result_dir) -> peer
     return m
 
 
+def merged_table(paths: list[str]) -> str:
+    """One table from the measurements of several runs' JSON files (each run's command and date listed above it:
+    runs at different times saw different loads on the machine)."""
+    items, heads, output_len = [], [], None
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        heads.append(f"- `{run['command']}` ({run['date']}, load average at start {run['load_average_start']})")
+        output_len = output_len or run["workload"]["output_len"]
+        items += [peer_plan.Measurement(**m) for m in run["measurements"]]
+    return "\n".join(heads) + "\n\n" + peer_plan.markdown_table(items, output_len or 0)
+
+
 def main(args: argparse.Namespace) -> None:
     from llmserve.bench import peer_env, peer_servers
 
+    if args.from_json:
+        print(merged_table(args.from_json))
+        return
     plan, workload = resolve(args)
     peers_dir = args.peers_dir or peer_env.default_dir()
     os.makedirs(peers_dir, exist_ok=True)

@@ -141,3 +141,19 @@ def test_results_are_rewritten_after_each_measurement(tmp_path):
     assert saved["command"] == meta["command"] and saved["measurements"][0]["output_throughput"] == 20.0
     text = open(results.md_path).read()
     assert text.startswith("`llmserve bench peers --quick`") and "| float32 | 1 | 8 | 20.0 (50 ms, 90 ms) |" in text
+
+
+def test_from_json_merges_earlier_runs(tmp_path):
+    files = []
+    for peer, tok in (("llmserve", 30.0), ("vllm", 60.0)):
+        meta = {"command": f"llmserve bench peers --peers {peer}", "date": "d", "machine": {"cpus": 2},
+                "load_average_start": [2.0], "workload": {"input_len": 128, "output_len": 64, "seed": 0}}
+        run_dir = tmp_path / peer
+        run_dir.mkdir()
+        results = peers._Results(str(run_dir), peer_plan.Workload(), meta)
+        results.add(peer_plan.parse_result(_canned(run_dir, "r.json", tok, 20.0, 90.0), peer, "bfloat16",
+                                           peer_plan.Load(1, 8)))
+        files.append(results.json_path)
+    text = peers.merged_table(files)
+    assert "`llmserve bench peers --peers vllm`" in text
+    assert "| bfloat16 | 1 | 8 | 30.0 (20 ms, 90 ms) | 60.0 (20 ms, 90 ms) | 0.50x |" in text
