@@ -116,10 +116,9 @@ def parse_result(result: dict, peer: str, dtype: str, load: Load) -> Measurement
 
 
 def _find(measurements: list[Measurement], peer: str, dtype: str, concurrency: int) -> Measurement | None:
-    for m in measurements:
-        if m.peer == peer and m.dtype == dtype and m.concurrency == concurrency:
-            return m
-    return None
+    """The measurement of that cell; a completed one before a failed one (tables merged from several runs)."""
+    found = [m for m in measurements if m.peer == peer and m.dtype == dtype and m.concurrency == concurrency]
+    return min(found, key=lambda m: m.error is not None, default=None)
 
 
 def _cell(m: Measurement | None, output_len: int) -> str:

@@ -153,6 +153,8 @@ def test_from_json_merges_earlier_runs(tmp_path):
         results = peers._Results(str(run_dir), peer_plan.Workload(), meta)
         results.add(peer_plan.parse_result(_canned(run_dir, "r.json", tok, 20.0, 90.0), peer, "bfloat16",
                                            peer_plan.Load(1, 8)))
+        if peer == "llmserve":  # an earlier failed vLLM run in the same file: the completed one wins
+            results.add(peer_plan.Measurement("vllm", "bfloat16", 1, 8, error="server: exited"))
         files.append(results.json_path)
     text = peers.merged_table(files)
     assert "`llmserve bench peers --peers vllm`" in text
