@@ -49,6 +49,32 @@ if __name__ == "__main__":  # vLLM starts its engine with multiprocessing's spaw
     sys.exit(main())
 '''
 
+# llama-cpp-python's server answers 400 to a request whose X-Request-ID is not a UUID (its request-id middleware
+# validates it), and vLLM's client sends ids such as `bench-1f2e3d4c-0`: this server entry point accepts any id.
+LLAMACPP_WRAPPER = '''\
+#!{python}
+"""llama-cpp-python's OpenAI server, taking any X-Request-ID instead of answering 400 to one that is not a UUID."""
+import runpy
+
+from starlette_context.plugins.base import PluginUUIDBase
+
+PluginUUIDBase.validate_uuid = lambda self, value: None
+
+if __name__ == "__main__":
+    runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+'''
+
+
+def _write_script(path: str, text: str) -> None:
+    """Write an executable script unless it already reads `text`."""
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+
 
 def default_dir() -> str:
     return os.environ.get("LLMSERVE_PEERS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmserve-peers")
@@ -96,11 +122,7 @@ def install_vllm(peers_dir: str, log=sys.stderr) -> list[str]:
         _pip(env_dir, "install", "-q", *VLLM_REQUIREMENTS, log=log)
         _pip(env_dir, "uninstall", "-y", *VLLM_UNWANTED, log=log)
         _mark(stamp, key)
-    text = VLLM_WRAPPER.format(python=_python(env_dir))
-    if not os.path.exists(wrapper) or open(wrapper).read() != text:
-        with open(wrapper, "w") as f:
-            f.write(text)
-        os.chmod(wrapper, 0o755)
+    _write_script(wrapper, VLLM_WRAPPER.format(python=_python(env_dir)))
     return [wrapper]
 
 
@@ -112,7 +134,9 @@ def install_llamacpp(peers_dir: str, log=sys.stderr) -> list[str]:
         _make_venv(env_dir)
         _pip(env_dir, "install", "-q", *LLAMACPP_REQUIREMENTS, log=log)
         _mark(stamp, key)
-    return [_python(env_dir), "-m", "llama_cpp.server"]
+    server = os.path.join(env_dir, "bin", "llamacpp-peer-server")
+    _write_script(server, LLAMACPP_WRAPPER.format(python=_python(env_dir)))
+    return [server]
 
 
 def model_dir_for(peers_dir: str, gguf_path: str) -> str:

@@ -119,8 +119,9 @@ def test_a_short_output_is_flagged(tmp_path):
     assert "[40.0 tokens/request]" in peer_plan.markdown_table([m], output_len=64)
 
 
-def test_vllm_wrapper_is_valid_python():
-    compile(peer_env.VLLM_WRAPPER.format(python="/venv/bin/python"), "vllm-peer", "exec")
+@pytest.mark.parametrize("script", [peer_env.VLLM_WRAPPER, peer_env.LLAMACPP_WRAPPER])
+def test_wrappers_are_valid_python(script):
+    compile(script.format(python="/venv/bin/python"), "wrapper", "exec")
 
 
 def test_model_dir_is_keyed_by_the_file(tmp_path):
