@@ -54,10 +54,12 @@ def vllm_spec(vllm_cli: list[str], model_dir: str, dtype: str, served_name: str,
 
 def llamacpp_spec(llamacpp_cli: list[str], gguf: str, served_name: str, extra: list[str], *, threads: int,
                   n_ctx: int) -> ServerSpec:
-    """llama-cpp-python's OpenAI server on the GGUF as it is (its own quantized kernels)."""
+    """llama-cpp-python's OpenAI server on the GGUF as it is (its own quantized kernels). It runs one request at a
+    time; by default a new request cuts off the stream in progress, so concurrent clients would see broken streams:
+    --interrupt_requests false queues them instead."""
     port = stack.free_port()
     argv = [*llamacpp_cli, "--model", gguf, "--model_alias", served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_ctx", str(n_ctx), *extra]
+            "--n_threads", str(threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "false", *extra]
     return ServerSpec("llamacpp", argv, {}, port)
 
 
