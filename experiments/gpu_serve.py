@@ -2,8 +2,8 @@
 heads of 64, MLP 8192, vocab 128256, tied head) at fixed concurrencies, through `llmserve serve` and the bench load
 generator (gRPC, greedy, `ignore_eos`, all requests offered at once, at most B in flight).
 
-    python -m experiments.gpu_serve --json results.json                  # CUDA, bfloat16, batch 1, 16, 64, 256
-    python -m experiments.gpu_serve --smoke                              # a 2-layer toy on CPU: the same path in seconds
+    python -m experiments.gpu_serve --json results.json             # CUDA, bfloat16, batch 1, 16, 64, 256
+    python -m experiments.gpu_serve --smoke                         # a 2-layer toy on CPU: the same path in seconds
 
 The weights are drawn on the device and written as one safetensors file (no model hub here); the tokenizer is a
 word list as large as the vocabulary, so every id the random model emits detokenizes. Cached in --model-dir."""
