@@ -34,10 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 SERVICE = "llmserve.v1.LLMServe"
 RPC_TIMEOUT_S = 180

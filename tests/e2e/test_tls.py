@@ -35,9 +35,7 @@ from common import tls
 from llmserve import stack
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REDIS_PASSWORD = "Redis-pw-7f3a9"  # must never appear in a scheduler's output

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protos import worker_pb2 as pb
-from tests import legacy_host_path as legacy
+from tests.support import legacy_host_path as legacy
 from worker_svc import sampler
 from worker_svc.batch import BatchLimits, PersistentBatch
 from worker_svc.sampler import (

@@ -16,7 +16,6 @@ from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FINISH_LENGTH, Request, Status
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, SchemaMismatch, StepCommit
-from tests.redis_fixture import redis_server  # noqa: F401
 
 HOLDER = "sched-a"
 TTL_MS = 5000
