@@ -225,6 +225,7 @@ def test_invalid_requests_name_the_field(st):
 
 def test_abort_several_ids_and_server_info(st):
     ids = _tokenizer(st).encode(PROMPT)
+    sent = time.time()
     calls = [st.vllm.Generate(vpb.GenerateRequest(request_id=f"ab-{i}", stream=True, sampling_params=greedy(400),
                                                   tokenized=vpb.TokenizedInput(input_ids=ids)))
              for i in range(2)]
@@ -243,7 +244,7 @@ def test_abort_several_ids_and_server_info(st):
         time.sleep(0.05)
     info = st.vllm.GetServerInfo(vpb.GetServerInfoRequest())
     assert info.active_requests == 0 and not info.is_paused and info.uptime_seconds > 0
-    assert info.last_receive_timestamp > time.time() - 60
+    assert sent <= info.last_receive_timestamp <= time.time()  # set by the Generate calls above
 
 
 def test_health_model_info_loads(st):
