@@ -302,8 +302,8 @@ def test_bad_constraints_are_refused_naming_the_field_and_nothing_else_is_affect
 
 
 def slow_schema(tag: str) -> dict:
-    """Compiles in seconds: many fields with patterns (a fresh tag: never cached)."""
-    props = {f"{tag}_{i}": {"type": "string", "pattern": "^[a-z]{3,8}@[a-z]{2,6}\\.(com|org|net)$"} for i in range(60)}
+    """Compiles for the time of many decode steps: many fields with patterns (a fresh tag: never cached)."""
+    props = {f"{tag}_{i}": {"type": "string", "pattern": "^[a-z]{3,8}@[a-z]{2,6}\\.(com|org|net)$"} for i in range(240)}
     return {"type": "object", "properties": props, "required": list(props)}
 
 
@@ -332,15 +332,13 @@ def test_a_slow_compile_does_not_delay_other_streams(st):
     compile_s = st.metric("llmserve:structured_output_compile_seconds_sum") - compiled_before
     for t in others:
         t.join(300)
-    # While the slow grammar compiled (the request waited for it before it was queued), the others kept streaming.
-    during = [b - a for k in ("o0", "o1") for a, b in zip(stamps[k], stamps[k][1:], strict=False)
-              if t0 <= a < first_slow]
-    before = [b - a for k in ("o0", "o1") for a, b in zip(stamps[k], stamps[k][1:], strict=False) if a < t0]
-    print(f"slow compile {compile_s:.2f}s; the others' ITL meanwhile: {len(during)} gaps, max {max(during):.3f}s, "
-          f"mean {sum(during) / len(during):.3f}s (before it: max {max(before):.3f}s, "
-          f"mean {sum(before) / len(before):.3f}s)")
-    assert compile_s > 1.0, "the slow schema compiled fast: this test measures nothing"
-    assert len(during) >= 4 and max(during) < compile_s / 2, during
+    # While the slow grammar compiled (the request waited for it before it was queued), the others kept streaming:
+    # counted in tokens, not seconds. A compile on the step loop would hold every stream for the whole compile, so
+    # at most the step already in flight would land in the window; off the loop, each stream gets a token per step.
+    during = {k: sum(t0 <= t < first_slow for t in stamps[k]) for k in ("o0", "o1")}
+    print(f"slow compile {compile_s:.2f}s; tokens the others received meanwhile: {during}")
+    assert compile_s > 0, "no grammar was compiled for the slow request"
+    assert min(during.values()) >= 3, during
 
 
 # ---- scheduler kill -9 mid-output (last: it replaces the scheduler) ----------------------------------------------
