@@ -312,6 +312,7 @@ def test_scheduler_sigkill_clients_reattach_and_lose_nothing(pool):
             cli.wait()
 
 
+@pytest.mark.slow  # kill -9 x speculation: each is in the default run alone (the plain kill -9s, test_speculative.py)
 def test_scheduler_sigkill_mid_speculation_loses_nothing(pool):
     """Speculative decoding on (the replacement too): drafts are verified in flight when the scheduler dies; the
     clients re-attach and end with the reference tokens of the non-speculative run (greedy and seeded)."""
@@ -335,7 +336,7 @@ def test_scheduler_sigkill_mid_speculation_loses_nothing(pool):
     assert sum(drafts) > 0, "the replacement scheduler verified no drafts"
 
 
-@pytest.mark.parametrize("flags", [(), SPEC], ids=["plain", "speculative"])
+@pytest.mark.parametrize("flags", [(), pytest.param(SPEC, marks=pytest.mark.slow)], ids=["plain", "speculative"])
 def test_worker_sigkill_and_restart_resumes_by_recompute(pool, flags):
     """With speculative decoding on, the worker dies with drafts in flight; the recompute proposes them again."""
     ns = cluster.new_namespace("rec-worker")
