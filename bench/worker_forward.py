@@ -287,9 +287,10 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
                 phase[name] += time.perf_counter() - t
         return wrapper
 
-    orig_meta, orig_sample = kernels.build_attention_metadata, runner_mod.sample
+    orig_meta, orig_sample, orig_greedy = (kernels.build_attention_metadata, runner_mod.sample_batch,
+                                           runner_mod.greedy_batch)
     kernels.build_attention_metadata = timed("metadata", orig_meta)
-    runner_mod.sample = timed("sampling", orig_sample)
+    runner_mod.sample_batch, runner_mod.greedy_batch = timed("sampling", orig_sample), timed("sampling", orig_greedy)
     try:
         ours.decode_step(rids)  # warm
         ours.rewind(rids, context)
@@ -303,7 +304,8 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
                 forward += res.forward_seconds
                 ours.rewind(rids, context)
     finally:
-        kernels.build_attention_metadata, runner_mod.sample = orig_meta, orig_sample
+        kernels.build_attention_metadata, runner_mod.sample_batch, runner_mod.greedy_batch = (orig_meta, orig_sample,
+                                                                                             orig_greedy)
 
     # self CPU time of the ops that ran inside the forward (sampling ops are counted there too: small)
     by_cat: dict[str, float] = defaultdict(float)
@@ -319,7 +321,7 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
         "phases_ms": {
             "forward": 1e3 * forward / steps,
             "attention metadata (build_attention_metadata)": 1e3 * phase["metadata"] / steps,
-            "sampling (sampler.sample)": 1e3 * phase["sampling"] / steps,
+            "sampling (sampler.sample_batch, greedy_batch)": 1e3 * phase["sampling"] / steps,
             "plan check/apply, input tensors, bookkeeping": 1e3 * rest / steps,
         },
         "ops_ms": {k: 1e3 * v for k, v in per_step.items()},
