@@ -9,7 +9,6 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,12 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api_svc import errors
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
+from api_svc.config import APIConfig
 from api_svc.errors import APIError
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
 from api_svc.streaming import events, merged
-from scheduler_svc.admission import CHAT_ROLES
+from common.tokenizer import CHAT_ROLES
 
 log = logging.getLogger("llmserve.api")
 VERSION = "0.1.0"
@@ -34,16 +34,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def _is_type_name(part) -> bool:
     """pydantic names the alternative of a union in an error's location (`str`, `list[int]`): not a field."""
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-int"))
-
-
-@dataclass
-class APIConfig:
-    scheduler: str  # HOST:PORT of the scheduler's public gRPC API
-    api_key: str | None = None  # clients must send it (Authorization: Bearer)
-    scheduler_api_key: str | None = None  # what this process sends to the scheduler
-    served_model_name: str | None = None  # default: the scheduler's model name
-    tokenizer: str | None = None  # default: the model path the scheduler reports
-    reattach_timeout: float = 60.0
 
 
 def create_app(cfg: APIConfig) -> FastAPI:

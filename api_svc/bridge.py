@@ -1,5 +1,6 @@
-"""The gRPC bridge: OpenAI request bodies -> llmserve.v1 GenerateRequests, and one Generate stream per request,
-re-attached by request id after a scheduler fail-over so that the HTTP client sees one uninterrupted stream.
+"""The gRPC bridge: OpenAI request bodies -> llmserve.v1 GenerateRequests, and one Generate stream per request
+through common.client, which re-attaches by request id after a scheduler fail-over so that the HTTP client sees
+one uninterrupted stream.
 
 Stateless: everything a request needs is in its own stream; several API processes may share one scheduler.
 """
@@ -10,45 +11,26 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from api_svc.errors import APIError, bad_request, from_grpc, unavailable
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from common.client import Client, IncompleteStream
+from common.sampling_wire import public_fields
+from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
-from scheduler_svc.admission import sequence_ids
-from scheduler_svc.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.api")
 
-MAX_MESSAGE_BYTES = 64 << 20
-REATTACH_PAUSE_S = 0.2
-# Reconnect quickly to a restarted scheduler (gRPC's default backoff grows to minutes).
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_hf_dir(path)
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
-    s = pb.SamplingParams(min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stop_list(),
-                          stop_token_ids=body.stop_token_ids or [], n=body.n,
-                          include_stop_str_in_output=body.include_stop_str_in_output,
+    s = pb.SamplingParams(stop=body.stop_list(), n=body.n, include_stop_str_in_output=body.include_stop_str_in_output,
                           skip_special_tokens=body.skip_special_tokens)
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        value = getattr(body, name)
-        if value is not None:
-            setattr(s, name, value)
+    public_fields(lambda name: getattr(body, name), s)  # the sampling table's fields, by name
     if max_tokens is not None:
         s.max_tokens = max_tokens
     if logprobs is not None:
@@ -142,15 +124,6 @@ class Delta:
     usage: pb.Usage | None = None
 
 
-@dataclass
-class _Progress:
-    """What has been forwarded to the HTTP client, per sequence: a re-attach resumes from here."""
-
-    tokens: int = 0
-    chars: int = 0
-    done: bool = False
-
-
 class Generation:
     """One request's Generate stream. `first()` waits for the first output (so that admission errors become HTTP
     errors before any byte is sent); iterating yields every Delta; `close()` (or leaving the iteration early)
@@ -158,17 +131,14 @@ class Generation:
 
     def __init__(self, bridge: Bridge, req: pb.GenerateRequest, chat: bool):
         self.bridge, self.req, self.chat = bridge, req, chat
-        self.n = max(1, req.sampling.n)
-        self.progress = [_Progress() for _ in range(self.n)]
-        self.call = None
-        self.started = False  # the scheduler has accepted the request: from now on UNAVAILABLE means re-attach
-        self.reattaches = 0
+        # Before the scheduler accepts the request, UNAVAILABLE (no worker yet, draining) is the client's 503.
+        self.stream = bridge.client.generate(req, reattach_before_start=False)
         self._events = self._run()
         self._head: Delta | None = None
 
     @property
     def finished(self) -> bool:
-        return all(p.done for p in self.progress)
+        return self.stream.finished
 
     async def first(self) -> None:
         try:
@@ -190,50 +160,25 @@ class Generation:
             await self.close()
 
     async def close(self) -> None:
-        if self.started and not self.finished:
-            self.call.cancel()
-            self.bridge.abort_later(self.req.request_id, self.n)
+        if self.stream.started and not self.stream.finished:
+            self.bridge.abort_later(self.req.request_id)
+        await self.stream.aclose()
         await self._events.aclose()
 
     async def _run(self) -> AsyncIterator[Delta]:
-        bridge, req, progress = self.bridge, self.req, self.progress
-        deadline = None
-        while not self.finished:
-            # One sequence: resume from the next token. Several: from the start, skipping what was forwarded
-            # (the server resumes every sequence from the same index).
-            req.resume_from_token = progress[0].tokens if self.n == 1 else 0
-            seen_chars = [p.chars for p in progress] if self.n == 1 else [0] * self.n
-            self.call = bridge.stub.Generate(req, metadata=bridge.metadata)
-            try:
-                async for msg in self.call:
-                    self.started, deadline = True, None
-                    i, p = msg.index, progress[msg.index]
-                    if p.done:
-                        continue
-                    skip = max(0, p.tokens - msg.first_token_index)
-                    ids, lps = list(msg.token_ids[skip:]), list(msg.logprobs[skip:])
-                    cut = max(0, p.chars - seen_chars[i])
-                    seen_chars[i] += len(msg.text)
-                    text = msg.text[cut:]
-                    p.tokens += len(ids)
-                    p.chars += len(text)
-                    finish = msg.finish_reason or None
-                    p.done = finish is not None
-                    if ids or text or finish:
-                        yield Delta(i, text, ids, lps, finish, msg.usage if finish else None)
-                if not self.finished:
-                    raise APIError(502, "the scheduler ended the stream before every sequence finished",
-                                   "BadGatewayError")
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or not self.started:
-                    raise from_grpc(e.code(), e.details() or "", self.chat) from None
-                # A scheduler restart or fail-over: the request lives on in Redis; re-attach by its id.
-                deadline = deadline or time.monotonic() + bridge.reattach_timeout
-                if time.monotonic() >= deadline:
-                    raise unavailable(f"the scheduler stayed unavailable for {bridge.reattach_timeout:g}s "
-                                      f"(--reattach-timeout): {e.details()}") from None
-                self.reattaches += 1
-                await asyncio.sleep(REATTACH_PAUSE_S)
+        try:
+            async for msg in self.stream:
+                finish = msg.finish_reason or None
+                yield Delta(msg.index, msg.text, list(msg.token_ids), list(msg.logprobs), finish,
+                            msg.usage if finish else None)
+        except IncompleteStream:
+            raise APIError(502, "the scheduler ended the stream before every sequence finished",
+                           "BadGatewayError") from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and self.stream.started:
+                raise unavailable(f"the scheduler stayed unavailable for {self.bridge.reattach_timeout:g}s "
+                                  f"(--reattach-timeout): {e.details()}") from None
+            raise from_grpc(e.code(), e.details() or "", self.chat) from None
 
 
 @dataclass
@@ -250,10 +195,7 @@ class Bridge:
     _pending: set = field(default_factory=set)
 
     def __post_init__(self):
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.LLMServeStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+        self.client = Client(self.address, api_key=self.api_key, reattach_timeout=self.reattach_timeout)
         self._info_lock = asyncio.Lock()
         self._tokenizer_future: asyncio.Future | None = None
 
@@ -264,7 +206,7 @@ class Bridge:
         async with self._info_lock:
             if self.info is None:
                 try:
-                    info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=5)
+                    info = await self.client.model_info()
                 except grpc.aio.AioRpcError as e:
                     raise unavailable(f"the scheduler at {self.address} is not ready: {e.details()}") from None
                 self._start_tokenizer(self.tokenizer_path or info.model_path)
@@ -309,27 +251,22 @@ class Bridge:
                 await asyncio.sleep(0.5)
 
     async def health(self) -> str:
-        try:
-            resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.aio.AioRpcError as e:
-            return e.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        return await self.client.health()
 
     def generation(self, req: pb.GenerateRequest, chat: bool = False) -> Generation:
         return Generation(self, req, chat)
 
-    def abort_later(self, request_id: str, n: int) -> None:
-        """Abort every sequence of a request without waiting (a client went away)."""
-        task = asyncio.get_running_loop().create_task(self._abort(request_id, n))
+    def abort_later(self, request_id: str) -> None:
+        """Abort a request (every sequence of it) without waiting: its HTTP client went away."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _abort(self, request_id: str, n: int) -> None:
-        for rid in sequence_ids(request_id, n):
-            try:
-                await self.stub.Abort(pb.AbortRequest(request_id=rid), metadata=self.metadata, timeout=5)
-            except grpc.aio.AioRpcError as e:  # the stream's cancellation aborts it too
-                log.info("abort of %s: %s", rid, e.code().name)
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.client.abort(request_id)
+        except grpc.aio.AioRpcError as e:  # the stream's cancellation aborts it too
+            log.info("abort of %s: %s", request_id, e.code().name)
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.client.close()

@@ -2,14 +2,19 @@
 as OpenAI clients send many (tools, ...) that this server does not act on.
 
 Ranges that depend on the model or the scheduler (max_model_len, n, top_p, penalties, ...) are checked by the
-scheduler, whose messages name the field and the limit; here only what the wire types need (unsigned, int32).
+scheduler, whose messages name the field and the limit; here only what the wire types need (unsigned, int32). The
+sampling table's fields (common/sampling_fields.py) are derived from it, typed by llmserve.proto.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from google.protobuf.descriptor import FieldDescriptor
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS
+from protos import llmserve_pb2 as pb
 
 INT32_MAX = (1 << 31) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -46,24 +51,41 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class SamplingFields(_Body):
-    """Fields shared by completions and chat completions."""
+def _wire_type(fd: FieldDescriptor) -> object:
+    """The Python type of a llmserve.v1 SamplingParams field, bounded as its wire type is."""
+    scalar: object
+    if fd.type in (fd.TYPE_FLOAT, fd.TYPE_DOUBLE):
+        scalar = float
+    elif fd.type == fd.TYPE_BOOL:
+        scalar = bool
+    elif fd.type == fd.TYPE_STRING:
+        scalar = str
+    else:
+        lo, hi = _INT_RANGES[fd.type]
+        scalar = Annotated[int, Field(ge=lo, le=hi)]
+    return list[scalar] if fd.is_repeated else scalar
+
+
+_INT_RANGES = {FieldDescriptor.TYPE_INT32: (-(1 << 31), INT32_MAX), FieldDescriptor.TYPE_UINT32: (0, (1 << 32) - 1),
+               FieldDescriptor.TYPE_UINT64: (0, (1 << 64) - 1), FieldDescriptor.TYPE_INT64: (-(1 << 63), (1 << 63) - 1)}
+_PROTO_FIELDS = pb.SamplingParams.DESCRIPTOR.fields_by_name
+
+# The sampling table's fields (common/sampling_fields.py) as the OpenAI body carries them: omitted = None (the
+# scheduler's default); typed as llmserve.v1 declares them (token ids: non-negative int32).
+_TableFields = create_model(
+    "_TableFields", __base__=_Body,
+    **{f.public: ((list[TokenId] if f.kind == TOKEN_IDS else dict[TokenId, float] if f.kind == LOGIT_BIAS
+                   else _wire_type(_PROTO_FIELDS[f.public])) | None, None)
+       for f in FIELDS if f.public is not None and f.openai})
+
+
+class SamplingFields(_TableFields):
+    """Fields shared by completions and chat completions: the table's, and these."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
-    min_p: float | None = None
     n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    seed: Annotated[int, Field(ge=0, le=(1 << 64) - 1)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from api_svc.bridge import Delta
+from common.tokenizer import Tokenizer
 from protos import llmserve_pb2 as pb
-from scheduler_svc.tokenizer import Tokenizer
 
 
 class TokenStrings:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import os
 
 import grpc
 
@@ -82,10 +81,3 @@ def worker_token_interceptor(token: str) -> BearerTokenInterceptor:
     """The worker with --worker-token (the scheduler sends it on every call)."""
     return BearerTokenInterceptor(token, "missing or wrong worker token: the scheduler must be started with the "
                                   "same --worker-token as this worker")
-
-
-def add_worker_token_arg(g) -> None:
-    """--worker-token, shared by the worker and the scheduler (the environment keeps it out of `ps`)."""
-    g.add_argument("--worker-token", default=os.environ.get("LLMSERVE_WORKER_TOKEN") or None,
-                   help="shared secret every scheduler->worker call carries and the worker checks "
-                        "(default: $LLMSERVE_WORKER_TOKEN; unset = no check)")

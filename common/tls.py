@@ -18,15 +18,6 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
-def add_server_tls_args(g) -> None:
-    """--tls-cert/--tls-key/--tls-client-ca of a gRPC server (the scheduler's public one, or a worker's)."""
-    g.add_argument("--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM); "
-                                                    "needs --tls-key (default: plaintext)")
-    g.add_argument("--tls-key", default=None, help="private key (PEM) of --tls-cert")
-    g.add_argument("--tls-client-ca", default=None,
-                   help="require client certificates signed by this CA bundle (PEM): mutual TLS; needs --tls-cert")
-
-
 def add_client_tls_args(p: argparse.ArgumentParser) -> None:
     """--tls-ca/--tls-cert/--tls-key/--tls-server-name of a client (`llmserve generate`, `llmserve health`)."""
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA bundle (PEM)")
@@ -51,28 +42,34 @@ def channel_credentials(ca: str | None, cert: str | None = None, key: str | None
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None, server_name: str | None = None,
-                 options=()) -> grpc.Channel:
-    """A plaintext channel when `credentials` is None, else TLS (checking `server_name` if given)."""
+                 options=(), aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
+    """A plaintext channel when `credentials` is None, else TLS (checking `server_name` if given); `aio`: an
+    asyncio channel (to be made inside the event loop that uses it)."""
+    api = grpc.aio if aio else grpc
     if credentials is None:
-        return grpc.insecure_channel(address, options=list(options))
+        return api.insecure_channel(address, options=list(options))
     if server_name:
         options = [*options, ("grpc.ssl_target_name_override", server_name)]
-    return grpc.secure_channel(address, credentials, options=list(options))
+    return api.secure_channel(address, credentials, options=list(options))
 
 
-def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
-    """The channel of a CLI client: TLS as soon as --tls-ca or --tls-cert is given."""
+def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """The TLS credentials of a CLI client, None for plaintext: TLS as soon as --tls-ca or --tls-cert is given."""
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together: give both or neither")
     if args.tls_ca is None and args.tls_cert is None:
         if args.tls_server_name:
             raise SystemExit("--tls-server-name needs --tls-ca (it applies to TLS connections only)")
-        return grpc.insecure_channel(address)
+        return None
     try:
-        creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        return channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
     except OSError as e:
         raise SystemExit(f"cannot read a TLS file: {e}") from None
-    return open_channel(address, creds, args.tls_server_name)
+
+
+def client_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
+    """The channel of a CLI client (see client_credentials)."""
+    return open_channel(address, client_credentials(args), args.tls_server_name)
 
 
 def closed_hint(details: str, over_tls: bool) -> str:

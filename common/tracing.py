@@ -137,16 +137,3 @@ def context_with(span: Any) -> Any:
     from opentelemetry import trace
 
     return trace.set_span_in_context(span)
-
-
-def add_otlp_arg(group) -> None:
-    """--otlp-traces-endpoint (vLLM's name); the scheduler and the worker both take it, `llmserve serve` once."""
-    import argparse
-
-    try:
-        group.add_argument("--otlp-traces-endpoint", default=None,
-                           help="send traces over OTLP/gRPC to this collector (e.g. http://localhost:4317); the "
-                                "standard OTEL_* variables also configure tracing (OTEL_TRACES_EXPORTER=console "
-                                "prints spans); off when neither is set")
-    except argparse.ArgumentError:  # already added by the other component's group
-        pass

@@ -337,7 +337,7 @@ def kernel_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
     (>= 64 tokens per sequence on average; 64 for head dims over 128); 64 for a mixed batch, where every
     decode sequence still occupies a whole tile, so smaller tiles waste less. tile_q is the number of
     query tokens per tile (rows = tile_q * next_pow2(Hq / Hkv)); tile_n the keys per KV tile. These
-    defaults come from shapes alone; `bench/kernels_gpu.py --sweep` measures the alternatives on a GPU.
+    defaults come from shapes alone; `experiments/kernels_gpu.py --sweep` measures the alternatives on a GPU.
     """
     g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     d_pad = max(16, triton.next_power_of_2(head_dim))

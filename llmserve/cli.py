@@ -19,7 +19,7 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from llmserve.stack import serve
+    from llmserve.serve import serve
 
     serve(args)
 
@@ -65,35 +65,23 @@ def build_parser() -> argparse.ArgumentParser:
     from common.tls import add_client_tls_args
     from llmserve.client import add_generate_args
     from llmserve.diagnose import add_diagnose_args
+    from llmserve.serve import add_serve_args
     from scheduler_svc.server import add_scheduler_args
     from worker_svc.server import add_worker_args
 
     parser = argparse.ArgumentParser(prog="llmserve", description="Paged-attention LLM serving over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    # conflict_handler: the scheduler's and the worker's groups both define --worker-token.
-    s = sub.add_parser("serve", conflict_handler="resolve",
-                       help="redis-server + worker + scheduler in one command (bundled model by default); "
-                            "restarts redis-server and the worker when they die")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051)
-    s.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port; 0 turns it off")
-    s.add_argument("--served-model-name", default=None, help="the model name HTTP clients use (default: the model's)")
-    s.add_argument("--log-dir", default=None,
-                   help="the worker's and redis-server's logs (default: a temporary directory, removed at exit)")
-    add_scheduler_args(s)
-    add_worker_args(s)
+    s = sub.add_parser("serve", help="redis-server + worker + scheduler in one command (bundled model by default); "
+                       "restarts redis-server and the worker when they die")
+    add_serve_args(s)
     s.set_defaults(func=_serve)
 
     sc = sub.add_parser("scheduler", help="run the scheduler alone (public gRPC llmserve.v1)")
-    sc.add_argument("--host", default="0.0.0.0")
-    sc.add_argument("--port", type=int, default=50051)
     add_scheduler_args(sc)
     sc.set_defaults(func=_scheduler)
 
     w = sub.add_parser("worker", help="run one model worker (gRPC llmserve.worker.v2)")
-    w.add_argument("--host", default="127.0.0.1")
-    w.add_argument("--port", type=int, default=50061, help="0 picks a free port")
     add_worker_args(w)
     w.set_defaults(func=_worker)
 

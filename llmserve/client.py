@@ -1,20 +1,22 @@
-"""`llmserve generate`: stream one request; re-attach by request id if the server goes away."""
+"""`llmserve generate`: stream one request with common.client, which re-attaches by request id if the server goes
+away."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
-from common.tls import add_client_tls_args, client_channel
+from common.client import Client, IncompleteStream
+from common.sampling_wire import public_fields
+from common.tls import add_client_tls_args, client_credentials
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -49,11 +51,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    s = pb.SamplingParams(min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, stop=args.stop,
-                          stop_token_ids=args.stop_token_ids,
-                          include_stop_str_in_output=args.include_stop_str_in_output)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "logprobs"):
+    s = pb.SamplingParams(stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output)
+    public_fields(lambda name: getattr(args, name, None), s)  # the sampling table's fields that have a flag
+    for name in ("max_tokens", "logprobs"):
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)
@@ -80,49 +80,42 @@ class Result:
     reattaches: int = 0  # times the stream was re-opened after UNAVAILABLE
 
 
-def stream(req: pb.GenerateRequest, channel: Callable[[], grpc.Channel], *, metadata=None,
+def stream(req: pb.GenerateRequest, address: str, *, api_key: str | None = None,
+           credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
            retry_seconds: float = 60.0, on_message: Callable[[pb.GenerateResponse], None] | None = None,
            on_unavailable: Callable[[grpc.RpcError], None] | None = None) -> Result:
-    """Run `req` to the end, re-attaching by its request id (`req.request_id` must be set) from the tokens already
-    received whenever the server answers UNAVAILABLE (a scheduler restart, fail-over, a Redis or worker restart
-    behind it), for up to `retry_seconds` without a message. `channel()` opens a channel per attempt. Raises the
-    grpc.RpcError of any other failure, or of UNAVAILABLE lasting past `retry_seconds`."""
+    """Run `req` to the end with common.client, re-attaching while the server answers UNAVAILABLE (a scheduler
+    restart, fail-over, a Redis or worker restart behind it) for up to `retry_seconds` without a message (a copy
+    of a request without an id gets one for that); `on_message` sees each token once. Raises the grpc.RpcError
+    of any other failure, or of UNAVAILABLE lasting past `retry_seconds`; IncompleteStream if the server ends
+    early."""
+    if not req.request_id:  # a copy: the caller may send its request again
+        named = pb.GenerateRequest()
+        named.CopyFrom(req)
+        named.request_id, req = uuid.uuid4().hex, named
     n = max(1, req.sampling.n)
     res = Result([[] for _ in range(n)], [[] for _ in range(n)], [None] * n, [None] * n)
-    deadline = None
-    while None in res.finish:
-        if n > 1:  # several sequences: re-attach from the start and rebuild them all
-            res.token_ids, res.text = [[] for _ in range(n)], [[] for _ in range(n)]
-        req.resume_from_token = len(res.token_ids[0]) if n == 1 else 0
-        try:
-            with channel() as ch:
-                for msg in pb_grpc.LLMServeStub(ch).Generate(req, metadata=metadata):
-                    deadline = None
+
+    async def run() -> None:
+        async with Client(address, api_key=api_key, credentials=credentials, server_name=server_name,
+                          reattach_timeout=retry_seconds) as client:
+            async with client.generate(req, on_unavailable=on_unavailable) as messages:
+                async for msg in messages:
                     i = msg.index
                     res.token_ids[i].extend(msg.token_ids)
                     res.text[i].append(msg.text)
                     if on_message is not None:
                         on_message(msg)
                     if msg.finish_reason:
-                        res.finish[i] = msg.finish_reason
-                        res.usage[i] = msg.usage
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            if deadline is None:
-                deadline = time.monotonic() + retry_seconds
-                if on_unavailable is not None:
-                    on_unavailable(e)
-            if time.monotonic() >= deadline:
-                raise
-            res.reattaches += 1
-            time.sleep(0.5)
+                        res.finish[i], res.usage[i] = msg.finish_reason, msg.usage
+            res.reattaches = messages.reattaches
+
+    asyncio.run(run())
     return res
 
 
 def generate(args: argparse.Namespace) -> int:
     req = build_request(args)
-    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
     n = max(1, args.n)
 
     def show(msg: pb.GenerateResponse) -> None:
@@ -137,10 +130,14 @@ def generate(args: argparse.Namespace) -> int:
               f"{args.retry_seconds:g}s]", file=sys.stderr)
 
     try:
-        res = stream(req, lambda: client_channel(args, args.server), metadata=metadata,
-                     retry_seconds=args.retry_seconds, on_message=show, on_unavailable=note)
+        res = stream(req, args.server, api_key=args.api_key, credentials=client_credentials(args),
+                     server_name=args.tls_server_name, retry_seconds=args.retry_seconds, on_message=show,
+                     on_unavailable=note)
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except IncompleteStream as e:
+        print(f"\nerror: {e}", file=sys.stderr)
         return 1
     summaries = [{"index": i, "token_ids": res.token_ids[i], "text": "".join(res.text[i]),
                   "finish_reason": res.finish[i], "usage": {"prompt_tokens": res.usage[i].prompt_tokens,

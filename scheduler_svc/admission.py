@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
 
+from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
+from common.sampling_wire import read
 from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
+from common.tokenizer import CHAT_ROLES, Tokenizer
 from protos import llmserve_pb2 as pb
 from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 MAX_STOP_BYTES = 256
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class AdmissionError(Exception):
@@ -42,21 +43,13 @@ class Limits:
 
 
 def check_sampling(s: pb.SamplingParams) -> None:
-    if s.HasField("temperature") and not s.temperature >= 0:
-        raise _invalid(f"sampling.temperature must be >= 0, got {s.temperature}")
-    if s.HasField("top_p") and not 0 < s.top_p <= 1:
-        raise _invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    if s.HasField("top_k") and s.top_k < -1:
-        raise _invalid(f"sampling.top_k must be -1 (off), 0 (off) or >= 1, got {s.top_k}")
-    if s.HasField("min_p") and not 0 <= s.min_p <= 1:
-        raise _invalid(f"sampling.min_p must be in [0, 1], got {s.min_p}")
-    if s.HasField("repetition_penalty") and not s.repetition_penalty > 0:
-        raise _invalid(f"sampling.repetition_penalty must be > 0, got {s.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
-            raise _invalid(f"sampling.{name} must be in [-2, 2], got {getattr(s, name)}")
-    if s.HasField("max_tokens") and s.max_tokens < 1:
-        raise _invalid(f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
+    """Every table field against its limit (common/sampling_fields.py), then the request-level fields."""
+    for f in FIELDS:
+        if f.public is not None:
+            value = read(s, f, f.public)
+            problem = None if value is None else f.problem(value)
+            if problem is not None:
+                raise _invalid(f"sampling.{f.public} {problem}")
     if s.n > MAX_N:
         raise _invalid(f"sampling.n must be <= {MAX_N}, got {s.n}")
     if len(s.stop) > MAX_STOP_STRINGS:
@@ -65,8 +58,11 @@ def check_sampling(s: pb.SamplingParams) -> None:
         n = len(stop.encode())
         if n > MAX_STOP_BYTES:
             raise _invalid(f"sampling.stop[{i}] is {n} bytes long, the limit is {MAX_STOP_BYTES}")
-    if s.HasField("logprobs") and s.logprobs > 20:
-        raise _invalid(f"sampling.logprobs must be <= 20, got {s.logprobs}")
+    for i, word in enumerate(s.bad_words):
+        n = len(word.encode())
+        if not word.strip() or n > MAX_STOP_BYTES:
+            raise _invalid(f"sampling.bad_words[{i}] must be 1 to {MAX_STOP_BYTES} bytes and not only spaces, "
+                           f"got {n} bytes")
 
 
 def constraint_of(s: pb.SamplingParams) -> tuple[str, Constraint] | None:
@@ -114,28 +110,63 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) ->
     return ids
 
 
+def _outside_vocab(f: SamplingField, value: object, vocab_size: int) -> int | None:
+    """The first token id of a token-id field (stop_token_ids, logit_bias's keys) outside the vocabulary."""
+    if f.kind not in (TOKEN_IDS, LOGIT_BIAS):
+        return None
+    return next((t for t in value if not 0 <= t < vocab_size), None)
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """vLLM's reading of bad_words: each word's tokens as written after another word (a leading space) and as
+    written alone, without duplicates."""
+    seqs: list[list[int]] = []
+    for word in words:
+        for text in (" " + word.lstrip(), word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
+
+
 def sequence_ids(request_id: str, n: int) -> list[str]:
     """Ids of a request's sequences: the request id itself for n = 1, `id#i` for n > 1."""
     return [request_id] if n <= 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
-def build_requests(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str) -> list[Request]:
-    """One Request per sequence (n > 1: sequence i samples with seed + i and forks from sequence 0)."""
-    first = build_request(req, ids, limits, request_id)
+def abort_sequences(abort: Callable[[str], bool], request_id: str) -> bool:
+    """Abort a request by the id its client sent: that id (n = 1), else each of its sequences `id#i` (submitted
+    together, so the first missing index ends them). `abort(sequence id)` says whether it was found."""
+    if abort(request_id):
+        return True
+    found = False
+    for rid in sequence_ids(request_id, MAX_N):
+        if not abort(rid):
+            break
+        found = True
+    return found
+
+
+def build_requests(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str,
+                   tokenizer: Tokenizer | None = None) -> list[Request]:
+    """One Request per sequence (n > 1: sequence i samples with seed + i and forks from sequence 0).
+    `tokenizer`: for bad_words (a request with them is refused without one)."""
+    first = build_request(req, ids, limits, request_id, tokenizer)
     n = max(1, req.sampling.n)
     if n == 1:
         return [first]
     seqs = []
     for i, rid in enumerate(sequence_ids(request_id, n)):
-        sampling = replace(first.sampling, seed=(first.sampling.seed + i) % (1 << 63),
-                           stop_token_ids=list(first.sampling.stop_token_ids))
+        sampling = SamplingParams.from_dict(first.sampling.to_dict())  # a deep copy: nothing shared
+        sampling.seed = (first.sampling.seed + i) % (1 << 63)
         seq = replace(first, request_id=rid, sampling=sampling, stop=list(first.stop),
                       output_ids=[], block_ids=[], fork_of=request_id + "#0" if i else "")
         seqs.append(seq)
     return seqs
 
 
-def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str) -> Request:
+def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str,
+                  tokenizer: Tokenizer | None = None) -> Request:
     """Check lengths against the model and the KV pool, fill in defaults, return the Request."""
     s = req.sampling
     n = len(ids)
@@ -154,22 +185,25 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
         raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens can never "
                              f"fit the KV pool of {limits.kv_pool_tokens} tokens, even alone")
-    bad = next((t for t in s.stop_token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise _invalid(f"sampling.stop_token_ids contains {bad}, outside the vocabulary [0, {limits.vocab_size})")
-    sampling = SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_k=max(0, s.top_k) if s.HasField("top_k") else 0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        # A seed is fixed at admission, so preemption, worker loss or a scheduler restart replays the same text.
-        seed=s.seed if s.HasField("seed") else secrets.randbits(63),
-        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, max_tokens=max_tokens,
-        stop_token_ids=list(s.stop_token_ids),
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-    )
+    sampling = SamplingParams()
+    for f in FIELDS:
+        value = read(s, f, f.public) if f.public is not None else None
+        if value is None:
+            continue
+        bad = _outside_vocab(f, value, limits.vocab_size)
+        if bad is not None:
+            raise _invalid(f"sampling.{f.public} contains token id {bad}, outside the vocabulary "
+                           f"[0, {limits.vocab_size})")
+        setattr(sampling, f.name, value)
+    sampling.top_k = max(0, sampling.top_k)  # -1 and 0 both mean off
+    sampling.max_tokens = max_tokens
+    # A seed is fixed at admission, so preemption, worker loss or a scheduler restart replays the same text.
+    if sampling.seed is None:
+        sampling.seed = secrets.randbits(63)
+    if s.bad_words:
+        if tokenizer is None:
+            raise _invalid("sampling.bad_words needs the scheduler's tokenizer")
+        sampling.bad_words = bad_words_token_ids(list(s.bad_words), tokenizer)
     structured = constraint_of(s)
     if structured is not None:
         sampling.constraint = {"kind": structured[1].kind, "spec": structured[1].spec}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler_svc.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 # Tokens of prompt context decoded along with the first output tokens, so that decoders that depend on
 # the previous token (e.g. SentencePiece's leading-space handling) render the first output token right.

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from scheduler_svc import leadership
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import FINISH_REJECTED, SchedulerCore
 from scheduler_svc.frontend import AddRequest, Frontend
 from scheduler_svc.metrics import Metrics
@@ -26,25 +27,29 @@ from scheduler_svc.store import LeaseLost, RedisLedger
 from scheduler_svc.worker_client import PlanRejected, WorkerClient, WorkerError, WorkerFenced, encode_plan
 
 log = logging.getLogger("llmserve.scheduler")
+_DEFAULTS = SchedulerConfig()
 
 
 @dataclass
 class DriverConfig:
+    """What the driver runs with: the settings (scheduler_svc/config.py, whose defaults these are) turned into
+    objects, and two internal limits that are not settings."""
+
     policy: PolicyConfig
     worker_address: str
-    max_num_queued_requests: int = 10_000
-    queue_timeout: float = 0.0  # seconds; 0 = wait forever
-    lease_ttl_ms: int = 5000
-    debug_invariants: bool = False
-    step_timeout: float = 600.0
-    finished_ttl_s: int = 600
+    max_num_queued_requests: int = _DEFAULTS.max_num_queued_requests
+    queue_timeout: float = _DEFAULTS.queue_timeout  # seconds; 0 = wait forever
+    lease_ttl_ms: int = _DEFAULTS.lease_ttl_ms
+    debug_invariants: bool = _DEFAULTS.debug_invariants
     worker_token: str | None = None  # sent as `authorization: Bearer <token>` on every worker call
     step_log: str | None = None  # JSONL path: one line per executed step (benchmarks, tests)
+    # Plan step k + 1 while step k runs, and commit and publish k while k + 1 runs (vLLM's async scheduling).
+    async_scheduling: bool = _DEFAULTS.async_scheduling
     worker_credentials: object = None  # grpc.ChannelCredentials for TLS to the worker (--worker-tls-*); None = plain
     worker_server_name: str | None = None  # name expected in the worker's certificate (default: the address's host)
     tokenizer: tuple[str, int] | None = None  # --tokenizer (path, vocabulary size): must fit the model's vocabulary
-    # Plan step k + 1 while step k runs, and commit and publish k while k + 1 runs (vLLM's async scheduling).
-    async_scheduling: bool = True
+    step_timeout: float = 600.0
+    finished_ttl_s: int = 600
 
 
 class Driver(Frontend):
@@ -54,7 +59,8 @@ class Driver(Frontend):
         self.cfg = cfg
         self.ledger = ledger
         self.metrics = metrics
-        super().__init__()
+        super().__init__(cfg.max_num_queued_requests, lambda rid: self.ledger.get_request(rid),
+                         lambda: len(self.core.waiting) if self.core else 0, lambda: self.lease.token is not None)
         self.worker = WorkerClient(cfg.worker_address, cfg.worker_credentials, cfg.worker_server_name,
                                    cfg.worker_token, cfg.step_timeout)
         self.lease = leadership.Lease(ledger, holder, cfg.lease_ttl_ms, cfg.step_timeout)

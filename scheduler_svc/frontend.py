@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.outbox import Outbox, Published
@@ -35,10 +36,16 @@ class SubmitError(Exception):
 
 
 class Frontend:
-    """State shared with the driver thread: the inbox, the outbox and the readiness flags. The driver (a subclass)
-    provides `cfg`, `ledger`, `lease` and `core`."""
+    """State shared with the driver thread: the inbox, the outbox and the readiness flags. What it needs from the
+    driver comes in as arguments: the queue cap, the look-up of a stored request, the size of the waiting queue and
+    whether this scheduler still holds the lease."""
 
-    def __init__(self):
+    def __init__(self, max_num_queued_requests: int, stored_request: Callable[[str], Request | None],
+                 num_waiting: Callable[[], int], leading: Callable[[], bool]):
+        self.max_num_queued_requests = max_num_queued_requests
+        self._stored_request = stored_request
+        self._num_waiting = num_waiting
+        self._leading = leading
         self.outbox = Outbox()
         self.lock = self.outbox.lock
         self.inbox: list[AddRequest | AbortRequest] = []
@@ -58,13 +65,13 @@ class Frontend:
         if timeout <= 0:
             return 0
         deadline = time.monotonic() + timeout
-        while self.outbox.unfinished_ids() and time.monotonic() < deadline and self.lease.token is not None:
+        while self.outbox.unfinished_ids() and time.monotonic() < deadline and self._leading():
             time.sleep(0.1)
         left = self.outbox.unfinished_ids()
         for rid in left:
             self.abort(rid, FINISH_ABORT)
         end = time.monotonic() + 10
-        while self.outbox.unfinished_ids() and time.monotonic() < end and self.lease.token is not None:
+        while self.outbox.unfinished_ids() and time.monotonic() < end and self._leading():
             time.sleep(0.05)  # the aborts are committed at the next iteration boundary
         return len(left)
 
@@ -73,7 +80,7 @@ class Frontend:
         if pub is not None or not self.ready.is_set():
             return pub
         # Not in memory: a request finished before this scheduler started (kept in Redis for a while).
-        req = self.ledger.get_request(rid)
+        req = self._stored_request(rid)
         if req is None:
             return None
         with self.lock:
@@ -91,10 +98,10 @@ class Frontend:
             published = self.outbox.published
             if seqs[0].request_id in published:
                 return [published[r.request_id] for r in seqs if r.request_id in published]
-            queued = (len(self.core.waiting) if self.core else 0) + sum(isinstance(c, AddRequest) for c in self.inbox)
-            if queued >= self.cfg.max_num_queued_requests:
+            queued = self._num_waiting() + sum(isinstance(c, AddRequest) for c in self.inbox)
+            if queued >= self.max_num_queued_requests:
                 raise SubmitError("RESOURCE_EXHAUSTED", f"the waiting queue is full: {queued} requests queued, "
-                                  f"--max-num-queued-requests is {self.cfg.max_num_queued_requests}")
+                                  f"--max-num-queued-requests is {self.max_num_queued_requests}")
             pubs = [Published(req) for req in seqs]
             for pub in pubs:
                 published[pub.request.request_id] = pub

@@ -14,9 +14,11 @@ import time
 import uuid
 from dataclasses import replace
 
+from common.config import device_default
 from common.validation import ConfigError, check_limits
 from common.worker_protocol import MAX_SLOTS
 from protos import worker_pb2 as wpb
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.store import LeaseLost, RedisLedger
@@ -148,16 +150,15 @@ def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metr
 
 def sized_policy(policy, info: wpb.WorkerInfo):
     """Fill the policy's unset limits from the worker: a smaller token budget on CPU than on a GPU."""
-    gpu = info.device.startswith("cuda")
     # Static and naive batches prefill whole prompts whatever the budget, so only continuous mode without chunking
     # needs a budget that holds a whole prompt (vLLM's default then: at least max-model-len).
     whole_prompts_in_budget = policy.scheduling_mode == "continuous" and not policy.enable_chunked_prefill
-    default_budget = 8192 if gpu else 512
+    default_budget = device_default(SchedulerConfig, "max_num_batched_tokens", info.device)
     if whole_prompts_in_budget:
         default_budget = max(default_budget, info.max_model_len)
     sized = replace(policy, block_size=info.block_size,
                     max_num_batched_tokens=policy.max_num_batched_tokens or default_budget,
-                    max_num_seqs=policy.max_num_seqs or (256 if gpu else 64))
+                    max_num_seqs=policy.max_num_seqs or device_default(SchedulerConfig, "max_num_seqs", info.device))
     check_limits(block_size=info.block_size, budget=sized.max_num_batched_tokens, max_model_len=info.max_model_len,
                  chunked=not whole_prompts_in_budget, budget_is_default=not policy.max_num_batched_tokens)
     if sized.max_num_seqs > MAX_SLOTS // 2:

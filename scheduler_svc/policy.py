@@ -17,25 +17,39 @@ from dataclasses import dataclass
 
 from scheduler_svc import outputs
 from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.outputs import SchedulerOutput
 from scheduler_svc.request import Request, Status
 from scheduler_svc.speculative import SpeculativeConfig
 
+_DEFAULTS = SchedulerConfig()  # the policy's defaults are the settings' (scheduler_svc/config.py)
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    """The limits the policy applies: the scheduler's settings, sized for the worker (leadership.sized_policy)."""
+
     max_num_batched_tokens: int
     max_num_seqs: int
     block_size: int
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0: off
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    enable_prefix_caching: bool = False
-    scheduling_mode: str = "continuous"  # continuous | static | naive
+    enable_chunked_prefill: bool = _DEFAULTS.enable_chunked_prefill
+    long_prefill_token_threshold: int = _DEFAULTS.long_prefill_token_threshold  # 0: off
+    scheduling_policy: str = _DEFAULTS.scheduling_policy  # fcfs | priority
+    enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching
+    scheduling_mode: str = _DEFAULTS.scheduling_mode  # continuous | static | naive
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
 
+    @staticmethod
+    def unsized(cfg: SchedulerConfig) -> PolicyConfig:
+        """From the settings; 0 = size for the worker's device once it has described itself."""
+        return PolicyConfig(max_num_batched_tokens=cfg.max_num_batched_tokens or 0,
+                            max_num_seqs=cfg.max_num_seqs or 0, block_size=0,
+                            enable_chunked_prefill=cfg.enable_chunked_prefill,
+                            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                            scheduling_policy=cfg.scheduling_policy,
+                            enable_prefix_caching=cfg.enable_prefix_caching,
+                            scheduling_mode=cfg.scheduling_mode, speculative=cfg.speculative())
 
-SCHEDULING_MODES = ("continuous", "static", "naive")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

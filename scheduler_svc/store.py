@@ -63,8 +63,9 @@ from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 
 # The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict(). 3: per-step
-# state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records).
-SCHEMA_VERSION = 4
+# state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records). 5: the
+# sampling record gains logit_bias and bad_words (common/sampling_fields.py).
+SCHEMA_VERSION = 5
 
 
 class LeaseLost(Exception):

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common.sampling_wire import vllm_to_public
 from protos import llmserve_pb2 as pb
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
+from scheduler_svc.admission import abort_sequences
 
 if TYPE_CHECKING:
     from scheduler_svc.server import LLMServeServicer
@@ -54,13 +56,9 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
                        "regex, grammar, json_object and choice are)")
     if s.HasField("prompt_logprobs"):
         raise _Refused("sampling_params.prompt_logprobs is not supported by llmserve (prompts are not scored)")
-    if s.logit_bias:
-        raise _Refused("sampling_params.logit_bias is not supported by llmserve yet")
     if s.HasField("logprobs") and s.logprobs < 0:
         raise _Refused(f"sampling_params.logprobs must be 0..20, got {s.logprobs} (-1, the whole vocabulary, is "
                        "not supported)")
-    if s.HasField("seed") and s.seed < 0:
-        raise _Refused(f"sampling_params.seed must be >= 0, got {s.seed}")
     if req.HasField("kv_transfer_params") or req.HasField("kv_transfer_params_json"):
         raise _Refused("kv_transfer_params: prefill/decode disaggregation is not supported by llmserve")
     if req.HasField("mm_inputs"):
@@ -86,29 +84,12 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
         out.text = req.text
 
     o = out.sampling
-    if s.HasField("temperature"):
-        o.temperature = s.temperature
-    if s.top_p:  # proto3 scalar: 0 means unset
-        o.top_p = s.top_p
-    if s.top_k:
-        o.top_k = s.top_k
-    o.min_p = s.min_p
-    o.frequency_penalty = s.frequency_penalty
-    o.presence_penalty = s.presence_penalty
-    if s.repetition_penalty:
-        o.repetition_penalty = s.repetition_penalty
-    if s.HasField("max_tokens"):
-        o.max_tokens = s.max_tokens
-    o.min_tokens = s.min_tokens
+    refused = vllm_to_public(s, o)  # the sampling table's fields, by vLLM's names (proto3 zeros it forbids: unset)
+    if refused is not None:
+        raise _Refused(refused)
     o.stop.extend(s.stop)
-    o.stop_token_ids.extend(s.stop_token_ids)
     o.skip_special_tokens = s.skip_special_tokens
-    o.ignore_eos = s.ignore_eos
     o.n = max(1, s.n)
-    if s.HasField("logprobs"):
-        o.logprobs = s.logprobs
-    if s.HasField("seed"):
-        o.seed = s.seed
     o.include_stop_str_in_output = s.include_stop_str_in_output
     if constraint == "choice":
         o.choice.choices.extend(s.choice.choices)
@@ -135,7 +116,7 @@ def _add_logprobs(dst: vpb.OutputLogProbs, msg: pb.GenerateResponse) -> None:
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def __init__(self, public: LLMServeServicer):
         self.public = public
-        self.engine = public.engine
+        self.driver = public.driver
         self.started = time.time()
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
@@ -177,27 +158,23 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 yield vpb.GenerateResponse(complete=done)
 
     def _eos_ids(self) -> set[int]:
-        info = self.engine.worker_info
+        info = self.driver.worker_info
         return set(info.model.eos_token_ids) if info is not None else set()
 
     async def Abort(self, request: vpb.AbortRequest, context):
         for rid in request.request_ids:
-            # n > 1: the sequences are rid#0..; abort whichever of them this scheduler holds
-            if not self.engine.abort(rid):
-                i = 0
-                while self.engine.abort(f"{rid}#{i}"):
-                    i += 1
+            abort_sequences(self.driver.abort, rid)
         return vpb.AbortResponse()
 
     async def HealthCheck(self, request, context):
-        if self.engine.ready.is_set() and not self.engine.draining.is_set():
+        if self.driver.ready.is_set() and not self.driver.draining.is_set():
             return vpb.HealthCheckResponse(healthy=True, message="serving")
-        why = "draining" if self.engine.draining.is_set() else "no worker registered yet (or a standby)"
+        why = "draining" if self.driver.draining.is_set() else "no worker registered yet (or a standby)"
         return vpb.HealthCheckResponse(healthy=False, message=why)
 
     async def GetModelInfo(self, request, context):
-        info = self.engine.worker_info
-        if info is None or not self.engine.ready.is_set():
+        info = self.driver.worker_info
+        if info is None or not self.driver.ready.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
         m = info.model
         tok = await asyncio.get_running_loop().run_in_executor(None, self.public.tokenizer)
@@ -210,18 +187,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             max_req_input_len=info.max_model_len - 1, default_sampling_params_json="{}")
 
     def _active(self) -> int:
-        return len(self.engine.outbox.unfinished_ids())
+        return len(self.driver.outbox.unfinished_ids())
 
     async def GetServerInfo(self, request, context):
         return vpb.GetServerInfoResponse(
-            active_requests=self._active(), is_paused=self.engine.draining.is_set(),
+            active_requests=self._active(), is_paused=self.driver.draining.is_set(),
             last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started,
             server_type="llmserve-grpc", data_parallel_size=1)
 
     async def GetLoads(self, request, context):
-        # Read without the engine lock: a snapshot for load balancing, at most one step old.
-        core, info = self.engine.core, self.engine.worker_info
-        load = vpb.SchedulerLoad(dp_rank=0, max_running_requests=self.engine.cfg.policy.max_num_seqs)
+        # Read without the driver lock: a snapshot for load balancing, at most one step old.
+        core, info = self.driver.core, self.driver.worker_info
+        load = vpb.SchedulerLoad(dp_rank=0, max_running_requests=self.driver.cfg.policy.max_num_seqs)
         if core is not None and info is not None:
             load.num_running_reqs, load.num_waiting_reqs = len(core.running), len(core.waiting)
             load.num_total_reqs = load.num_running_reqs + load.num_waiting_reqs
@@ -232,7 +209,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                     dp_rank_count=1, loads=[load])
 
     async def GetTokenizer(self, request, context):
-        if self.engine.worker_info is None:
+        if self.driver.worker_info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet")
         if self._tokenizer_zip is None:
             self._tokenizer_zip = await asyncio.get_running_loop().run_in_executor(None, self._build_tokenizer_zip)
@@ -242,8 +219,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             yield vpb.GetTokenizerChunk(data=data[start:start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else "")
 
     def _build_tokenizer_zip(self) -> tuple[bytes, str]:
-        data = tokenizer_zip(self.public._tokenizer_path or self.engine.worker_info.model.path,
-                             self.public.tokenizer(), self.engine.worker_info)
+        data = tokenizer_zip(self.public._tokenizer_path or self.driver.worker_info.model.path,
+                             self.public.tokenizer(), self.driver.worker_info)
         return data, hashlib.sha256(data).hexdigest()
 
 

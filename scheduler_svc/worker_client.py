@@ -15,6 +15,7 @@ import grpc
 
 from common import plan_errors, tls, tracing
 from common.auth import with_worker_token
+from common.config import MAX_MESSAGE_BYTES
 from common.validation import ConfigError
 from common.worker_protocol import MAX_SLOTS, PACKAGE, SERVICE
 from protos import worker_pb2 as wpb
@@ -35,7 +36,8 @@ from scheduler_svc.worker_wire import sampling_to_wire
 
 _FINISH = {wpb.FINISH_REASON_EOS: WORKER_EOS, wpb.FINISH_REASON_STOP_TOKEN: WORKER_STOP_TOKEN,
            wpb.FINISH_REASON_MAX_TOKENS: WORKER_MAX_TOKENS}
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 class WorkerError(Exception):

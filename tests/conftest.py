@@ -33,7 +33,7 @@ if _OWN_GGUF_CACHE:
 def _stop_leftover_processes():
     """Processes a module started and did not stop (a failed test, a fixture that never reached its teardown) end
     with the module instead of slowing every later one. The session's redis-server stays."""
-    from llmserve.stack import live, stop
+    from llmserve.processes import live, stop
 
     before = {id(p) for p in live()}
     yield
@@ -43,7 +43,7 @@ def _stop_leftover_processes():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from llmserve.stack import stop_all
+    from llmserve.processes import stop_all
 
     stop_all()
 
@@ -79,9 +79,10 @@ def hf_model(bundled_model_path):
 
 @pytest.fixture(scope="session")
 def runner(bundled_model_path):
-    from worker_svc.runner import ModelRunner, RunnerOptions
+    from worker_svc.config import WorkerConfig
+    from worker_svc.runner import ModelRunner
 
-    return ModelRunner(RunnerOptions(model=bundled_model_path, num_gpu_blocks_override=512))
+    return ModelRunner(WorkerConfig(model=bundled_model_path, num_gpu_blocks_override=512))
 
 
 def pytest_collection_modifyitems(config, items):

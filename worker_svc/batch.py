@@ -28,7 +28,7 @@ from protos import worker_pb2 as pb
 from worker_svc.grammar import GrammarCache
 from worker_svc.input_batch import InputBatch
 from worker_svc.request_views import Requests, RequestState, ScheduledChunk
-from worker_svc.sampling import SamplingParams
+from worker_svc.sampling import from_proto
 
 
 class PlanError(Exception):
@@ -287,6 +287,9 @@ class PersistentBatch:
         bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise _invalid(f"{where}: stop token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in [*p.logit_bias, *(t for w in p.bad_words for t in w.ids)] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise _invalid(f"{where}: logit_bias / bad_words token id {bad} is outside the vocabulary [0, {vocab})")
         if p.HasField("logprobs") and p.logprobs > vocab:
             raise _invalid(f"{where}: logprobs {p.logprobs} exceeds the vocabulary size {vocab}")
 
@@ -344,7 +347,7 @@ class PersistentBatch:
             if matcher is None and sampling.HasField("constraint"):  # applied without check_plan (tests)
                 self._check_constraint("", sampling, token_ids[num_prompt_tokens:], slot, cached.matchers)
                 matcher = cached.matchers[slot]
-            inputs.add(slot, rid, token_ids, num_prompt_tokens, SamplingParams.from_proto(sampling), block_ids,
+            inputs.add(slot, rid, token_ids, num_prompt_tokens, from_proto(sampling), block_ids,
                        computed, matcher)
             if scheduled > 0:
                 rows.append(slot)

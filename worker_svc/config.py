@@ -1,8 +1,12 @@
-"""Model architecture description shared by loaders, the model and Describe."""
+"""The worker's settings (`WorkerConfig`, one field each) and the model architecture description shared by the
+loaders, the model and Describe (`ModelConfig`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from common import config as c
+from common.config import setting
 
 
 @dataclass
@@ -29,3 +33,51 @@ class ModelConfig:
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The worker's settings (`llmserve worker`, and the worker `llmserve serve` starts): one field each."""
+
+    host: str = setting("127.0.0.1", "address of the worker's gRPC server")
+    port: int = setting(50061, "port of the worker's gRPC server (0 picks a free one)")
+    model: str | None = setting(None, "GGUF file or Hugging Face directory (default: bundled SmolLM2-135M)")
+    dtype: str = setting("auto", "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+                         choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N")
+    block_size: int = setting(16, "tokens per KV block", check=c.is_power_of_two)
+    kv_cache_memory: int = setting(2 << 30, "KV pool bytes on CPU", check=c.at_least(1))
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory this process may use (weights, "
+                                            "activations, KV pool)", check=c.between(0, 1))
+    num_gpu_blocks_override: int | None = setting(None, "KV pool size in blocks (skips the memory-based sizing)",
+                                                  check=c.at_least(1))
+    max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)",
+                                        check=c.at_least(1))
+    max_num_batched_tokens: int | None = c.max_num_batched_tokens()
+    attention_backend: str = setting("auto", "paged-attention kernels: auto = triton on CUDA, torch on CPU",
+                                     choices=("auto", "triton", "torch"))
+    quantization: str | None = setting(
+        None, "gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls, bfloat16 "
+        "activations) instead of dequantizing them at load", aliases=("-q",), choices=("gguf",))
+    otlp_traces_endpoint: str | None = c.otlp_traces_endpoint()
+    worker_token: str | None = c.worker_token()
+    tls_cert: str | None = c.tls_cert()
+    tls_key: str | None = c.tls_key()
+    tls_client_ca: str | None = c.tls_client_ca()
+    tensor_parallel_size: int = setting(
+        1, "shard the model over this many rank processes (torch.distributed: nccl on CUDA, gloo on CPU); on one "
+        "host the worker starts them itself, across hosts see --nnodes", aliases=("-tp",), check=c.at_least(1))
+    nnodes: int = setting(1, "hosts the tensor-parallel ranks are spread over (each runs this command with its "
+                          "--node-rank; or start every rank with torchrun)", check=c.at_least(1))
+    node_rank: int = setting(0, "this host's index in [0, --nnodes); host 0 serves gRPC", check=c.at_least(0))
+    master_addr: str = setting("127.0.0.1", "rendezvous address of the tensor-parallel group (the host of "
+                               "--node-rank 0)")
+    master_port: int | None = setting(None, "rendezvous port (default: a free one; needed with --nnodes > 1)")
+    distributed_timeout: float = setting(
+        120.0, "seconds a rank waits for the others (joining, or inside a step) before the group ends")
+    structured_outputs_config: str | None = setting(
+        None, 'structured outputs (vLLM\'s flag): {"backend": "xgrammar"} (the only one; "auto" means it), '
+        '"disable_any_whitespace": true for JSON without optional whitespace', metavar="JSON")
+    allow_kv_pool_below_max_model_len: bool = setting(
+        False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
+        "at admission; for tests and tiny pools)")

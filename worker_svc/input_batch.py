@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from protos import worker_pb2 as pb
-from worker_svc.sampler import SamplingBatch
+from worker_svc.sampler import BATCH_COLUMNS, SAMPLING_COLUMNS, SamplingBatch, output_tails, right_aligned
 from worker_svc.sampling import SamplingParams
 
 # Per-row columns: name -> (dtype, value of a free row).
@@ -25,22 +25,13 @@ _COLUMNS: dict[str, tuple[type, object]] = {
     "num_computed_tokens": (np.int64, 0),
     "num_blocks": (np.int64, 0),
     "live": (np.bool_, False),  # the row holds a request
-    # sampling parameters (SamplingParams as columns)
-    "temperature": (np.float32, 0.0),
-    "top_k": (np.int64, 0),
-    "top_p": (np.float32, 1.0),
-    "min_p": (np.float32, 0.0),
-    "repetition_penalty": (np.float32, 1.0),
-    "presence_penalty": (np.float32, 0.0),
-    "frequency_penalty": (np.float32, 0.0),
-    "seed": (np.uint64, 0),
-    "min_tokens": (np.int64, 0),
-    "max_tokens": (np.int64, 0),
-    "ignore_eos": (np.bool_, False),
-    "logprobs": (np.int64, -1),  # -1: no logprobs
-    "plain": (np.bool_, False),  # greedy, no penalties, min_tokens or logprobs: sampling is an argmax
+    # sampling parameters: the table's scalar columns (SAMPLING_COLUMNS, added below)
+    "plain": (np.bool_, False),  # SamplingParams.plain: sampling is an argmax
     "constrained": (np.bool_, False),  # structured output: matchers[row] masks and follows its tokens
+    "has_logit_bias": (np.bool_, False),  # logit_bias_ids[row] / logit_bias_values[row] hold its biases
+    "has_bad_words": (np.bool_, False),  # bad_words[row] holds its sequences
 }
+_COLUMNS.update(SAMPLING_COLUMNS)
 
 
 def _grown(a: np.ndarray, shape: tuple[int, ...], fill: object) -> np.ndarray:
@@ -57,28 +48,20 @@ def _capacity(current: int, need: int, limit: int | None = None) -> int:
 
 
 class InputBatch:
-    """Rows of requests: the columns of _COLUMNS ([num_rows]) and token_ids, block_table, stop_token_ids
-    ([num_rows, capacity]); row_of maps a request id to its row (for logs and tools; the step uses rows)."""
+    """Rows of requests: the columns of _COLUMNS ([num_rows]) and token_ids, block_table, stop_token_ids,
+    logit_bias_ids / _values ([num_rows, capacity]) and bad_words ([num_rows, K, L]); row_of maps a request id to its
+    row (for logs and tools; the step uses rows)."""
 
     num_tokens: np.ndarray
     num_prompt_tokens: np.ndarray
     num_computed_tokens: np.ndarray
     num_blocks: np.ndarray
     live: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    repetition_penalty: np.ndarray
-    presence_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    seed: np.ndarray
-    min_tokens: np.ndarray
-    max_tokens: np.ndarray
-    ignore_eos: np.ndarray
-    logprobs: np.ndarray
     plain: np.ndarray
     constrained: np.ndarray
+    has_logit_bias: np.ndarray
+    has_bad_words: np.ndarray
+    max_tokens: np.ndarray  # and the other columns of SAMPLING_COLUMNS, one per scalar sampling field
 
     def __init__(self, max_model_len: int, *, rows: int = 64, tokens: int = 512, blocks: int = 32):
         self.max_model_len = max_model_len
@@ -91,6 +74,11 @@ class InputBatch:
         self.token_ids = np.zeros((rows, min(tokens, max_model_len)), dtype=np.int32)
         self.block_table = np.zeros((rows, blocks), dtype=np.int64)  # 0 past num_blocks, as the kernels expect
         self.stop_token_ids = np.full((rows, 1), -1, dtype=np.int32)  # -1 padded
+        # logit_bias as token ids (-1 padded) and biases; bad_words as [rows, K, L] right-aligned sequences. Grown
+        # only by requests that carry them.
+        self.logit_bias_ids = np.full((rows, 1), -1, dtype=np.int32)
+        self.logit_bias_values = np.zeros((rows, 1), dtype=np.float32)
+        self.bad_words = np.full((rows, 1, 1), -1, dtype=np.int32)
 
     @property
     def num_rows(self) -> int:
@@ -179,24 +167,37 @@ class InputBatch:
         self.token_ids = _grown(self.token_ids, (rows, self.token_ids.shape[1]), 0)
         self.block_table = _grown(self.block_table, (rows, self.block_table.shape[1]), 0)
         self.stop_token_ids = _grown(self.stop_token_ids, (rows, self.stop_token_ids.shape[1]), -1)
+        self.logit_bias_ids = _grown(self.logit_bias_ids, (rows, self.logit_bias_ids.shape[1]), -1)
+        self.logit_bias_values = _grown(self.logit_bias_values, (rows, self.logit_bias_values.shape[1]), 0)
+        self.bad_words = _grown(self.bad_words, (rows, *self.bad_words.shape[1:]), -1)
         self.request_ids += [None] * (rows - old)
         self.params += [None] * (rows - old)
         self.matchers += [None] * (rows - old)
 
     def _set_sampling(self, row: int, p: SamplingParams) -> None:
-        self.temperature[row] = p.temperature
-        self.top_k[row] = p.top_k
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
-        self.repetition_penalty[row] = p.repetition_penalty
-        self.presence_penalty[row] = p.presence_penalty
-        self.frequency_penalty[row] = p.frequency_penalty
-        self.seed[row] = p.seed
-        self.min_tokens[row] = p.min_tokens
-        self.max_tokens[row] = p.max_tokens
-        self.ignore_eos[row] = p.ignore_eos
-        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        self.plain[row] = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
+        for name, (_, unset) in SAMPLING_COLUMNS.items():
+            value = getattr(p, name)
+            getattr(self, name)[row] = unset if value is None else value
+        self.plain[row] = p.plain
+        self.has_logit_bias[row] = bool(p.logit_bias)
+        if p.logit_bias:
+            n = len(p.logit_bias)
+            if n > self.logit_bias_ids.shape[1]:
+                self.logit_bias_ids = _grown(self.logit_bias_ids, (self.num_rows, n), -1)
+                self.logit_bias_values = _grown(self.logit_bias_values, (self.num_rows, n), 0)
+            self.logit_bias_ids[row] = -1
+            self.logit_bias_ids[row, :n] = list(p.logit_bias)
+            self.logit_bias_values[row, :n] = list(p.logit_bias.values())
+        self.has_bad_words[row] = bool(p.bad_words)
+        if p.bad_words:
+            k, width = len(p.bad_words), max(len(w) for w in p.bad_words)
+            _, k0, w0 = self.bad_words.shape
+            if k > k0 or width > w0:  # grown on the left too: sequences stay right-aligned
+                grown = np.full((self.num_rows, max(k, k0), max(width, w0)), -1, dtype=np.int32)
+                grown[:, :k0, grown.shape[2] - w0:] = self.bad_words
+                self.bad_words = grown
+            self.bad_words[row] = -1
+            self.bad_words[row, :k] = right_aligned(p.bad_words, self.bad_words.shape[2])
         stop = sorted(p.stop_token_ids)
         if len(stop) > self.stop_token_ids.shape[1]:
             self.stop_token_ids = _grown(self.stop_token_ids, (self.num_rows, len(stop)), -1)
@@ -212,14 +213,20 @@ class InputBatch:
         after the row's tokens plus its next offsets[i] draft tokens (written past num_tokens)."""
         n = self.num_tokens[rows] if offsets is None else self.num_tokens[rows] + offsets
         b = SamplingBatch(
-            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
-            min_p=self.min_p[rows], repetition_penalty=self.repetition_penalty[rows],
-            presence_penalty=self.presence_penalty[rows], frequency_penalty=self.frequency_penalty[rows],
-            seed=self.seed[rows], position=n, num_output=n - self.num_prompt_tokens[rows],
-            min_tokens=self.min_tokens[rows], ignore_eos=self.ignore_eos[rows], logprobs=self.logprobs[rows],
-            stop_token_ids=self.stop_token_ids[rows],
+            **{name: getattr(self, name)[rows] for name in BATCH_COLUMNS},
+            position=n, num_output=n - self.num_prompt_tokens[rows], stop_token_ids=self.stop_token_ids[rows],
             eos_token_ids=np.broadcast_to(eos_token_ids, (len(rows), len(eos_token_ids))),
         )
+        bias = np.flatnonzero(self.has_logit_bias[rows])
+        if len(bias):
+            b.bias_rows, b.bias_ids, b.bias_values = bias, self.logit_bias_ids[rows[bias]], \
+                self.logit_bias_values[rows[bias]]
+        bad = np.flatnonzero(self.has_bad_words[rows])
+        if len(bad):
+            r = rows[bad]
+            b.bad_words_rows, b.bad_words = bad, self.bad_words[r]
+            b.bad_words_tail = output_tails(self.token_ids, r, n[bad], self.num_prompt_tokens[r],
+                                            self.bad_words.shape[2] - 1)
         uses = b.uses_penalties
         pen = rows[uses]
         if len(pen):

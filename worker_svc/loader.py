@@ -72,10 +72,24 @@ def default_model_path() -> str:
     return path
 
 
-def load_model_weights(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model_weights(path: str, shard: Shard = FULL,
+                       quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a `.gguf` file or an HF directory (config.json + *.safetensors): the whole model's config and the
-    weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load."""
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load.
+
+    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.quant.QuantizedWeight)."""
+    is_gguf = os.path.isfile(path) and path.endswith(".gguf")
+    if quantization not in (None, "gguf"):
+        raise ValueError(f"--quantization must be gguf or unset; got {quantization!r}")
+    if quantization == "gguf":
+        if not is_gguf:
+            raise ValueError(f"--quantization gguf needs a .gguf model file; {path!r} is not one "
+                             "(its weights are not quantized)")
+        if shard.size > 1:
+            raise ValueError("--quantization gguf with --tensor-parallel-size > 1 is not supported yet: "
+                             "quantized weights are not sharded")
+        return load_gguf_quantized(path)
+    if is_gguf:
         return load_gguf(path, shard)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return load_hf_dir(path, shard)
@@ -231,6 +245,46 @@ def _read_gguf(path: str, shard: Shard) -> tuple[ModelConfig, dict[str, torch.Te
         if kind in unpermute and t.name.endswith(".weight"):
             tensor = _unpermute_rope_rows(tensor, unpermute[kind])
         weights[name] = shard_tensor(name, tensor, config, shard)  # whole, or dequantized then sliced (columns)
+    return config, weights
+
+
+_UNQUANTIZED = ("F32", "F16", "BF16")
+
+
+def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
+    """Like load_gguf, but every quantized matmul weight (2-D, of a quantized GGUF type) is kept as a
+    QuantizedWeight instead of being dequantized; the rest (norms, float tensors) is float32 as usual."""
+    from gguf import GGUFReader
+
+    from worker_svc import quant
+
+    reader = GGUFReader(path)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _gguf_config(reader, tensor_names)
+    if not config.name:
+        config.name = os.path.basename(path)
+    unpermute = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} \
+        if config.architecture in ("llama", "mistral") else {}
+    weights: dict = {}
+    for t in reader.tensors:
+        hf_shape = tuple(int(d) for d in reversed(t.shape))
+        if t.name == "rope_freqs.weight":
+            factors = _dequantize(t.data, t, hf_shape).tolist()
+            config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors}
+            continue
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if len(hf_shape) == 2 and t.tensor_type.name not in _UNQUANTIZED:
+            from gguf.quants import dequantize
+
+            weight = quant.from_gguf(t.data, t.tensor_type.name, hf_shape,
+                                     lambda d, tt=t.tensor_type: dequantize(d, tt))
+            if kind in unpermute and t.name.endswith(".weight"):
+                weight = weight.map_rows(lambda r, n=unpermute[kind]: _unpermute_rope_rows(r, n))
+        else:
+            weight = _dequantize(t.data, t, hf_shape)
+            if kind in unpermute and t.name.endswith(".weight"):
+                weight = _unpermute_rope_rows(weight, unpermute[kind])
+        weights[_gguf_to_hf_name(t.name)] = weight
     return config, weights
 
 

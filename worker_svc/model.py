@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import kernels
 from worker_svc.config import ModelConfig
+from worker_svc.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
 
 
 @dataclass
@@ -59,8 +60,11 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, for a dense or a prepacked weight."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, for a dense, a prepacked or a quantized weight."""
+    if isinstance(weight, QuantLinear):
+        y = weight(x)
+        return y if bias is None else y.add_(bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -70,9 +74,9 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight.T + bias: fused into the matmul for a prepacked weight (same result as a separate
     add), in place into `residual` otherwise."""
-    if weight.is_mkldnn:
+    if isinstance(weight, torch.Tensor) and weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
-    return residual.add_(F.linear(x, weight, bias))
+    return residual.add_(linear(x, weight, bias))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,16 +177,28 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
+        if any(isinstance(t, QuantizedWeight) for t in weights.values()):
+            check_activation_dtype(dtype, self.device)
+
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
+            t = weights[name]  # a QuantizedWeight is moved to the device when packed (`mat`)
+            return t if isinstance(t, QuantizedWeight) else t.to(device=self.device, dtype=dtype)
 
         def maybe(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        def mat(t: torch.Tensor) -> torch.Tensor:  # a matmul weight; the dense copy is dropped once packed
+        def mat(t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantLinear:
+            """A matmul weight; the dense copy is dropped once packed."""
+            if isinstance(t, QuantizedWeight):
+                return QuantLinear(t, dtype, self.device)
             return prepack_linear_weight(t.contiguous()) if prepack else t
 
+        def cat(parts: list) -> torch.Tensor | QuantizedWeight:
+            return cat_rows(parts) if isinstance(parts[0], QuantizedWeight) else torch.cat(parts)
+
         self.embed = w("model.embed_tokens.weight")
+        if isinstance(self.embed, QuantizedWeight):
+            self.embed = self.embed.map_rows(lambda t: t.to(self.device))
         # Vocabulary-parallel: this rank's token rows start here (its shard is padded to the same rows on all ranks).
         self.vocab_start = self.tp.rank * self.embed.shape[0] if self.tp else 0
         self.layers: list[LayerWeights] = []
@@ -195,7 +211,7 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=mat(torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"])),
+                    qkv=mat(cat([w(attn + f"{x}_proj.weight") for x in "qkv"])),
                     qkv_bias=qkv_bias,
                     o=mat(w(attn + "o_proj.weight")),
                     o_bias=maybe(attn + "o_proj.bias"),
@@ -278,6 +294,8 @@ class LlamaModel:
         return None if logits is None else logits[:, : c.vocab_size]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):  # dequantize only the rows looked up
+            return self.embed.rows(input_ids, self.dtype)
         if self.tp is None:
             return F.embedding(input_ids, self.embed)
         # Each rank looks up the ids in its range (zeros elsewhere); the sum over ranks is the embedding.

@@ -6,7 +6,6 @@ import importlib.util
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,11 +13,12 @@ import torch
 
 import kernels
 from common import tracing
+from common.config import for_device
 from common.structured_outputs import StructuredOutputsConfig
 from protos import worker_pb2 as pb
 from worker_svc import kv_cache
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
-from worker_svc.config import ModelConfig
+from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
@@ -33,21 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RunnerOptions:
-    model: str
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int = 2 << 30  # bytes, CPU sizing
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048  # warm-up size on CUDA
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
-    structured_outputs_config: str | None = None  # vLLM's --structured-outputs-config JSON
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,16 +73,19 @@ class ModelRunner:
     """With `group`, one rank of a tensor-parallel group: it holds its shard of the weights and of the KV pool.
     Rank 0 serves (`execute`) and sends every step's inputs to the other ranks, which run `follow`."""
 
-    def __init__(self, opts: RunnerOptions, group: RankGroup | None = None):
-        self.opts = opts
+    def __init__(self, opts: WorkerConfig, group: RankGroup | None = None):
         self.group = group
         self.device = resolve_device(opts.device)
+        self.opts = opts = for_device(opts, self.device.type)  # e.g. the warm-up step's size
         if group is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", group.local_rank)
-        self.dtype = resolve_dtype(opts.dtype, self.device)
+        # Quantized weights run with bfloat16 activations: the weight-only kernels have no fast float32 path.
+        self.dtype = resolve_dtype("bfloat16" if opts.quantization and opts.dtype == "auto" else opts.dtype,
+                                   self.device)
         self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
         tp_size = group.size if group is not None else 1
-        self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL)
+        self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL,
+                                                  opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
         self.model = LlamaModel(self.local_config, weights, self.dtype, self.device,
                                 attention=kernels.get_backend(self.attention_backend), tp=group)

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched sampling: logit bias, bad words, penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 The random draw for a request's token at position p is a pure function of (seed, p): a
 generator seeded from a hash of (seed, p) draws one Exp(1) variable per vocabulary entry, and
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.sampling_fields import FIELDS
 from worker_svc.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -87,6 +88,15 @@ class SamplingBatch:
     penalty_tokens: np.ndarray | None = None
     penalty_num_prompt: np.ndarray | None = None
     penalty_num_tokens: np.ndarray | None = None
+    # Rows with a logit_bias (indices into this batch): token ids [rows, B] (-1 padded) and their biases.
+    bias_rows: np.ndarray | None = None
+    bias_ids: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
+    # Rows with bad_words: the sequences [rows, K, L] (right-aligned, -1 padded) and each row's last L - 1 output
+    # tokens [rows, L - 1] (-1 where the output is shorter).
+    bad_words_rows: np.ndarray | None = None
+    bad_words: np.ndarray | None = None
+    bad_words_tail: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -98,6 +108,13 @@ class SamplingBatch:
     @property
     def uses_penalties(self) -> np.ndarray:
         return (self.repetition_penalty != 1.0) | (self.presence_penalty != 0.0) | (self.frequency_penalty != 0.0)
+
+
+# A column per scalar sampling field the sampler reads (common/sampling_fields.py): name -> (dtype, unset value).
+SAMPLING_COLUMNS: dict[str, tuple[type, object]] = {
+    f.name: (np.dtype(f.column).type, f.default if f.column_fill is None else f.column_fill)
+    for f in FIELDS if f.column is not None}
+BATCH_COLUMNS = [name for name in SAMPLING_COLUMNS if name in SamplingBatch.__dataclass_fields__]
 
 
 @dataclass
@@ -137,6 +154,43 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
     presence = torch.from_numpy(b.presence_penalty)[rows][:, None]
     x -= freq * counts + presence * (counts > 0).to(logits.dtype)
     logits[rows] = x
+
+
+def apply_logit_bias(logits: torch.Tensor, b: SamplingBatch) -> None:
+    """OpenAI semantics: each row's biases are added to its logits (one scatter for the batch)."""
+    if b.bias_rows is None:
+        return
+    r, c = np.nonzero(b.bias_ids >= 0)
+    index = (torch.from_numpy(b.bias_rows[r]), torch.from_numpy(b.bias_ids[r, c].astype(np.int64)))
+    logits.index_put_(index, torch.from_numpy(b.bias_values[r, c]).to(logits.dtype), accumulate=True)
+
+
+def apply_bad_words(logits: torch.Tensor, b: SamplingBatch) -> None:
+    """vLLM semantics: a bad word's last token is banned where the output ends with the tokens before it (a
+    one-token word: always). All rows' sequences are compared with their output tails at once."""
+    if b.bad_words_rows is None:
+        return
+    last = b.bad_words[:, :, -1]
+    prefix = b.bad_words[:, :, :-1]
+    hit = (last >= 0) & ((prefix < 0) | (prefix == b.bad_words_tail[:, None, :])).all(axis=2)
+    r, k = np.nonzero(hit)
+    logits[torch.from_numpy(b.bad_words_rows[r]), torch.from_numpy(last[r, k].astype(np.int64))] = float("-inf")
+
+
+def right_aligned(seqs: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """Token sequences as rows of `width` columns, each ending in the last column, -1 before it."""
+    out = np.full((len(seqs), width), -1, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        out[i, width - len(seq):] = seq
+    return out
+
+
+def output_tails(token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, num_prompt: np.ndarray,
+                 width: int) -> np.ndarray:
+    """[len(rows), width]: the last `width` tokens of each of token_ids' `rows` before its num_tokens, -1 where they
+    are not output tokens (one gather of just those columns)."""
+    pos = num_tokens[:, None] - width + np.arange(width)
+    return np.where(pos >= num_prompt[:, None], token_ids[rows[:, None], np.maximum(pos, 0)], -1)
 
 
 def apply_min_tokens(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -181,6 +235,8 @@ def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
     # Logprobs are of the raw distribution: taken before penalties and bans change the logits.
     raw_logprobs = torch.log_softmax(logits[torch.from_numpy(lp_rows)], dim=-1) if len(lp_rows) else None
 
+    apply_logit_bias(logits, b)
+    apply_bad_words(logits, b)
     apply_penalties(logits, b)
     apply_min_tokens(logits, b)
 
@@ -247,21 +303,36 @@ def _padded(lists: Sequence[Sequence[int]], fill: int = -1) -> np.ndarray:
 def batch_of_rows(rows: Sequence[SampleRow]) -> SamplingBatch:
     ps = [r.params for r in rows]
 
-    def col(name: str, dtype: type) -> np.ndarray:
-        return np.array([getattr(p, name) for p in ps], dtype=dtype)
+    def col(name: str) -> np.ndarray:
+        dtype, unset = SAMPLING_COLUMNS[name]
+        return np.array([unset if getattr(p, name) is None else getattr(p, name) for p in ps], dtype=dtype)
 
     b = SamplingBatch(
-        temperature=col("temperature", np.float32), top_k=col("top_k", np.int64), top_p=col("top_p", np.float32),
-        min_p=col("min_p", np.float32), repetition_penalty=col("repetition_penalty", np.float32),
-        presence_penalty=col("presence_penalty", np.float32),
-        frequency_penalty=col("frequency_penalty", np.float32), seed=col("seed", np.uint64),
+        **{name: col(name) for name in BATCH_COLUMNS},
         position=np.array([r.position for r in rows], dtype=np.int64),
         num_output=np.array([len(r.output_ids) for r in rows], dtype=np.int64),
-        min_tokens=col("min_tokens", np.int64), ignore_eos=col("ignore_eos", np.bool_),
-        logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in ps], dtype=np.int64),
         stop_token_ids=_padded([sorted(p.stop_token_ids) for p in ps]),
         eos_token_ids=_padded([sorted(r.eos_ids) for r in rows]),
     )
+    bias = [i for i, p in enumerate(ps) if p.logit_bias]
+    if bias:
+        b.bias_rows = np.array(bias)
+        b.bias_ids = _padded([list(ps[i].logit_bias) for i in bias])
+        b.bias_values = np.zeros(b.bias_ids.shape, dtype=np.float32)
+        for j, i in enumerate(bias):
+            b.bias_values[j, : len(ps[i].logit_bias)] = list(ps[i].logit_bias.values())
+    bad = [i for i, p in enumerate(ps) if p.bad_words]
+    if bad:
+        width = max(len(w) for i in bad for w in ps[i].bad_words)
+        b.bad_words_rows = np.array(bad)
+        b.bad_words = np.full((len(bad), max(len(ps[i].bad_words) for i in bad), width), -1, dtype=np.int64)
+        for j, i in enumerate(bad):
+            b.bad_words[j, : len(ps[i].bad_words)] = right_aligned(ps[i].bad_words, width)
+        rs = [rows[i] for i in bad]
+        tokens = _padded([r.prompt_ids + r.output_ids for r in rs], 0)
+        b.bad_words_tail = output_tails(tokens, np.arange(len(rs)),
+                                        np.array([len(r.prompt_ids) + len(r.output_ids) for r in rs]),
+                                        np.array([len(r.prompt_ids) for r in rs]), width - 1)
     pen = [r for r, used in zip(rows, b.uses_penalties.tolist(), strict=True) if used]
     if pen:
         b.penalty_tokens = _padded([r.prompt_ids + r.output_ids for r in pen], 0)

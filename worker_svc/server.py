@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -17,19 +18,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import plan_errors, tls, tracing
-from common.auth import add_worker_token_arg, worker_token_interceptor
+from common.auth import worker_token_interceptor
+from common.config import MAX_MESSAGE_BYTES, ConfigError, add_arguments, from_namespace
 from common.structured_outputs import StructuredOutputsConfig
 from common.worker_protocol import SERVICE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from worker_svc.batch import PlanError
+from worker_svc.config import WorkerConfig
 
 if TYPE_CHECKING:  # torch loads only in the worker process, not in `llmserve generate`
-    from worker_svc.runner import ModelRunner, RunnerOptions
+    from worker_svc.runner import ModelRunner
 
 log = logging.getLogger("llmserve.worker")
 
-MAX_MESSAGE_BYTES = 256 << 20  # a resumed 8k-token batch of many requests stays far below this
 SERVICE_NAME = SERVICE
 # Machine-readable readiness line on stdout, printed once the server listens (launchers and tests wait for it).
 READY_LINE = "LLMSERVE_WORKER_READY port={port} epoch={epoch}"
@@ -147,53 +149,19 @@ def skip_finished_requests(plan: pb.StepPlan, finished: set[int]) -> None:
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("worker")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: bundled SmolLM2-135M)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV pool bytes on CPU (default 2 GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
-                   help="paged-attention kernels: auto = triton on CUDA, torch on CPU")
-    tracing.add_otlp_arg(g)
-    add_worker_token_arg(g)
-    tls.add_server_tls_args(g)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over this many rank processes (torch.distributed: nccl on CUDA, gloo on "
-                        "CPU); on one host the worker starts them itself, across hosts see --nnodes")
-    g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over (each runs "
-                   "this command with its --node-rank; or start every rank with torchrun)")
-    g.add_argument("--node-rank", type=int, default=0, help="this host's index in [0, --nnodes); host 0 serves gRPC")
-    g.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address of the tensor-parallel group "
-                   "(the host of --node-rank 0)")
-    g.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one; needed "
-                   "with --nnodes > 1)")
-    g.add_argument("--distributed-timeout", type=float, default=120.0,
-                   help="seconds a rank waits for the others (joining, or inside a step) before the group ends")
-    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                   help='structured outputs (vLLM\'s flag): {"backend": "xgrammar"} (the only one; "auto" means it), '
-                   '"disable_any_whitespace": true for JSON without optional whitespace')
-    g.add_argument("--allow-kv-pool-below-max-model-len", action="store_true",
-                   help="start even if the KV pool cannot hold one --max-model-len sequence (such requests are "
-                        "then refused at admission; for tests and tiny pools)")
+    add_arguments(p, WorkerConfig)
 
 
-def runner_options(args: argparse.Namespace) -> RunnerOptions:
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """The settings on the command line, validated (SystemExit naming the flag); the bundled model unless --model."""
     from worker_svc.loader import default_model_path
-    from worker_svc.runner import RunnerOptions
 
-    if args.block_size < 1 or args.block_size & (args.block_size - 1):
-        raise SystemExit(f"--block-size must be a power of two >= 1, got {args.block_size}")
-    StructuredOutputsConfig.parse(args.structured_outputs_config)  # a bad one fails here, naming the key
-    return RunnerOptions(
-        model=args.model or default_model_path(), dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend, structured_outputs_config=args.structured_outputs_config,
-    )
+    try:
+        cfg = from_namespace(WorkerConfig, args)
+    except ConfigError as e:
+        raise SystemExit(f"worker: {e}") from None
+    StructuredOutputsConfig.parse(cfg.structured_outputs_config)  # a bad one fails here, naming the key
+    return replace(cfg, model=cfg.model or default_model_path())
 
 
 def build_server(runner: ModelRunner, address: str, token: str | None = None,
@@ -218,31 +186,31 @@ def build_server(runner: ModelRunner, address: str, token: str | None = None,
     return server, port
 
 
-def _tls_mode(args: argparse.Namespace) -> str:
-    return "plaintext" if args.tls_cert is None else "mutual TLS" if args.tls_client_ca else "TLS"
+def _tls_mode(cfg: WorkerConfig) -> str:
+    return "plaintext" if cfg.tls_cert is None else "mutual TLS" if cfg.tls_client_ca else "TLS"
 
 
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from common.validation import ConfigError, check_server_tls
+    from common.validation import check_server_tls
 
+    cfg = config_from_args(args)
     try:  # before importing torch and loading the model: a bad TLS flag fails in a second
-        check_server_tls(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+        check_server_tls(cert=cfg.tls_cert, key=cfg.tls_key, client_ca=cfg.tls_client_ca)
     except ConfigError as e:
         raise SystemExit(f"worker: {e}") from None
     from worker_svc import parallel
     from worker_svc.runner import ModelRunner, config_summary, resolve_device
 
-    opts = runner_options(args)
     try:  # a worker group: this host's ranks start here, each joins torch.distributed
-        group = parallel.start_group(args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr,
-                                     args.master_port, resolve_device(opts.device), args.distributed_timeout)
+        group = parallel.start_group(cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr,
+                                     cfg.master_port, resolve_device(cfg.device), cfg.distributed_timeout)
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
     if group is None or group.rank == 0:
-        tracing.setup("llmserve-worker", args.otlp_traces_endpoint)
+        tracing.setup("llmserve-worker", cfg.otlp_traces_endpoint)
     try:
-        runner = ModelRunner(opts, group)
+        runner = ModelRunner(cfg, group)
     except ValueError as e:  # e.g. a --tensor-parallel-size that does not divide the heads
         if group is None:
             raise
@@ -250,24 +218,24 @@ def serve(args: argparse.Namespace) -> None:
     if group is not None and group.rank != 0:
         parallel.run_follower(runner)  # no gRPC: rank 0 sends the steps
         return
-    if args.max_model_len is not None and not args.allow_kv_pool_below_max_model_len:
+    if cfg.max_model_len is not None and not cfg.allow_kv_pool_below_max_model_len:
         from common.validation import check_pool
 
         try:
             check_pool(max_model_len=runner.max_model_len, num_blocks=runner.num_blocks, block_size=runner.block_size)
         except ConfigError as e:
             raise SystemExit(f"worker: {e}") from None
-    credentials = tls.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    credentials = tls.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
     health_servicer = health.HealthServicer()
-    server, port = build_server(runner, f"{args.host}:{args.port}", args.worker_token, credentials, health_servicer)
+    server, port = build_server(runner, f"{cfg.host}:{cfg.port}", cfg.worker_token, credentials, health_servicer)
     if group is not None:  # a dead or stuck rank ends the group: NOT_SERVING, then a non-zero exit
         group.before_exit.append(lambda: [health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
                                           for name in ("", SERVICE_NAME)])
         group.start_heartbeat(group.fail)
     server.start()
     info = runner.describe()
-    log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", args.host, port,
-             _tls_mode(args), config_summary(runner.config), info.dtype, info.device, info.num_blocks,
+    log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", cfg.host, port,
+             _tls_mode(cfg), config_summary(runner.config), info.dtype, info.device, info.num_blocks,
              info.block_size, info.epoch)
     print(READY_LINE.format(port=port, epoch=info.epoch), flush=True)
     stop = threading.Event()

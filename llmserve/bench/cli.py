@@ -220,16 +220,16 @@ def _serve_http_vs_grpc(args: argparse.Namespace, settings) -> None:
                                               api_pid=server.api_pid(), model=dict(grpc_target.model))
             records.append(_run_and_write(http_target, settings, args))
             if args.smg:  # the same workload through the smg gateway in front of the same scheduler
-                from llmserve import stack
+                from llmserve import processes
 
-                gw = stack.start_smg([server.address], "round_robin",
+                gw = processes.start_smg([server.address], "round_robin",
                                      log_path=os.path.join(args.result_dir, "smg.log"))
                 try:
                     records.append(_run_and_write(dataclasses.replace(
                         http_target, backend="openai", mode="smg", http_url=f"http://127.0.0.1:{gw.port}",
                         api_pid=gw.pid, text_prompts=True), settings, args))
                 finally:
-                    stack.stop(gw)
+                    processes.stop(gw)
     print(report.markdown_table(records))
     for http_run in records[1:]:
         print(report.http_vs_grpc(records[0], http_run))

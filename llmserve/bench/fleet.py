@@ -24,8 +24,8 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from llmserve import stack
-from llmserve.bench import loadgen, metrics, openai_loadgen, report, runner
+from llmserve import processes
+from llmserve.bench import loadgen, metrics, report, runner
 from llmserve.bench.runner import LocalServer, RunSettings, Target, model_info
 
 POOL_MODE = "chunked"  # what `llmserve serve` runs by default
@@ -50,7 +50,7 @@ def _counters(pool: LocalServer) -> dict[str, float]:
     return {key: metrics.metric_sum(sample, name) for key, name in POOL_COUNTERS.items()}
 
 
-def _smg_branches(gateway: stack.Proc) -> dict[str, float]:
+def _smg_branches(gateway: processes.Proc) -> dict[str, float]:
     """smg's cache-aware routing decisions by branch (empty for other policies or where it does not export them)."""
     try:
         sample = metrics.scrape(f"http://127.0.0.1:{gateway.extra['metrics_port']}/metrics")
@@ -86,16 +86,16 @@ def run_policy(policy: str, settings: RunSettings, args: argparse.Namespace, ser
         with ThreadPoolExecutor(len(pools)) as starting:  # side by side: model loading dominates
             list(starting.map(LocalServer.__enter__, pools))
         for pool in pools:  # first-step costs and the detokenizer load, outside the gateway and the measurement
-            asyncio.run(loadgen.warm_up(pool.address, settings.warmup, settings.api_key))
-        gateway = stack.start_smg([p.address for p in pools], policy, args.smg_args.split(),
+            asyncio.run(loadgen.warm_up(loadgen.GrpcTransport(pool.address, settings.api_key), settings.warmup))
+        gateway = processes.start_smg([p.address for p in pools], policy, args.smg_args.split(),
                                   log_path=os.path.join(args.result_dir, f"smg_{policy}.log"))
-        pools_up.callback(stack.stop, gateway)
+        pools_up.callback(processes.stop, gateway)
         url = f"http://127.0.0.1:{gateway.port}"
         target = Target(backend="openai", mode=f"smg-{policy}", http_url=url, api_pid=gateway.pid,
                         text_prompts=True, model=model_info(pools[0].address, settings.api_key),
                         server_argv=pools[0].argv, server_flags=pools[0].flags)
-        prompt_text = runner.prompt_text(target)
-        asyncio.run(openai_loadgen.warm_up(url, settings.warmup, settings.api_key, prompt_text))  # smg's first calls
+        smg = loadgen.HttpTransport(url, settings.api_key, runner.prompt_text(target))
+        asyncio.run(loadgen.warm_up(smg, settings.warmup))  # smg's first calls
         branches_before = _smg_branches(gateway)
         before = [_counters(p) for p in pools]
         record = runner.run(target, dataclasses.replace(settings, warmup=0))

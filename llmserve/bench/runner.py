@@ -22,13 +22,11 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 
-import grpc
-
-from llmserve import stack
-from llmserve.bench import loadgen, metrics, openai_loadgen, workloads
+from common.client import Client
+from llmserve import processes
+from llmserve.bench import loadgen, metrics, workloads
 from llmserve.bench.common import RequestResult, RequestSpec
 from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
 
 MODE_FLAGS: dict[str, list[str]] = {
     "naive": ["--scheduling-mode", "naive"],
@@ -51,18 +49,18 @@ def _has_flag(argv: list[str], flag: str) -> bool:
 
 
 class LocalServer:
-    """`python -m llmserve.cli serve` in a subprocess (`llmserve.stack.start_serve`): started on free ports, ready
+    """`python -m llmserve.cli serve` in a subprocess (`llmserve.processes.start_serve`): started on free ports, ready
     when it prints its ready line, stopped with SIGTERM. Its output (scheduler, worker and redis-server logs) goes
     to `log_path`."""
 
     def __init__(self, mode: str, max_model_len: int, extra: list[str], log_path: str, timeout_s: float = 300):
         self.mode = mode
-        self.port, self.metrics_port, self.http_port = stack.free_port(), stack.free_port(), stack.free_port()
+        self.port, self.metrics_port, self.http_port = (processes.free_port() for _ in range(3))
         self.flags = server_flags(mode, max_model_len, extra)
         self.server_args = ["--metrics-port", str(self.metrics_port), *self.flags]
         self.argv = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), *self.server_args]
         self.log_path, self.timeout_s = log_path, timeout_s
-        self.proc: stack.Proc | None = None
+        self.proc: processes.Proc | None = None
 
     @property
     def address(self) -> str:
@@ -90,21 +88,23 @@ class LocalServer:
         if os.path.exists(self.log_path):
             os.remove(self.log_path)  # one run per log file
         try:
-            self.proc = stack.start_serve(self.server_args, port=self.port, http_port=self.http_port,
+            self.proc = processes.start_serve(self.server_args, port=self.port, http_port=self.http_port,
                                           timeout=self.timeout_s, log_path=self.log_path)
-        except stack.ProcError as e:
+        except processes.ProcError as e:
             raise RuntimeError(f"`{' '.join(self.argv)}` did not get ready; {e}") from None
         return self
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
-            stack.stop(self.proc, timeout=60)
+            processes.stop(self.proc, timeout=60)
 
 
 def model_info(address: str, api_key: str | None = None) -> dict:
-    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    with grpc.insecure_channel(address) as channel:
-        info = pb_grpc.LLMServeStub(channel).GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=10)
+    async def ask() -> pb.ModelInfoResponse:
+        async with Client(address, api_key=api_key) as client:
+            return await client.model_info(timeout=10)
+
+    info = asyncio.run(ask())
     return {"model_name": info.model_name, "model_path": info.model_path, "device": info.device, "dtype": info.dtype,
             "max_model_len": info.max_model_len, "block_size": info.block_size, "num_blocks": info.num_blocks,
             "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens}
@@ -169,23 +169,23 @@ def _cpu_seconds(pid: int | None) -> float | None:
 
 def prompt_text(target: Target):
     """Token ids -> text with the served model's tokenizer (for a gateway that takes only text prompts)."""
-    from scheduler_svc.server import _tokenizer_for
+    from common.tokenizer import load_tokenizer
     from worker_svc.loader import default_model_path
 
-    tok = _tokenizer_for((target.model or {}).get("model_path") or default_model_path())
+    tok = load_tokenizer((target.model or {}).get("model_path") or default_model_path())
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
 
 async def _measure_llmserve(target: Target, specs: list[RequestSpec], s: RunSettings, tag: str):
     http = target.backend == "openai"
-    gen, where = (openai_loadgen, target.http_url) if http else (loadgen, target.address)
-    extra = {"prompt_text": prompt_text(target)} if http and target.text_prompts else {}
-    await gen.warm_up(where, s.warmup, s.api_key, **extra)
+    transport = (loadgen.HttpTransport(target.http_url, s.api_key, prompt_text(target) if target.text_prompts
+                                       else None) if http else loadgen.GrpcTransport(target.address, s.api_key))
+    await loadgen.warm_up(transport, s.warmup)
     before = metrics.scrape(target.metrics_url) if target.metrics_url else None
     cpu_before = _cpu_seconds(target.api_pid) if http else None
     with metrics.Watcher(target.metrics_url, target.pid, s.poll_interval_s) as watcher:
-        results, reattaches = await gen.run(where, specs, max_concurrency=s.max_concurrency, api_key=s.api_key,
-                                            tag=tag, progress=s.progress, **extra)
+        results, reattaches = await loadgen.run(transport, specs, max_concurrency=s.max_concurrency, tag=tag,
+                                                progress=s.progress)
     cpu_after = _cpu_seconds(target.api_pid) if http else None
     after = metrics.scrape(target.metrics_url) if target.metrics_url else None
     api_cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None

@@ -1,7 +1,8 @@
-"""Every script in bench/ runs in a smoke size, as `python -m bench.NAME` from the repository root, starts what it
-benchmarks (its stack: redis-server, worker, scheduler; or the worker's runner; or the kernels) and writes its
-results. `llmserve bench` itself is exercised by tests/e2e/test_bench_harness.py (a real sweep) and here: through
-`bench.results --smoke` (a `llmserve bench serve` run), `bench serve --backend openai [--smg]` and `bench fleet`."""
+"""Every script in experiments/ runs in a smoke size, as `python -m experiments.NAME` from the repository root, starts
+what it benchmarks (its stack: redis-server, worker, scheduler; or the worker's runner; or the kernels) and writes
+its results. `llmserve bench` itself is exercised by tests/e2e/test_bench_harness.py (a real sweep) and here:
+through `experiments.results --smoke` (a `llmserve bench serve` run), `bench serve --backend openai [--smg]` and
+`bench fleet`."""
 
 from __future__ import annotations
 

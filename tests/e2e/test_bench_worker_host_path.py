@@ -1,5 +1,6 @@
-"""bench/worker_host_path.py runs in its smoke size, as `python -m bench.worker_host_path` from the repository root,
-alone and side by side with a baseline revision (HEAD, in a temporary git worktree): both produce the same tokens."""
+"""experiments/worker_host_path.py runs in its smoke size, as `python -m experiments.worker_host_path` from the
+repository root, alone and side by side with a baseline revision (HEAD, in a temporary git worktree): both
+produce the same tokens."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""bench/worker_wire.py runs in its smoke size, as `python -m bench.worker_wire` from the repository root, alone and
-side by side with a baseline revision (HEAD, in a temporary git worktree): both produce the same tokens."""
+"""experiments/worker_wire.py runs in its smoke size, as `python -m experiments.worker_wire` from the repository root,
+alone and side by side with a baseline revision (HEAD, in a temporary git worktree): both produce the same tokens."""
 
 from __future__ import annotations
 

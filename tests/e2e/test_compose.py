@@ -18,6 +18,8 @@ BIN = os.path.dirname(sys.executable)
 COMPOSE = yaml.safe_load(open(os.path.join(ROOT, "compose.yaml")))
 PASSWORD = "test-pass"
 TOKEN = "test-token"
+BUDGET = "${LLMSERVE_MAX_NUM_BATCHED_TOKENS:-8192}"  # the scheduler's and the worker's, one variable
+TOKENIZER = "${LLMSERVE_TOKENIZER:-${LLMSERVE_MODEL:-/models/model.gguf}}"  # the api's: the model file by default
 
 
 def env() -> dict:
@@ -64,6 +66,11 @@ def test_compose_services_and_policies():
         assert "healthcheck" in svc[name], name
     assert svc["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert any(v.endswith(":ro") for v in svc["worker"]["volumes"])
+    # the worker warms up with the scheduler's step size before it sizes its KV pool: both get the one variable
+    for worker, scheduler in (("worker", "scheduler"), ("worker-b", "scheduler-b")):
+        w = svc[worker]["command"]
+        assert w[w.index("--max-num-batched-tokens") + 1] == BUDGET, worker
+        assert f"--max-num-batched-tokens {BUDGET}" in svc[scheduler]["command"][-1], scheduler
     assert "--appendonly yes" in svc["redis"]["command"][-1] and "--requirepass" in svc["redis"]["command"][-1]
 
 
@@ -118,7 +125,7 @@ def stack():
         from worker_svc.loader import default_model_path
 
         wargs = [_sub(unescape(a), {"50061": "0", "${LLMSERVE_MODEL:-/models/model.gguf}": default_model_path(),
-                                           "${LLMSERVE_TENSOR_PARALLEL_SIZE:-1}": "1"})
+                                           "${LLMSERVE_TENSOR_PARALLEL_SIZE:-1}": "1", BUDGET: "256"})
                  for a in svc["worker"]["command"]]
         assert wargs[0] == "worker"
         w = cluster.start_worker([*wargs[1:], "--host", "127.0.0.1", "--device", "cpu",
@@ -127,7 +134,7 @@ def stack():
         sport, mport = cluster.free_port(), cluster.free_port()
         scmd = [_sub(unescape(a), {"--port 50051": f"--port {sport}", "--metrics-port 9090": f"--metrics-port {mport}",
                                    "worker:50061": w.address, "@redis:6379": f"@127.0.0.1:{rport}",
-                                   "0.0.0.0": "127.0.0.1"}) for a in svc["scheduler"]["command"]]
+                                   "0.0.0.0": "127.0.0.1", BUDGET: "256"}) for a in svc["scheduler"]["command"]]
         log = open(os.path.join(tmp, "scheduler.log"), "wb")
         sched = subprocess.Popen(scmd, env=env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
@@ -174,7 +181,7 @@ def test_api_command_and_healthcheck(stack, bundled_model_path):
 
     hport = cluster.free_port()
     cmd = [_sub(unescape(a), {"8000": str(hport), "scheduler:50051": f"127.0.0.1:{stack['scheduler_port']}",
-                              "0.0.0.0": "127.0.0.1", "${LLMSERVE_MODEL:-/models/model.gguf}": bundled_model_path})
+                              "0.0.0.0": "127.0.0.1", TOKENIZER: bundled_model_path})
            for a in COMPOSE["services"]["api"]["command"]]
     assert cmd[0] == "api"
     api = subprocess.Popen([sys.executable, "-m", "llmserve.cli", *cmd], env=env(), cwd=ROOT,

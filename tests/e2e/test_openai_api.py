@@ -8,17 +8,19 @@ that 429 and 504 can be provoked. The scheduler kill test comes last: it restart
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
-import grpc
 import httpx
 import openai
 import pytest
 
+from common.client import Client
 from llmserve.bench.metrics import metric_sum, scrape
 from llmserve.client import stream as grpc_stream
 from protos import llmserve_pb2 as pb
@@ -102,7 +104,7 @@ def test_completion_greedy_equals_grpc_and_usage(st):
                                          **greedy(max_tokens=12))
         req = pb.GenerateRequest(request_id=f"grpc-{abs(hash(prompt))}", text=prompt,
                                  sampling=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        res = grpc_stream(req, lambda: grpc.insecure_channel(st.sched_addr))
+        res = grpc_stream(req, st.sched_addr)
         assert r.choices[0].text == "".join(res.text[0])
         assert r.choices[0].finish_reason == "length"
         ids = st.post("/tokenize", {"prompt": prompt}).json()
@@ -172,6 +174,40 @@ def test_logprobs(st):
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
 
 
+def _token_ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]  # vLLM's return_token_ids
+
+
+def test_logit_bias_forces_and_bans_a_greedy_token(st):
+    ids = {"return_token_ids": True}
+    ref = _token_ids(st.client.completions.create(model=st.model, prompt=PROMPTS[0], extra_body=ids,
+                                                  **greedy(max_tokens=6)).choices[0])
+    forced = next(t for t in range(100, 10**4) if t not in ref)
+    r = st.client.completions.create(model=st.model, prompt=PROMPTS[0], logit_bias={str(forced): 100},
+                                     extra_body={**ids, "ignore_eos": True}, **greedy(max_tokens=6))
+    assert _token_ids(r.choices[0]) == [forced] * 6
+    assert r.choices[0].text == st.post("/detokenize", {"tokens": [forced] * 6}).json()["prompt"]
+    banned = st.client.completions.create(model=st.model, prompt=PROMPTS[0], logit_bias={str(ref[0]): -100},
+                                          extra_body=ids, **greedy(max_tokens=6))
+    assert ref[0] not in _token_ids(banned.choices[0])
+    # Chat carries it the same way.
+    msgs = [{"role": "user", "content": "Say hello."}]
+    chat = st.client.chat.completions.create(model=st.model, messages=msgs, logit_bias={str(forced): 100},
+                                             extra_body={**ids, "ignore_eos": True}, **greedy(max_tokens=3))
+    assert _token_ids(chat.choices[0]) == [forced] * 3
+
+
+def test_bad_words_never_appear_in_greedy_output(st):
+    for prompt in PROMPTS:
+        text = st.client.completions.create(model=st.model, prompt=prompt, **greedy(max_tokens=16)).choices[0].text
+        word = max(text.split(), key=len).strip(".,;:!?()\"'")
+        if len(word) < 3:
+            continue
+        banned = st.client.completions.create(model=st.model, prompt=prompt, extra_body={"bad_words": [word]},
+                                              **greedy(max_tokens=16)).choices[0].text
+        assert word in text and word not in banned, (prompt, word, text, banned)
+
+
 def test_stop_strings(st):
     full = st.client.completions.create(model=st.model, prompt=PROMPTS[2], **greedy(max_tokens=16)).choices[0].text
     stop = full[len(full) // 2:][:3]
@@ -233,6 +269,9 @@ def test_request_id_header(st):
     ({"prompt": "x " * 1100}, "prompt", "max_model_len 1024"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocabulary"),
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"1000000": 1}}, "logit_bias", "vocabulary"),
+    ({"bad_words": ["w"] * 65}, "bad_words", "64"),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(st, body, param, limit):
     r = st.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, **body})
@@ -323,6 +362,25 @@ def test_client_disconnect_aborts_and_frees_kv(st):
     assert st.wait_kv_free(timeout=5) == 0
 
 
+def test_abort_by_the_client_id_ends_every_sequence(st):
+    """Abort takes the id the client sent; the scheduler finds the sequences of an n > 1 request (common.client)."""
+    req = pb.GenerateRequest(request_id=f"abort-n2-{uuid.uuid4().hex[:6]}", text="Write a long story.",
+                             sampling=pb.SamplingParams(n=2, max_tokens=900, ignore_eos=True, temperature=0.8, seed=7))
+
+    async def run() -> tuple[bool, dict[int, str]]:
+        found, finish = None, {}
+        async with Client(st.sched_addr) as client, client.generate(req) as messages:
+            async for msg in messages:
+                if found is None:
+                    found = await client.abort(req.request_id)
+                if msg.finish_reason:
+                    finish[msg.index] = msg.finish_reason
+        return found, finish
+
+    assert asyncio.run(run()) == (True, {0: "abort", 1: "abort"})
+    assert st.wait_kv_free(timeout=5) == 0
+
+
 # ---- what `vllm bench serve` sends ------------------------------------------------------------------------------
 
 def _sse(r: httpx.Response) -> list[dict | str]:
@@ -364,9 +422,19 @@ def test_vllm_bench_serve_requests(st):
 
 def test_scheduler_kill9_mid_stream_is_invisible(st):
     kw = {"prompt": PROMPTS[2], "temperature": 0.8, "seed": 5, "max_tokens": 48}
-    undisturbed = st.client.completions.create(model=st.model, extra_body={"ignore_eos": True}, **kw)
+    # The request also bans the tokens it would sample after its 8th (logit_bias) and a word (bad_words): if the
+    # restarted scheduler lost either, the resumed stream would sample them again and differ.
+    plain = st.client.completions.create(model=st.model, extra_body={"ignore_eos": True, "return_token_ids": True},
+                                         **kw).choices[0]
+    later = set(_token_ids(plain)[8:]) - set(_token_ids(plain)[:8])
+    assert later
+    extra = {"ignore_eos": True, "logit_bias": {str(t): -100 for t in later}, "bad_words": ["dragon"],
+             "return_token_ids": True}
+    undisturbed = st.client.completions.create(model=st.model, extra_body=extra, **kw)
+    assert _token_ids(undisturbed.choices[0])[:8] == _token_ids(plain)[:8]
+    assert not later & set(_token_ids(undisturbed.choices[0])) and "dragon" not in undisturbed.choices[0].text
     chunks = []
-    stream = st.client.completions.create(model=st.model, stream=True, extra_body={"ignore_eos": True}, **kw)
+    stream = st.client.completions.create(model=st.model, stream=True, extra_body=extra, **kw)
     it = iter(stream)
     for chunk in it:
         chunks.append(chunk.choices[0].text)

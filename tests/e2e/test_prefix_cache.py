@@ -199,7 +199,7 @@ class Cluster:
                                                          "--allow-kv-pool-below-max-model-len"],
                                                  wait=False)}
         self.procs += pending.values()
-        from scheduler_svc.tokenizer import Tokenizer
+        from common.tokenizer import Tokenizer
         from worker_svc.loader import default_model_path
 
         self.tok = Tokenizer.from_gguf(default_model_path())  # while the workers load

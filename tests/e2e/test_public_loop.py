@@ -13,7 +13,7 @@ import grpc
 import psutil
 import pytest
 
-from bench.scheduler_overhead import make_tiny_llama
+from experiments.scheduler_overhead import make_tiny_llama
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support import cluster
@@ -101,11 +101,11 @@ def _on_loop(loop: asyncio.AbstractEventLoop, fn):
 def test_a_committed_step_wakes_only_the_streams_with_news(redis_server, tiny_worker):  # noqa: F811
     """One request runs (--max-num-seqs 1) while a second waits in the queue: each committed step wakes the running
     request's stream only; the queued one sleeps until its own tokens come."""
-    from llmserve.stack import start_scheduler_in_process
+    from tests.support.stack import start_scheduler_in_process
 
     sched = start_scheduler_in_process(redis_server, tiny_worker, ["--namespace", cluster.new_namespace("wake"),
                                                                    "--max-num-seqs", 1])
-    loop, outbox = sched.server.loop, sched.engine.outbox
+    loop, outbox = sched.server.loop, sched.driver.outbox
     got: dict[str, list[int]] = {"a": [], "b": []}
 
     def stream(rid: str, max_tokens: int) -> None:
@@ -130,10 +130,10 @@ def test_a_committed_step_wakes_only_the_streams_with_news(redis_server, tiny_wo
         threads[1].start()
         wait_until("b's stream to watch", lambda: watch_of("b") is not None)
         w_a, w_b = watch_of("a"), watch_of("b")
-        steps0, wakes0 = sched.engine.step_id, w_a.wakes
+        steps0, wakes0 = sched.driver.step_id, w_a.wakes
         wait_until("a to stream 40 more tokens", lambda: len(got["a"]) > 40 + 8)
         assert len(got["a"]) < 200, "a finished too early for the check"
-        steps1, wakes1 = sched.engine.step_id, w_a.wakes
+        steps1, wakes1 = sched.driver.step_id, w_a.wakes
         assert w_b.wakes == 0 and got["b"] == []  # queued: no news, no wake-up
         # a woke for its tokens, at most once per committed step (the loop may merge several steps into one wake).
         assert 0 < wakes1 - wakes0 <= steps1 - steps0 + 2

@@ -185,7 +185,7 @@ class Cluster:
 
     @staticmethod
     def _load_tokenizer():
-        from scheduler_svc.tokenizer import Tokenizer
+        from common.tokenizer import Tokenizer
         from worker_svc.loader import default_model_path
 
         return Tokenizer.from_gguf(default_model_path())

@@ -33,7 +33,7 @@ def _simulate(mode: str, lengths: list[tuple[int, int]], *, budget: int = 64, ma
     """Run the pure policy to the end (one fake token per request whose known tokens are all computed).
     `late`: step number -> requests arriving before that step. Returns one record per step."""
     cfg = PolicyConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=16,
-                       enable_chunked_prefill=chunked, scheduling_mode=mode)
+                       enable_chunked_prefill=chunked, scheduling_mode=mode, enable_prefix_caching=False)
     pool, waiting, running = BlockPool(num_blocks), deque(), []
     seq = 0
 

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 import kernels
-from llmserve.stack import free_port
+from llmserve.processes import free_port
 from tests.support.random_weights import randomize
 from worker_svc.loader import load_hf_dir
 from worker_svc.model import LlamaModel

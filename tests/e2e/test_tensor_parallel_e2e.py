@@ -152,7 +152,7 @@ def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference): 
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
-    argv = [*map(str, cluster.stack._cli("worker", "--port", "0", "--tensor-parallel-size", "2",
+    argv = [*map(str, cluster.processes.cli_argv("worker", "--port", "0", "--tensor-parallel-size", "2",
                                          "--num-gpu-blocks-override", "8"))]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -170,11 +170,11 @@ def test_two_torchrun_hosts_on_loopback(redis_server, hf_reference):  # noqa: F8
                 "-m", "llmserve.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
                 *map(str, WORKER_ARGS)]
 
-    other = cluster.stack.spawn("torchrun", torchrun(1, 1), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
-    first = cluster.stack.spawn("worker", torchrun(0, 2), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
+    other = cluster.processes.spawn("torchrun", torchrun(1, 1), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
+    first = cluster.processes.spawn("worker", torchrun(0, 2), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
     sched = None
     try:
-        cluster.stack.wait_ready(first, timeout=600)
+        cluster.processes.wait_ready(first, timeout=600)
         info = _describe(port)
         assert info.tensor_parallel_size == TP and list(info.rank_num_blocks) == [NUM_BLOCKS] * TP
         sched = cluster.start_scheduler(redis_server, port, SCHEDULER_ARGS)

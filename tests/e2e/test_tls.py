@@ -32,7 +32,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import tls
-from llmserve import stack
+from llmserve import processes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.server import LISTENING_LINE
@@ -134,11 +134,11 @@ def generate(address: str, credentials) -> list[int]:
         return [t for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=120) for t in msg.token_ids]
 
 
-def redis_with(tmp: Path, *args: str) -> stack.RedisServer:
+def redis_with(tmp: Path, *args: str) -> processes.RedisServer:
     """A redis-server with extra flags (password, TLS ports; "{port}" is its port) on a free loopback port."""
     try:
-        return stack.start_redis(str(tmp), extra_args=args)
-    except stack.ProcError as e:
+        return processes.start_redis(str(tmp), extra_args=args)
+    except processes.ProcError as e:
         pytest.fail(f"redis-server {' '.join(args)} did not start: {e}", pytrace=False)
 
 
@@ -147,7 +147,7 @@ def redis_pw(tmp_path_factory):
     """Plaintext Redis that requires REDIS_PASSWORD; yields its port."""
     proc = redis_with(tmp_path_factory.mktemp("redis-pw"), "--requirepass", REDIS_PASSWORD)
     yield proc.port
-    stack.kill(proc)
+    processes.kill(proc)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def redis_tls(tmp_path_factory, pki):
                        "--tls-cert-file", pki["server_cert"], "--tls-key-file", pki["server_key"],
                        "--tls-ca-cert-file", pki["ca"], "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD)
     yield proc.port
-    stack.kill(proc)
+    processes.kill(proc)
 
 
 @pytest.fixture(scope="module")
@@ -316,12 +316,15 @@ def test_tls_flags_that_cannot_work_fail_at_start(pki):
 def test_serve_parses_the_tls_flags_and_keeps_its_worker_plaintext():
     """`llmserve serve` has the scheduler's and the worker's flags on one parser: --tls-* secure its public server;
     its loopback worker gets none of them."""
+    from common.config import from_namespace
     from llmserve.cli import build_parser
+    from llmserve.serve import worker_argv
+    from worker_svc.config import WorkerConfig
 
     args = build_parser().parse_args(["serve", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
                                       "--worker-token", "t"])
     assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.worker_tls_ca) == ("c.pem", "k.pem", "ca.pem", None)
-    argv = stack.worker_argv(args, 50061)
+    argv = worker_argv(from_namespace(WorkerConfig, args), 50061)
     assert not any(a.startswith("--tls") for a in argv) and argv[argv.index("--worker-token") + 1] == "t"
 
 

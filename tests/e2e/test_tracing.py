@@ -1,6 +1,6 @@
 """OpenTelemetry tracing during a real multi-request run.
 
-An in-process scheduler (Engine + gRPC server, as bench/scheduler_overhead.py builds it) traces into an in-memory
+An in-process scheduler (Engine + gRPC server, as experiments/scheduler_overhead.py builds it) traces into an in-memory
 exporter; the worker is a real process started with OTEL_TRACES_EXPORTER=console, whose spans are parsed from its
 output to check that they continue the scheduler's trace across the process boundary (W3C context in gRPC metadata).
 """
@@ -61,7 +61,7 @@ def _console_spans(text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def traced_stack(redis_server, tmp_path_factory):  # noqa: F811
     from llmserve.cli import build_parser
-    from scheduler_svc.server import build_server, check_flags, scheduler_from_args
+    from scheduler_svc.server import build_driver, build_server, config_from_args
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -78,17 +78,17 @@ def traced_stack(redis_server, tmp_path_factory):  # noqa: F811
                                       "--port", "0", "--max-num-batched-tokens", "64",
                                       # every prompt token is computed, so prefill spans add up to the inputs
                                       "--no-enable-prefix-caching"])
-    check_flags(args)
+    cfg = config_from_args(args)
     tracing.install(provider)
-    engine, _ = scheduler_from_args(args)
-    server, port, _ = build_server(engine, "127.0.0.1:0")
+    driver, _ = build_driver(cfg)
+    server, port, _ = build_server(driver, "127.0.0.1:0")
     server.start()
-    engine.start()
+    driver.start()
     try:
-        assert engine.ready.wait(180), "the scheduler did not take the pool"
-        yield argparse.Namespace(engine=engine, address=f"127.0.0.1:{port}", exporter=exporter, worker=worker)
+        assert driver.ready.wait(180), "the scheduler did not take the pool"
+        yield argparse.Namespace(driver=driver, address=f"127.0.0.1:{port}", exporter=exporter, worker=worker)
     finally:
-        engine.stop()
+        driver.stop()
         server.stop(grace=1)
         tracing.disable()
         cluster.stop(worker)
@@ -136,7 +136,7 @@ def test_spans_of_a_multi_request_run(traced_stack):
     for s in reqs:
         a = s.attributes
         assert a["gen_ai.request.max_tokens"] == a["gen_ai.usage.output_tokens"]
-        assert a["gen_ai.request.model"] == st.engine.worker_info.model.name
+        assert a["gen_ai.request.model"] == st.driver.worker_info.model.name
         assert a["gen_ai.request.temperature"] == 0.0
         assert a["gen_ai.request.top_p"] == pytest.approx(0.9)
         assert a["gen_ai.usage.input_tokens"] > 0

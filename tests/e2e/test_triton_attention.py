@@ -267,7 +267,7 @@ def test_kernels_compile_for_h200():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "kernels_gpu.py"), "--compile-only"],
+    proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "kernels_gpu.py"), "--compile-only"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and ("nvidia" in proc.stderr.lower() and "backend" in proc.stderr.lower()):
         pytest.skip(f"triton's nvidia backend is unavailable: {proc.stderr[-300:]}")

@@ -21,7 +21,7 @@ import kernels  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
 from tests.support.driver import DriverRequest, run_requests  # noqa: E402
 from worker_svc.runner import ModelRunner, resolve_attention_backend  # noqa: E402
-from worker_svc.server import add_worker_args, runner_options  # noqa: E402
+from worker_svc.server import add_worker_args, config_from_args  # noqa: E402
 
 if not torch.cuda.is_available() and not kernels.get_backend("triton").INTERPRET:
     raise RuntimeError("kernels.triton_attention was imported without TRITON_INTERPRET=1 and there is no GPU "
@@ -54,7 +54,7 @@ def make_runner(model_dir: str, backend: str) -> ModelRunner:
     add_worker_args(parser)
     args = parser.parse_args(["--model", model_dir, "--device", "cpu", "--dtype", "float32", "--block-size", "16",
                               "--num-gpu-blocks-override", "48", "--attention-backend", backend])
-    runner = ModelRunner(runner_options(args))
+    runner = ModelRunner(config_from_args(args))
     logits: list[torch.Tensor] = []
     forward = runner.model.forward
 

@@ -53,9 +53,9 @@ class Stack:
 
 
 def _tokenizer(st: Stack):
-    from scheduler_svc.server import _tokenizer_for
+    from common.tokenizer import load_tokenizer
     info = st.llmserve.GetModelInfo(pb.GetModelInfoRequest())
-    return _tokenizer_for(info.model_path)
+    return load_tokenizer(info.model_path)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,43 @@ def test_stop_token_and_stop_string(st):
     assert done.finish_reason == "stop" and done.matched_stop_str == stop
 
 
+def _llmserve_greedy(st: Stack, text: str, max_tokens: int, **kw) -> tuple[list[int], str]:
+    s = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    ids, out = [], ""
+    for msg in st.llmserve.Generate(pb.GenerateRequest(text=text, sampling=s), timeout=120):
+        ids.extend(msg.token_ids)
+        out += msg.text
+    return ids, out
+
+
+def test_logit_bias_forces_and_bans_over_both_grpc_apis(st):
+    ids = _tokenizer(st).encode(PROMPT)
+    ref = st.reference(ids, 6)[0]
+    forced = next(t for t in range(100, 10**4) if t not in ref)
+    assert _llmserve_greedy(st, PROMPT, 6, logit_bias={forced: 100})[0] == [forced] * 6
+    vllm = generate(st, ids, sampling=greedy(6, logit_bias={forced: 100.0}))[0].complete
+    assert list(vllm.output_ids) == [forced] * 6
+    # Banning the greedy first token: both protocols pick another, the same one.
+    banned = _llmserve_greedy(st, PROMPT, 6, logit_bias={ref[0]: -100})[0]
+    assert banned[0] != ref[0] and ref[0] not in banned
+    assert list(generate(st, ids, sampling=greedy(6, logit_bias={ref[0]: -100.0}))[0].complete.output_ids) == banned
+
+
+def test_bad_words_never_appear_in_greedy_output(st):
+    _, text = _llmserve_greedy(st, PROMPT, 16)
+    word = max(text.split(), key=len).strip(".,;:!?\"'")  # a word greedy decoding writes
+    assert len(word) >= 3, text
+    ids, banned_text = _llmserve_greedy(st, PROMPT, 16, bad_words=[word])
+    assert word not in banned_text and len(ids) == 16, (word, text, banned_text)
+    for bad in (["w"] * 65, ["x" * 257], [" "]):  # the limits: 64 words, 256 bytes each, not only spaces
+        with pytest.raises(grpc.RpcError) as e:
+            _llmserve_greedy(st, PROMPT, 4, bad_words=bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.bad_words" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        _llmserve_greedy(st, PROMPT, 4, logit_bias={1: -101})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logit_bias" in e.value.details()
+
+
 def test_truncate_prompt_tokens(st):
     ids = _tokenizer(st).encode("one two three four five six seven eight nine ten")
     done = generate(st, ids, sampling=greedy(4, truncate_prompt_tokens=5))[0].complete
@@ -187,7 +224,8 @@ def _refusal(st: Stack, **kw) -> grpc.RpcError:
     (greedy(structural_tag="{}"), "sampling_params.structural_tag"),
     (greedy(choice=vpb.ChoiceConstraint()), "sampling_params.choice"),
     (greedy(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
-    (greedy(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
+    (greedy(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
+    (greedy(logit_bias={10**7: 1.0}), "sampling_params.logit_bias"),
     (greedy(logprobs=-1), "sampling_params.logprobs"),
     (greedy(logprobs=21), "sampling_params.logprobs"),
     (greedy(seed=-1), "sampling_params.seed"),

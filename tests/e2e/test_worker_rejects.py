@@ -29,13 +29,13 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def stack(redis_server):  # noqa: F811
-    from llmserve.stack import start_scheduler_in_process
+    from tests.support.stack import start_scheduler_in_process
 
     worker = cluster.start_worker(["--num-gpu-blocks-override", 256, "--max-model-len", 512])
     sched = start_scheduler_in_process(redis_server, worker, ["--namespace", cluster.new_namespace("reject"),
                                                               "--max-num-batched-tokens", 64, "--debug-invariants"])
     try:
-        yield argparse.Namespace(engine=sched.engine, ledger=sched.ledger, address=sched.address, worker=worker)
+        yield argparse.Namespace(driver=sched.driver, ledger=sched.ledger, address=sched.address, worker=worker)
     finally:
         sched.stop()
         cluster.stop(worker)
@@ -57,8 +57,8 @@ def test_a_request_the_worker_rejects_fails_alone(stack):
     alone: dict = {}
     for i, p in enumerate(PROMPTS):  # the reference: each prompt served alone
         _stream(stack.address, p, alone, i)
-    token_before = stack.engine.lease.token
-    vocab = stack.engine.worker_info.model.vocab_size
+    token_before = stack.driver.lease.token
+    vocab = stack.driver.worker_info.model.vocab_size
 
     got: dict = {}
     started = [threading.Event() for _ in PROMPTS]
@@ -69,7 +69,7 @@ def test_a_request_the_worker_rejects_fails_alone(stack):
     assert all(e.wait(120) for e in started), "the good streams did not start"
     bad = Request(request_id="bad-1", prompt_ids=[1, 2, vocab + 7], arrival_time=time.time(),
                   sampling=SamplingParams(temperature=0.0, seed=1, max_tokens=4))
-    stack.engine.submit([bad])
+    stack.driver.submit([bad])
     with grpc.insecure_channel(stack.address) as ch, pytest.raises(grpc.RpcError) as err:
         list(pb_grpc.LLMServeStub(ch).Generate(pb.GenerateRequest(request_id="bad-1"), timeout=120))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -78,9 +78,9 @@ def test_a_request_the_worker_rejects_fails_alone(stack):
         t.join(300)
     assert got == alone, "a stream changed because another request was rejected"
     # The same leadership throughout: no step-down, no new lease, and the ledger is clean.
-    assert stack.engine.lease.token == token_before and stack.engine.ready.is_set()
+    assert stack.driver.lease.token == token_before and stack.driver.ready.is_set()
     deadline = time.monotonic() + 10
-    while stack.engine.core.has_work and time.monotonic() < deadline:
+    while stack.driver.core.has_work and time.monotonic() < deadline:
         time.sleep(0.05)
     led = stack.ledger.check_ledger()
     assert led["allocated"] == 0 and led["active"] == 0 and led["overlap"] == 0

@@ -267,10 +267,13 @@ def test_cli_reads_snapshots_and_prints_json(tmp_path, capsys):
 
 # ---- the metric diagnose relies on ---------------------------------------------------------------------------------
 
+NO_CACHING = PolicyConfig(max_num_batched_tokens=64, max_num_seqs=2, block_size=16, enable_prefix_caching=False)
+
+
 def _stopped_step(limit: str) -> tuple[SchedulerOutput, SchedulerCore]:
     """A step of the real core (budget 64, 2 seats, block size 16) in which `limit` keeps a request waiting."""
     blocks = {"kv_cache": 3, "preempted": 2}.get(limit, 64)
-    core = SchedulerCore(PolicyConfig(max_num_batched_tokens=64, max_num_seqs=2, block_size=16), BlockPool(blocks))
+    core = SchedulerCore(NO_CACHING, BlockPool(blocks))
     prompts = {"max_num_seqs": [4, 4, 4], "token_budget": [100, 4], "kv_cache": [40, 30], "preempted": [16, 16],
                "nobody waits": [4]}[limit]
     for i, n in enumerate(prompts):
@@ -285,7 +288,7 @@ def _stopped_step(limit: str) -> tuple[SchedulerOutput, SchedulerCore]:
 
 def test_metrics_attribute_each_queued_step_to_one_limit():
     m = Metrics("m")
-    m.set_config(PolicyConfig(max_num_batched_tokens=64, max_num_seqs=2, block_size=16), num_gpu_blocks=32,
+    m.set_config(NO_CACHING, num_gpu_blocks=32,
                  kv_bytes_per_block=4096, max_model_len=512, device="cpu")
     for case in ("max_num_seqs", "token_budget", "kv_cache", "preempted", "nobody waits"):
         out, core = _stopped_step(case)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import gguf_cache
-from scheduler_svc.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from worker_svc.loader import load_gguf
 from worker_svc.tensor_parallel import Shard
 

@@ -26,7 +26,8 @@ TTL_MS = 5000
 FULL = SamplingParams(temperature=0.75, top_k=40, top_p=0.875, min_p=0.0625, repetition_penalty=1.25,
                       presence_penalty=-0.5, frequency_penalty=1.5, seed=(1 << 63) - 1, ignore_eos=True, min_tokens=3,
                       max_tokens=17, stop_token_ids=[2, 7, 11], logprobs=5,
-                      constraint={"kind": "json_schema", "spec": '{"type": "object"}'})
+                      constraint={"kind": "json_schema", "spec": '{"type": "object"}'},
+                      logit_bias={3: -100.0, 17: 0.5}, bad_words=[[5, 6], [9]])
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_every_field_round_trips_through_redis(client):
     assert loaded["lp0"].logprobs == 0 and loaded["lpnone"].logprobs is None
 
     raw = client.hget(led.prefix + "req:full", "sampling")
-    assert json.loads(raw) == FULL.to_dict()  # JSON of the record, not proto bytes
+    assert json.loads(raw) == json.loads(json.dumps(FULL.to_dict()))  # JSON of the record, not proto bytes
     assert json.loads(client.hget(led.prefix + "req:lpnone", "sampling"))["logprobs"] is None
 
 
@@ -174,6 +175,10 @@ def test_sampling_to_wire_sets_every_field():
             got = list(got)
         elif f.name == "constraint":
             got = {"kind": got.kind, "spec": got.spec}
+        elif f.name == "logit_bias":
+            got = dict(got)
+        elif f.name == "bad_words":
+            got = [list(w.ids) for w in got]
         assert got == getattr(FULL, f.name), f.name
     # Every field off its default, so the message is complete: no field left at the proto's zero.
     assert {f.name for f, _ in msg.ListFields()} == {f.name for f in wpb.SamplingParams.DESCRIPTOR.fields}

@@ -162,7 +162,8 @@ class MiniEngine:
 
     def __init__(self, ledger: RedisLedger, token: int, num_blocks: int, block_size: int):
         self.ledger, self.token = ledger, token
-        self.core = SchedulerCore(PolicyConfig(max_num_batched_tokens=12, max_num_seqs=4, block_size=block_size),
+        self.core = SchedulerCore(PolicyConfig(max_num_batched_tokens=12, max_num_seqs=4, block_size=block_size,
+                                                enable_prefix_caching=False),
                                   BlockPool(num_blocks))
         self.pool, self.waiting, self.running = self.core.pool, self.core.waiting, self.core.running
         self.finished: list[Request] = []

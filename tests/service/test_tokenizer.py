@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from common.tokenizer import Tokenizer
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.tokenizer import Tokenizer
 
 
 def _gguf_path() -> str:

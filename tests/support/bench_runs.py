@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # The package of the development experiments: `python -m PACKAGE.NAME`. Every smoke test reaches a script through
 # this name, so renaming the folder means changing it here.
-PACKAGE = "bench"
+PACKAGE = "experiments"
 
 # Per documented command (a script NAME of PACKAGE, or "llmserve bench SUB"): the arguments that make a run small.
 # They replace a documented command's own values for the same flags; "{tmp}" is the test's temporary directory.
@@ -26,6 +26,8 @@ _LOAD = ["--request-rate", "inf", "--num-requests", "2", "--prompt-len", "8:16",
          "--server-args=--num-gpu-blocks-override 128", "--no-progress", "--result-dir", "{tmp}"]
 SMOKE_ARGS: dict[str, list[str]] = {
     "kernels_gpu": ["--smoke", *_JSON],
+    "quantized_forward": ["--batch-sizes", "1", "--context", "16", "--repeats", "1", "--prompts", "1", "--tokens", "4",
+                          *_JSON],
     "prefix_cache": ["--num-requests", "2", "--zero-hit-requests", "2", "--repeats", "1", "--prefix-len", "32",
                      "--question-len", "16", "--max-tokens", "4", "--max-model-len", "256", *_JSON],
     "results": ["--smoke", "--out", "{tmp}/out", "--page", "{tmp}/RESULTS.md"],

@@ -1,4 +1,4 @@
-"""Real llmserve processes (worker, scheduler, serve) for end-to-end tests: `llmserve/stack.py`, with test defaults.
+"""Real llmserve processes (worker, scheduler, serve) for end-to-end tests: `llmserve/processes.py`, with test defaults.
 
 Every process writes stdout+stderr to its own log file (``Proc.log_path``; under $LLMSERVE_TEST_LOG_DIR, default
 ``$TMPDIR/llmserve-test-logs``); ``Proc.log_tail()`` returns the end of it. While a process is running it is
@@ -44,8 +44,8 @@ import tempfile
 
 import pytest
 
-from llmserve import stack
-from llmserve.stack import (  # noqa: F401  (re-exported for the tests)
+from llmserve import processes
+from llmserve.processes import (  # noqa: F401  (re-exported for the tests)
     START_TIMEOUT_S,
     Proc,
     ProcError,
@@ -72,25 +72,25 @@ def log_dir() -> str:
 def start_worker(extra_args=(), wait: bool = True, timeout: float = START_TIMEOUT_S,
                  env: dict[str, str] | None = None) -> Proc:
     """`llmserve worker --port 0 *extra_args` (bundled model unless --model is given); `env` adds variables."""
-    return stack.start_worker(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
+    return processes.start_worker(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
 
 
 def start_scheduler(redis_url: str, worker, extra_args=(), namespace: str | None = None, wait: bool = True,
                     timeout: float = START_TIMEOUT_S, env: dict[str, str] | None = None) -> Proc:
     """`llmserve scheduler --host 127.0.0.1 --port 0 --redis-url ... --worker-address ... --namespace ...`."""
-    return stack.start_scheduler(redis_url, worker, extra_args, namespace=namespace, wait=wait, timeout=timeout,
+    return processes.start_scheduler(redis_url, worker, extra_args, namespace=namespace, wait=wait, timeout=timeout,
                                  env=env, log_dir=log_dir(), cwd=ROOT)
 
 
 def start_serve(extra_args=(), wait: bool = True, timeout: float = 300.0, env: dict[str, str] | None = None) -> Proc:
     """`llmserve serve --port FREE --http-port FREE *extra_args`; returns once it is ready (with `wait`)."""
-    return stack.start_serve(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
+    return processes.start_serve(extra_args, wait=wait, timeout=timeout, env=env, log_dir=log_dir(), cwd=ROOT)
 
 
 def start_api(scheduler: str, extra_args=(), port: int = 0, wait: bool = True, timeout: float = START_TIMEOUT_S,
               env: dict[str, str] | None = None) -> Proc:
     """`llmserve api --host 127.0.0.1 --port PORT --scheduler SCHEDULER *extra_args`; returns once it listens."""
-    return stack.start_api(scheduler, extra_args, port=port, wait=wait, timeout=timeout, env=env, log_dir=log_dir(),
+    return processes.start_api(scheduler, extra_args, port=port, wait=wait, timeout=timeout, env=env, log_dir=log_dir(),
                            cwd=ROOT)
 
 
@@ -98,8 +98,8 @@ def start_smg(worker_urls, policy: str = "cache_aware", extra_args=(), wait: boo
               port: int | None = None) -> Proc:
     """The smg gateway in front of llmserve schedulers (`grpc://host:port` or "host:port"); `Proc.port` is its HTTP
     port; with `wait`, returns once every worker is healthy there."""
-    return stack.start_smg(worker_urls, policy, extra_args, port=port, wait=wait, timeout=timeout, log_dir=log_dir(),
-                           cwd=ROOT)
+    return processes.start_smg(worker_urls, policy, extra_args, port=port, wait=wait, timeout=timeout,
+                               log_dir=log_dir(), cwd=ROOT)
 
 
 def ledger(redis_url: str, namespace: str):

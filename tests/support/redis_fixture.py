@@ -1,4 +1,4 @@
-"""The session fixture `redis_server`: the URL of a throw-away redis-server (`llmserve.stack.start_redis`).
+"""The session fixture `redis_server`: the URL of a throw-away redis-server (`llmserve.processes.start_redis`).
 
 tests/conftest.py lists this module in `pytest_plugins`: every test may ask for it by name. Set
 LLMSERVE_REDIS_SERVER to use another binary.
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmserve.stack import ProcError, start_redis, stop
+from llmserve.processes import ProcError, start_redis, stop
 
 
 @pytest.fixture(scope="session")

@@ -219,7 +219,7 @@ def test_rows_grow_and_are_reused():
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
     assert batch.inputs.row_of["x"] == 3
     x = batch.requests["x"]
-    assert (list(x.token_ids), x.block_ids, x.sampling.stop_token_ids) == ([7], [11999], frozenset())
+    assert (list(x.token_ids), x.block_ids, x.sampling.stop_token_ids) == ([7], [11999], [])
     assert (batch.inputs.stop_token_ids[3] == -1).all() and batch.inputs.block_table[3, 1:].sum() == 0
     x.token_ids.append(9)  # the views write through
     x.num_computed_tokens = 1

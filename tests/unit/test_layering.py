@@ -1,4 +1,5 @@
-"""Dependencies point one way: common <- services (scheduler_svc, worker_svc, kernels) <- the llmserve CLI.
+"""Dependencies point one way: common <- services (scheduler_svc, worker_svc, api_svc, kernels) <- the llmserve CLI,
+and the product never imports the test and benchmark harness (tests/, experiments/).
 
 Every import statement (module level or inside a function) of every file is read with `ast`, so a lazy import
 that runs the wrong way fails here too.
@@ -13,15 +14,20 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+HARNESS = {"tests", "experiments"}
 # package -> top-level packages of this repository it must not import
 FORBIDDEN = {
-    "common": {"llmserve", "scheduler_svc", "worker_svc", "api_svc", "kernels"},
-    "kernels": {"llmserve", "scheduler_svc", "worker_svc", "api_svc"},
-    "scheduler_svc": {"llmserve", "worker_svc", "api_svc"},
-    "worker_svc": {"llmserve", "scheduler_svc", "api_svc"},
-    # The HTTP API reuses the scheduler's tokenizer and request-id rules, and reaches it only over gRPC.
-    "api_svc": {"llmserve", "worker_svc", "kernels"},
+    "protos": {"common", "llmserve", "scheduler_svc", "worker_svc", "api_svc", "kernels"} | HARNESS,
+    "common": {"llmserve", "scheduler_svc", "worker_svc", "api_svc", "kernels"} | HARNESS,
+    "kernels": {"llmserve", "scheduler_svc", "worker_svc", "api_svc"} | HARNESS,
+    "scheduler_svc": {"llmserve", "worker_svc", "api_svc"} | HARNESS,
+    "worker_svc": {"llmserve", "scheduler_svc", "api_svc"} | HARNESS,
+    # The HTTP API reaches the scheduler only over gRPC (test_api_imports_only_common_and_protos).
+    "api_svc": {"llmserve", "scheduler_svc", "worker_svc", "kernels"} | HARNESS,
+    "llmserve": HARNESS,
 }
+# The settings' modules are read to build every command line (and the docs): no I/O library, no model code.
+CONFIG_MODULES = ("common/config.py", "scheduler_svc/config.py", "worker_svc/config.py", "api_svc/config.py")
 # The scheduling core is plain data in, plain data out: no I/O library, no wire format.
 PURE_MODULES = ("scheduler_svc/core.py", "scheduler_svc/policy.py", "scheduler_svc/request.py",
                 "scheduler_svc/block_pool.py", "scheduler_svc/outputs.py", "scheduler_svc/sampling.py")
@@ -57,6 +63,18 @@ def test_imports_point_one_way(package):
     assert not wrong, "imports that run the wrong way:\n" + "\n".join(wrong)
 
 
+def test_api_imports_only_common_and_protos():
+    """The HTTP API is a client of the scheduler's public gRPC API: of this repository it may use only common/
+    (the client, the tokenizer) and protos/, never a service's internals."""
+    ours = {name for name in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, name, "")) and
+            os.path.exists(os.path.join(ROOT, name, "__init__.py"))}
+    assert {"scheduler_svc", "worker_svc", "common", "protos"} <= ours
+    wrong = [f"{os.path.relpath(path, ROOT)}:{line} imports {name}"
+             for path in python_files("api_svc") for line, name in sorted(imported_packages(path))
+             if name in ours - {"api_svc", "common", "protos"}]
+    assert not wrong, "api_svc may import only common/ and protos/ of this repository:\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize("module", PURE_MODULES)
 def test_scheduling_core_has_no_io_imports(module):
     path = os.path.join(ROOT, module)
@@ -64,6 +82,14 @@ def test_scheduling_core_has_no_io_imports(module):
         pytest.fail(f"{module} is missing")
     wrong = [f"{module}:{line} imports {name}" for line, name in sorted(imported_packages(path))
              if name in IO_LIBRARIES]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", CONFIG_MODULES)
+def test_settings_modules_stay_light(module):
+    heavy = IO_LIBRARIES | {"numpy", "fastapi", "uvicorn", "xgrammar"}
+    wrong = [f"{module}:{line} imports {name}" for line, name in sorted(imported_packages(os.path.join(ROOT, module)))
+             if name in heavy]
     assert not wrong, "\n".join(wrong)
 
 

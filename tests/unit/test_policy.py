@@ -148,7 +148,7 @@ class Engine:
 
 
 def cfg_(**kw) -> PolicyConfig:
-    base = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4)
+    base = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, enable_prefix_caching=False)
     base.update(kw)
     return PolicyConfig(**base)
 
@@ -574,7 +574,7 @@ CONFIGS = [
 @pytest.mark.parametrize("seed", range(6))
 def test_randomized_simulation_invariants(extra, seed):
     rng = random.Random(seed)
-    kw = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=6)
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=False)
     kw.update(extra)
     cfg = PolicyConfig(**kw)
     num_blocks = 10

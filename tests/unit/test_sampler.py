@@ -19,7 +19,7 @@ def logits_for(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_and_top_k_1_pick_argmax():
     lg = logits_for(4)
-    greedy = sample(lg.clone(), [row(SamplingParams())] * 4).token_ids
+    greedy = sample(lg.clone(), [row(SamplingParams(temperature=0.0))] * 4).token_ids
     topk1 = sample(lg.clone(), [row(SamplingParams(temperature=1.5, top_k=1, seed=s)) for s in range(4)]).token_ids
     assert greedy == lg.argmax(-1).tolist() == topk1
 
@@ -90,7 +90,7 @@ def test_penalties_follow_vllm_semantics():
                                output=[3, 3, 1])])
     assert out[0, :4].tolist() == [2.0, -1.0 - 0.75, 0.5, 3.0 - 1.0]
     # And the greedy choice moves: token 3 is penalized below token 0.
-    p = SamplingParams(frequency_penalty=1.0)
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
     assert sample(lg.clone(), [row(p, output=[3, 3])]).token_ids == [0]
 
 
@@ -99,14 +99,14 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
     lg[0, 0] = 10.0  # eos
     lg[0, 5] = 9.0  # stop token
     lg[0, 7] = 1.0
-    p = SamplingParams(min_tokens=3, stop_token_ids=frozenset({5}))
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5])
     assert sample(lg.clone(), [row(p, output=[9])]).token_ids == [7]
     assert sample(lg.clone(), [row(p, output=[9, 9, 9])]).token_ids == [0]
 
 
 def test_logprobs_are_raw_log_softmax_with_top_n():
     lg = logits_for(2)
-    out = sample(lg.clone(), [row(SamplingParams(logprobs=3)), row(SamplingParams())])
+    out = sample(lg.clone(), [row(SamplingParams(temperature=0.0, logprobs=3)), row(SamplingParams(temperature=0.0))])
     ref = torch.log_softmax(lg, -1)
     assert abs(out.logprobs[0] - ref[0].max().item()) < 1e-6
     assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(3).indices.tolist()

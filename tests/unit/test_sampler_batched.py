@@ -26,7 +26,7 @@ from worker_svc.sampler import (
     sample,
     sample_batch,
 )
-from worker_svc.sampling import SamplingParams
+from worker_svc.sampling import SamplingParams, to_proto
 
 EOS = frozenset({0, 3})
 
@@ -136,15 +136,15 @@ def test_random_rows_are_all_filtered_when_one_needs_it(monkeypatch):
     monkeypatch.setattr(sampler, "_filter", lambda x, *a: filtered.append(len(x)) or x)
     plain, top_p = SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, top_p=0.5, seed=2)
     logits = torch.randn(3, 10)
-    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(), plain)])
-    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(), top_p)])
+    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(temperature=0.0), plain)])
+    sample(logits.clone(), [SampleRow(p, [1], [], 1, EOS) for p in (plain, SamplingParams(temperature=0.0), top_p)])
     assert filtered == [2]
 
 
 def test_greedy_rows_need_only_the_argmax():
     logits = torch.randn(50, 300, generator=torch.Generator().manual_seed(1)).round()  # many ties
     logits[3] = float("-inf")
-    rows = [SampleRow(SamplingParams(), [1], [], 1, EOS) for _ in range(50)]
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1], [], 1, EOS) for _ in range(50)]
     assert greedy_batch(logits).token_ids.tolist() == sample(logits.clone(), rows).token_ids
     assert greedy_batch(logits).token_ids.tolist() == logits.argmax(dim=-1).tolist()
 
@@ -160,7 +160,7 @@ def test_through_the_persistent_batch_with_finish_checks(seed):
     for i, r in enumerate(rows):
         ids = r.prompt_ids + r.output_ids
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=ids, num_prompt_tokens=len(r.prompt_ids),
-                                  sampling=r.params.to_proto(), block_ids=range(i * 10, i * 10 + 10))
+                                  sampling=to_proto(r.params), block_ids=range(i * 10, i * 10 + 10))
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
     inputs = batch.inputs
     order = np.array([inputs.row_of[f"r{i}"] for i in range(len(rows))], dtype=np.int64)

@@ -1,1 +1,0 @@
-"""Benchmark scripts; run each from the repository root as `python -m bench.NAME` (see bench/README.md)."""

@@ -1,0 +1,226 @@
+"""One declaration per setting.
+
+A setting is a dataclass field of its process's configuration (`scheduler_svc/config.py`, `worker_svc/config.py`,
+`api_svc/config.py`, and `llmserve serve`'s own in `llmserve/serve.py`): its default, help, validation and
+device-dependent default live in the field. The command line (`add_arguments`), `llmserve serve`'s forwarding
+(`to_argv`), compose.yaml's variables (`env_name`) and docs/configuration.md (`llmserve/config_docs.py`) are
+derived from the fields. A setting that two processes share is declared once here and used by both classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from common.validation import ConfigError, power_of_two
+
+ENV_PREFIX = "LLMSERVE_"
+# Every gRPC server and channel (the public API and the scheduler->worker link): a resumed 8k-token batch of many
+# requests stays far below it.
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """What a field says beyond its default."""
+
+    help: str
+    choices: tuple | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()
+    # When the field is None: the value for the device ("cpu" or "cuda") the worker runs on.
+    device_default: dict[str, Any] | None = None
+    check: Callable[[Any], str | None] | None = None  # what is wrong with a value, or None
+    from_env: bool = False  # the default comes from $LLMSERVE_<NAME> (a secret kept out of `ps`)
+
+
+def setting(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field that is a setting (see `Meta` for the keywords)."""
+    return dataclasses.field(default=default, metadata={"setting": Meta(help, **meta)})
+
+
+# ---- validation -------------------------------------------------------------------------------------------------
+
+
+# Cached: a shared setting's two declarations then hold the very same rule (and compare equal).
+@functools.cache
+def at_least(low: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v is None or v >= low else f"must be >= {low:g}, got {v}"
+
+
+@functools.cache
+def between(low: float, high: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v is None or low < v <= high else f"must be in ({low:g}, {high:g}], got {v}"
+
+
+def is_power_of_two(v: int | None) -> str | None:
+    if v is None or power_of_two(v):
+        return None
+    return f"must be a power of two >= 1 (the paged-attention kernels index blocks by shifts), got {v}"
+
+
+# ---- settings shared by two processes: declared once ------------------------------------------------------------
+
+
+def max_num_batched_tokens() -> Any:
+    """The scheduler's token budget per step; the worker sizes its KV pool after a warm-up step this large."""
+    return setting(None, "tokens per step (the scheduler's budget; the worker warms up with a step this large "
+                   "before it sizes the KV pool on a GPU)", device_default={"cpu": 512, "cuda": 8192},
+                   check=at_least(1))
+
+
+def tokenizer() -> Any:
+    return setting(None, "GGUF file or HF directory for the tokenizer (default: the model)")
+
+
+def worker_token() -> Any:
+    return setting(None, "shared secret every scheduler->worker call carries and the worker checks "
+                   "(unset = no check)", from_env=True)
+
+
+def otlp_traces_endpoint() -> Any:
+    return setting(None, "send traces over OTLP/gRPC to this collector (e.g. http://localhost:4317); the standard "
+                   "OTEL_* variables also configure tracing (OTEL_TRACES_EXPORTER=console prints spans); off when "
+                   "neither is set")
+
+
+def tls_cert() -> Any:
+    return setting(None, "serve gRPC over TLS with this certificate chain (PEM); needs --tls-key "
+                   "(default: plaintext)")
+
+
+def tls_key() -> Any:
+    return setting(None, "private key (PEM) of --tls-cert")
+
+
+def tls_client_ca() -> Any:
+    return setting(None, "require client certificates signed by this CA bundle (PEM): mutual TLS; needs --tls-cert")
+
+
+def api_key() -> Any:
+    return setting(None, "clients must send `authorization: Bearer KEY`")
+
+
+def served_model_name() -> Any:
+    return setting(None, "the model name HTTP clients use (default: the model's)")
+
+
+# ---- derived views ----------------------------------------------------------------------------------------------
+
+
+def settings(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "setting" in f.metadata]
+
+
+def meta(f: dataclasses.Field) -> Meta:
+    return f.metadata["setting"]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The environment variable (compose.yaml, .env) that stands for the setting `name`."""
+    return ENV_PREFIX + name.upper()
+
+
+def default(f: dataclasses.Field) -> Any:
+    if meta(f).from_env:
+        return os.environ.get(env_name(f.name)) or f.default
+    return f.default
+
+
+def value_type(cls: type, name: str) -> type:
+    """int, float, str or bool: the field's annotation without `| None`."""
+    hint = typing.get_type_hints(cls)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_arguments(parser, *classes: type, exclude: Iterable[str] = ()) -> None:
+    """One option per setting of `classes` (a setting two of them share is added once)."""
+    seen = set(exclude)
+    for cls in classes:
+        for f in settings(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            m, kind = meta(f), value_type(cls, f.name)
+            kw: dict[str, Any] = {"dest": f.name, "default": default(f), "help": help_text(f)}
+            if kind is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw.update(type=kind, choices=m.choices, metavar=m.metavar)
+            parser.add_argument(flag(f.name), *m.aliases, **kw)
+
+
+def help_text(f: dataclasses.Field) -> str:
+    m = meta(f)
+    extra = []
+    if m.device_default:
+        extra.append("default " + ", ".join(f"{v} on {k.upper()}" for k, v in m.device_default.items()))
+    if m.from_env:
+        extra.append(f"default: ${env_name(f.name)}")
+    return m.help + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def check(cfg: Any) -> None:
+    """Each field's own validation; ConfigError naming the flag."""
+    for f in settings(type(cfg)):
+        rule = meta(f).check
+        problem = rule(getattr(cfg, f.name)) if rule is not None else None
+        if problem:
+            raise ConfigError(f"{flag(f.name)} {problem}")
+
+
+def from_namespace(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
+    """`cls` from the parsed command line (the fields it has), checked."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    cfg = cls(**{**values, **overrides})
+    check(cfg)
+    return cfg
+
+
+def parse(cls: type, argv: Iterable = ()) -> Any:
+    """`cls` from a command line of its own settings only (tests, benchmarks)."""
+    p = argparse.ArgumentParser(prog=cls.__name__)
+    add_arguments(p, cls)
+    return from_namespace(cls, p.parse_args([str(a) for a in argv]))
+
+
+def to_argv(cfg: Any, exclude: Iterable[str] = ()) -> list[str]:
+    """The command line that reproduces `cfg`: every setting whose value differs from its default."""
+    out: list[str] = []
+    skip = set(exclude)
+    for f in settings(type(cfg)):
+        value = getattr(cfg, f.name)
+        if f.name in skip or value == default(f):
+            continue
+        if isinstance(value, bool):
+            out.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
+        elif value is not None:
+            out += [flag(f.name), str(value)]
+    return out
+
+
+def device_default(cls: type, name: str, device: str) -> Any:
+    """The default of `cls`'s setting `name` on `device` ("cpu" or "cuda..."), or its plain default."""
+    f = next(f for f in settings(cls) if f.name == name)
+    table = meta(f).device_default
+    return table["cuda" if device.startswith("cuda") else "cpu"] if table else f.default
+
+
+def for_device(cfg: Any, device: str) -> Any:
+    """`cfg` with its unset device-dependent settings filled in for `device`."""
+    return dataclasses.replace(cfg, **{f.name: device_default(type(cfg), f.name, device)
+                                       for f in settings(type(cfg))
+                                       if meta(f).device_default and getattr(cfg, f.name) is None})
+

@@ -1,0 +1,129 @@
+"""The bundled GGUF kept quantized (--quantization gguf) against the same weights dequantized: decode-step time
+at several batch sizes (float32, bfloat16, quantized; interleaved in one run), weight bytes, and the greedy
+agreement of the quantized model with the dequantized one in bfloat16 over N prompts x T tokens.
+
+    python -m experiments.quantized_forward [--batch-sizes 1,16,64] [--prompts 16] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import kernels
+from worker_svc.loader import default_model_path, load_model_weights
+from worker_svc.model import LlamaModel
+
+BLOCK = 16
+TOPICS = ["the ocean", "a robot", "Paris", "prime numbers", "a dragon", "coffee", "the moon", "a violin",
+          "rainforests", "chess", "volcanoes", "a lighthouse", "bread", "trains", "honeybees", "glaciers"]
+
+
+class Decoder:
+    """Sequences over a private paged KV pool, each with its own contiguous run of blocks."""
+
+    def __init__(self, model: LlamaModel, max_len: int, seqs: int):
+        self.model, self.max_len = model, max_len
+        self.blocks_per_seq = -(-max_len // BLOCK)
+        self.kv = torch.zeros(model.kv_cache_shape(self.blocks_per_seq * seqs, BLOCK), dtype=model.dtype)
+        self.lens = [0] * seqs
+
+    def step(self, chunks: dict[int, list[int]]) -> torch.Tensor:
+        ids, pos, qlens, slens, tables = [], [], [], [], []
+        for s, toks in chunks.items():
+            start = self.lens[s]
+            self.lens[s] += len(toks)
+            ids += toks
+            pos += range(start, self.lens[s])
+            qlens.append(len(toks))
+            slens.append(self.lens[s])
+            tables.append(list(range(s * self.blocks_per_seq, (s + 1) * self.blocks_per_seq)))
+        meta = kernels.build_attention_metadata(qlens, slens, tables, BLOCK, "cpu")
+        rows = torch.tensor(qlens).cumsum(0) - 1
+        return self.model.forward(torch.tensor(ids), torch.tensor(pos), self.kv, meta, rows)
+
+
+def step_times(models: dict[str, LlamaModel], batch: int, context: int, repeats: int) -> dict[str, float]:
+    decoders = {}
+    for name, m in models.items():
+        d = Decoder(m, context + repeats + 8, batch)
+        d.step({s: [1 + s] * context for s in range(batch)})
+        decoders[name] = d
+    times: dict[str, list[float]] = {n: [] for n in models}
+    for _ in range(repeats):  # interleaved: the shared machine's load falls on every variant alike
+        for name, d in decoders.items():
+            t = time.perf_counter()
+            d.step({s: [7] for s in range(batch)})
+            times[name].append(time.perf_counter() - t)
+    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+
+
+def greedy_agreement(quantized: LlamaModel, dense: LlamaModel, prompts: list[list[int]], tokens: int) -> dict:
+    same_tokens, identical = 0, 0
+    for ids in prompts:
+        paths = []
+        for m in (quantized, dense):
+            d = Decoder(m, len(ids) + tokens + 1, 1)
+            logits, out = d.step({0: ids}), []
+            for _ in range(tokens):
+                out.append(int(logits[0].argmax()))
+                logits = d.step({0: [out[-1]]})
+            paths.append(out)
+        prefix = next((i for i, (a, b) in enumerate(zip(*paths, strict=True)) if a != b), tokens)
+        same_tokens += prefix
+        identical += prefix == tokens
+    return {"prompts": len(prompts), "tokens": tokens, "identical_paths": identical,
+            "mean_agreeing_prefix": same_tokens / len(prompts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=16, help="prompts for the greedy agreement (0: skip)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model or default_model_path()
+    config, qweights = load_model_weights(path, quantization="gguf")
+    _, dense = load_model_weights(path)
+    result: dict = {"weight_bytes": {"quantized": sum(w.nbytes for w in qweights.values()),
+                                     "float32": sum(w.nbytes for w in dense.values())}}
+    result["weight_bytes"]["bfloat16"] = result["weight_bytes"]["float32"] // 2
+    models = {"float32": LlamaModel(config, dense, torch.float32, "cpu"),
+              "bfloat16": LlamaModel(config, dense, torch.bfloat16, "cpu"),
+              "quantized": LlamaModel(config, qweights, torch.bfloat16, "cpu")}
+    result["step_ms"] = {}
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        result["step_ms"][b] = step_times(models, b, args.context, args.repeats)
+        print(f"batch {b}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in result["step_ms"][b].items()), flush=True)
+    if args.prompts:
+        import os
+
+        from transformers import AutoTokenizer
+
+        d, f = os.path.split(path)
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        prompts = [tok(f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}.")["input_ids"]
+                   for i in range(args.prompts)]
+        result["greedy_vs_dequantized_bf16"] = greedy_agreement(models["quantized"], models["bfloat16"], prompts,
+                                                                args.tokens)
+        print("greedy agreement:", result["greedy_vs_dequantized_bf16"])
+    print(json.dumps(result["weight_bytes"]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""common.client against an in-process gRPC server that breaks its first stream with UNAVAILABLE: the caller sees
+every token (and every character) once and in order, for one sequence (resumed at the next token) and for several
+(replayed from the start and cut); refusals, early ends and a server that stays away are raised."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.client import Client, IncompleteStream
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
+
+TOKENS = list(range(100, 112))
+
+
+def text(ids) -> str:
+    return "".join(f"<{t}>" for t in ids)
+
+
+class FlakyServer(pb_grpc.LLMServeServicer):
+    """Streams TOKENS to every sequence, `chunks[k]` tokens per message in call k (the last size for later calls);
+    call k breaks with `breaks[k]` (a status code) after `break_after` messages, or ends early with `end_early`."""
+
+    def __init__(self, chunks=(3, 2), breaks=(grpc.StatusCode.UNAVAILABLE,), break_after=2, end_early=False):
+        self.chunks, self.breaks, self.break_after, self.end_early = chunks, breaks, break_after, end_early
+        self.resumes: list[int] = []
+
+    async def Generate(self, request, context):
+        call = len(self.resumes)
+        self.resumes.append(request.resume_from_token)
+        size = self.chunks[min(call, len(self.chunks) - 1)]
+        for k, pos in enumerate(range(request.resume_from_token, len(TOKENS), size)):
+            if k == self.break_after and call < len(self.breaks):
+                await context.abort(self.breaks[call], "the scheduler restarts")
+            if k == self.break_after and self.end_early:
+                return
+            ids = TOKENS[pos:pos + size]
+            for i in range(max(1, request.sampling.n)):
+                yield pb.GenerateResponse(request_id=request.request_id, index=i, token_ids=ids, text=text(ids),
+                                          first_token_index=pos,
+                                          finish_reason="length" if pos + size >= len(TOKENS) else "")
+
+    async def Abort(self, request, context):
+        return pb.AbortResponse(found=request.request_id == "r")
+
+
+def collect(server: FlakyServer, n: int = 1, request_id: str = "r", **kw):
+    async def run():
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_LLMServeServicer_to_server(server, grpc_server)
+        port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        got = {i: {"ids": [], "text": "", "first": [], "finish": ""} for i in range(n)}
+        try:
+            async with Client(f"127.0.0.1:{port}", reattach_timeout=kw.pop("timeout", 30)) as client:
+                req = pb.GenerateRequest(request_id=request_id, text="hi", sampling=pb.SamplingParams(n=n))
+                async with client.generate(req, **kw) as messages:
+                    async for msg in messages:
+                        g = got[msg.index]
+                        g["first"].append(msg.first_token_index)
+                        assert msg.first_token_index == len(g["ids"])
+                        g["ids"] += msg.token_ids
+                        g["text"] += msg.text
+                        g["finish"] = msg.finish_reason or g["finish"]
+                return got, messages.reattaches, await client.abort("r")
+        finally:
+            await grpc_server.stop(None)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_broken_stream_is_resumed_and_each_token_is_seen_once(n):
+    server = FlakyServer()
+    got, reattaches, aborted = collect(server, n)
+    assert reattaches == 1 and aborted
+    # One sequence resumes at the next token; several restart at 0 (the server resumes all at one index).
+    assert server.resumes == [0, 6 if n == 1 else 0]
+    for i in range(n):
+        assert got[i] == {**got[i], "ids": TOKENS, "text": text(TOKENS), "finish": "length"}
+
+
+def test_refusals_and_early_ends_are_raised():
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        collect(FlakyServer(breaks=(grpc.StatusCode.INVALID_ARGUMENT,), break_after=0))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Before the first message, UNAVAILABLE is the caller's when it asks (the HTTP API answers 503 at once).
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        collect(FlakyServer(break_after=0), reattach_before_start=False)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Without a request id there is nothing to re-attach to.
+    with pytest.raises(grpc.aio.AioRpcError):
+        collect(FlakyServer(), request_id="")
+    with pytest.raises(IncompleteStream):
+        collect(FlakyServer(breaks=(), end_early=True))
+
+
+def test_a_server_that_stays_unavailable_ends_the_stream():
+    server = FlakyServer(breaks=(grpc.StatusCode.UNAVAILABLE,) * 1000, break_after=0)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        collect(server, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and len(server.resumes) >= 2

@@ -1,0 +1,99 @@
+"""GGUF weights kept quantized (worker_svc/quant.py): the codes read from each GGUF type against the gguf
+package's own dequantization, and the CPU and Triton matmuls against dequantize-then-matmul, on random data."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from worker_svc import quant  # noqa: E402
+
+# Byte offsets of each type's float16 fields inside a block (the rest of a block is codes and packed scales).
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q6_K": (208,), "Q5_0": (0,)}
+
+
+def random_rows(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray:
+    """GGUF rows of random codes and scales: uint8 [out, bytes per row], finite float16 fields."""
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(out * inp // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[type_name]:
+        blocks[:, off:off + 2] = rng.uniform(-0.05, 0.05, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(out, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_0"])
+def test_codes_read_from_gguf_match_its_dequantization(type_name):
+    out, inp = 48, 512
+    data = random_rows(type_name, out, inp)
+    qtype = GGMLQuantizationType[type_name]
+    ref = torch.from_numpy(dequantize(data, qtype).reshape(out, inp).astype(np.float32))
+    w = quant.from_gguf(data, type_name, (out, inp), lambda d: dequantize(d, qtype))
+    if type_name in quant.INT4_TYPES:
+        assert w.bits == 4 and int(w.codes.max()) <= 15
+        torch.testing.assert_close(w.dequantize(), ref, rtol=1e-6, atol=1e-6)  # the file's values, exactly
+    else:
+        assert w.bits == 8 and w.codes.dtype == torch.int8
+        step = ref.abs().amax(dim=1, keepdim=True) / 127  # requantized per row: within half a step
+        assert bool(((w.dequantize() - ref).abs() <= step * 0.501).all())
+
+
+def test_row_operations_keep_codes_and_scales_together():
+    data = random_rows("Q4_1", 64, 64)
+    w = quant.from_gguf(data, "Q4_1", (64, 64), None)
+    perm = torch.randperm(64)
+    torch.testing.assert_close(w.map_rows(lambda r: r[perm]).dequantize(), w.dequantize()[perm])
+    both = quant.cat_rows([w, w.map_rows(lambda r: r[:16])])
+    torch.testing.assert_close(both.dequantize(), torch.cat([w.dequantize(), w.dequantize()[:16]]))
+    torch.testing.assert_close(w.rows(torch.tensor([3, 3, 60]), torch.float32), w.dequantize()[[3, 3, 60]])
+    with pytest.raises(ValueError, match="int4 and int8"):
+        quant.cat_rows([w, quant.requantize_int8(torch.randn(4, 64), "Q8_0")])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_cpu_matmul_equals_dequantize_then_matmul(type_name, rows):
+    out, inp = 96, 256
+    qtype = GGMLQuantizationType[type_name]
+    w = quant.from_gguf(random_rows(type_name, out, inp, seed=rows), type_name, (out, inp),
+                        lambda d: dequantize(d, qtype))
+    layer = quant.QuantLinear(w, torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(rows, inp)
+    ref = x.bfloat16().float() @ w.dequantize().T
+    y = layer(x.bfloat16()).float()
+    # bfloat16 scales and outputs: relative to the size of the result
+    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def test_triton_int4_gemm_equals_dequantize_then_matmul():
+    from kernels.quant_gemm import int4_matmul
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    for m, n, k in ((1, 64, 64), (7, 100, 96), (33, 48, 128)):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale, zero = torch.rand(n, k // 32), torch.randn(n, k // 32)
+        w = quant.QuantizedWeight(q, scale, zero, 4, "test")
+        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        x = torch.randn(m, k)
+        y = int4_matmul(x.to(device), packed.to(device), scale.to(device), zero.to(device))
+        torch.testing.assert_close(y.cpu(), x @ w.dequantize().T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="int4_matmul"):
+        int4_matmul(torch.randn(2, 48), torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1))
+
+
+def test_activation_dtype_is_checked():
+    quant.check_activation_dtype(torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="--dtype float32"):
+        quant.check_activation_dtype(torch.float32, torch.device("cpu"))

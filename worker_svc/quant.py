@@ -1,0 +1,180 @@
+"""GGUF weights kept quantized: read the blocks as integer codes with per-group scales, and run weight-only
+quantized matmuls on them.
+
+Two in-memory forms, chosen by the GGUF type:
+- int4, groups of 32 along the input dim (Q4_0, Q4_1, Q4_K): exactly the file's values, w = scale * q + zero with
+  q in 0..15 (Q4_K's sub-block scales and mins are such groups). CPU: torch's int4 weight-packed kernel; CUDA: the
+  Triton dequantize-GEMM in kernels/quant_gemm.py.
+- int8, one scale per output row (every other quantized type: Q8_0, Q5_*, Q6_K, ...): dequantized, then
+  requantized per row (torch's int8 weight-only kernel takes only per-row scales): a rounding step on top of the
+  file's, within half a code of the row's absmax / 127.
+
+Activations run in bfloat16 (or float16 on CUDA): the CPU kernels have no fast float32 path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+GROUP = 32  # the int4 group size: every GGUF 4-bit type's (sub-)block length
+
+# GGUF type names read as exact int4 groups (block bytes per 32 or 256 values below).
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """A [out, in] matmul weight as integer codes. int4: codes uint8 [out, in] in 0..15, scale and zero
+    [out, in / 32] (w = scale * q + zero). int8: codes int8 [out, in], scale [out, 1], zero None (w = scale * q).
+    `source` names the GGUF type it came from."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    source: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def map_rows(self, fn) -> QuantizedWeight:
+        """Apply a row operation (slice, permutation) to codes and per-row scales alike."""
+        return dataclasses.replace(self, codes=fn(self.codes), scale=fn(self.scale),
+                                   zero=None if self.zero is None else fn(self.zero))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.bits == 8:
+            return (self.codes.float() * self.scale).to(dtype)
+        out, inp = self.shape
+        q = self.codes.view(out, inp // GROUP, GROUP).float()
+        return (q * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).reshape(out, inp).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup)."""
+        return dataclasses.replace(self, codes=self.codes[ids], scale=self.scale[ids],
+                                   zero=None if self.zero is None else self.zero[ids]).dequantize(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, counting int4 codes at half a byte each (as packed for the matmul)."""
+        code_bytes = self.codes.numel() // 2 if self.bits == 4 else self.codes.numel()
+        return code_bytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+
+
+def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack along the output dim (q, k, v into one matmul); all parts must be of one form."""
+    if len({w.bits for w in weights}) != 1:
+        raise ValueError("cannot fuse int4 and int8 weights into one matmul: "
+                         f"{', '.join(w.source for w in weights)}")
+    first = weights[0]
+    return QuantizedWeight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
+                           None if first.zero is None else torch.cat([w.zero for w in weights]),
+                           first.bits, "+".join(sorted({w.source for w in weights})))
+
+
+# ---------------------------------------------------------------------------- reading GGUF blocks
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] codes: low nibbles are values 0..15, high nibbles 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _int4_groups(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes [n_groups, 32] and scale, zero [n_groups] of the file's values, for one of INT4_TYPES."""
+    if type_name == "Q4_0":  # d, 16 bytes of codes; w = d * (q - 8)
+        d = _f16(blocks, 0)
+        return _nibbles(blocks[:, 2:18]), d, -8 * d
+    if type_name == "Q4_1":  # d, m, 16 bytes of codes; w = d * q + m
+        return _nibbles(blocks[:, 4:20]), _f16(blocks, 0), _f16(blocks, 2)
+    if type_name == "Q4_K":  # 256 values: d, dmin, 12 bytes of 6-bit sub-scales and mins, 128 bytes of codes
+        n = blocks.shape[0]
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        s = blocks[:, 4:16].reshape(n, 3, 4)
+        lo, hi, mix = s[:, 0], s[:, 1], s[:, 2]
+        sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
+        mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1).astype(np.float32)
+        qs = blocks[:, 16:144].reshape(n, 4, 32)  # 4 chunks of 64 values: low nibbles first, then high
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n * 8, 32)
+        return codes, (d[:, None] * sc).reshape(-1), (-dmin[:, None] * mn).reshape(-1)
+    raise ValueError(f"{type_name} is not an int4 GGUF type")
+
+
+def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int],
+              dequantize_fn) -> QuantizedWeight:
+    """A [out, in] weight from its GGUF rows `data` (uint8 [out, bytes per row]). `dequantize_fn(data)` gives the
+    file's float32 values (the gguf package's): used for the types read through int8."""
+    out, inp = shape
+    if type_name in INT4_TYPES:
+        if inp % GROUP:
+            raise ValueError(f"a {type_name} weight of {inp} input columns is not a whole number of {GROUP}-groups")
+        block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[type_name]
+        codes, scale, zero = _int4_groups(type_name, np.ascontiguousarray(data).reshape(-1, block_bytes))
+        groups = inp // GROUP
+        return QuantizedWeight(torch.from_numpy(codes.reshape(out, inp).astype(np.uint8)),
+                               torch.from_numpy(scale.reshape(out, groups).copy()),
+                               torch.from_numpy(zero.reshape(out, groups).copy()), 4, type_name)
+    return requantize_int8(torch.from_numpy(np.asarray(dequantize_fn(data), dtype=np.float32).reshape(out, inp)),
+                           type_name)
+
+
+def requantize_int8(w: torch.Tensor, source: str) -> QuantizedWeight:
+    """Symmetric int8 with one scale per row."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(codes, scale.float(), None, 8, source)
+
+
+# ---------------------------------------------------------------------------- the matmul
+
+
+class QuantLinear:
+    """x @ w.T for a QuantizedWeight, packed once for the device's kernel."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device):
+        self.bits, self.source, self.dtype = weight.bits, weight.source, dtype
+        self.out_features, self.in_features = weight.shape
+        self.on_cuda = device.type == "cuda"
+        if weight.bits == 8:
+            self.codes = weight.codes.to(device)
+            self.scale = weight.scale.reshape(-1).to(device=device, dtype=dtype)
+        elif self.on_cuda:  # two codes a byte along the input dim, for the Triton kernel
+            c = weight.codes.to(device)
+            self.codes = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+            self.scale = weight.scale.to(device=device, dtype=torch.float32).contiguous()
+            self.zero = weight.zero.to(device=device, dtype=torch.float32).contiguous()
+        else:
+            # torch's CPU kernel: w = (q - 8) * scale + z, scales and zeros as [groups, out, 2] in the input dtype.
+            self.codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+            self.scales_and_zeros = torch.stack([weight.scale, weight.zero + 8 * weight.scale], dim=-1) \
+                .transpose(0, 1).contiguous().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        elif self.on_cuda:
+            from kernels.quant_gemm import int4_matmul
+
+            y = int4_matmul(x, self.codes, self.scale, self.zero)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, GROUP, self.scales_and_zeros)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def check_activation_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """The quantized kernels' activation dtypes: refused at start, naming the flags."""
+    allowed = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.bfloat16,)
+    if dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"--quantization gguf runs activations in {names} on {device.type}; "
+                         f"--dtype {str(dtype).removeprefix('torch.')} is not supported with it")
