@@ -15,8 +15,8 @@ import torch
 import kernels
 import kernels.reference as ref
 from protos import worker_pb2 as pb
-from tests import legacy_host_path as legacy
-from tests.plans import Cached, Wire, add_cached
+from tests.support import legacy_host_path as legacy
+from tests.support.plans import Cached, Wire, add_cached
 from worker_svc.batch import BatchLimits, CachedDeltas, PersistentBatch, Schedule
 from worker_svc.errors import InvalidPlan, PlanError
 from worker_svc.input_batch import InputBatch

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from protos import worker_pb2 as pb
-from tests import legacy_host_path as legacy
-from tests.legacy_host_path import SampleRow
+from tests.support import legacy_host_path as legacy
+from tests.support.legacy_host_path import SampleRow
 from tests.unit.test_sampler import sampling_batch
 from worker_svc import sampler
 from worker_svc.batch import BatchLimits, PersistentBatch

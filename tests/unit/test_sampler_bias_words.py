@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protos import worker_pb2 as pb
-from tests.legacy_host_path import SampleRow
+from tests.support.legacy_host_path import SampleRow
 from tests.unit.test_sampler_batched import sample
 from worker_svc.batch import BatchLimits, PersistentBatch
 from worker_svc.sampler import sample_batch

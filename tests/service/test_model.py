@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import kernels
-from tests.random_weights import randomize
+from tests.support.random_weights import randomize
 from worker_svc.loader import default_model_path, load_gguf, load_hf_dir, load_model_weights
 from worker_svc.model import LlamaModel
 

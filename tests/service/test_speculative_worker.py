@@ -7,8 +7,8 @@ from functools import partial
 import pytest
 
 from protos import worker_pb2 as pb
-from tests.driver import DriverRequest, run_requests
-from tests.e2e.test_worker_runner import NEW_TOKENS, PROMPTS, greedy_params, hf_greedy
+from tests.service.test_worker_runner import NEW_TOKENS, PROMPTS, greedy_params, hf_greedy
+from tests.support.driver import DriverRequest, run_requests
 from worker_svc.server import execute_step
 
 K = 4

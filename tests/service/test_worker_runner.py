@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from protos import worker_pb2 as pb
-from tests.driver import DriverRequest, run_requests
+from tests.support.driver import DriverRequest, run_requests
 from worker_svc.server import execute_step
 
 PROMPTS = [
