@@ -22,8 +22,18 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
+_HF_GREEDY: dict[tuple, list[int]] = {}  # the session's HF model is shared: each reference is computed once
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Hugging Face forward with its own KV cache, argmax each step (no EOS stop)."""
+    key = (id(model), tuple(ids), n)
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = _hf_greedy(model, ids, n)
+    return list(_HF_GREEDY[key])
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     out = []
     with torch.inference_mode():
         res = model(torch.tensor([ids]), use_cache=True)
