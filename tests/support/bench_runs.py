@@ -25,6 +25,8 @@ _LOAD = ["--request-rate", "inf", "--num-requests", "2", "--prompt-len", "8:16",
          "--output-len", "4", "--warmup", "1", "--max-model-len", "512",
          "--server-args=--num-gpu-blocks-override 128", "--no-progress", "--result-dir", "{tmp}"]
 SMOKE_ARGS: dict[str, list[str]] = {
+    "gpu_serve": ["--smoke"],
+    "forward_modes": ["--batch-sizes", "1", "--context", "16", "--repeats", "1", "--threads", "1"],
     "kernels_gpu": ["--smoke", *_JSON],
     "quantized_forward": ["--batch-sizes", "1", "--context", "16", "--repeats", "1", "--prompts", "1", "--tokens", "4",
                           *_JSON],
