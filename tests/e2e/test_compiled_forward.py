@@ -10,18 +10,21 @@ from torch._dynamo.utils import counters
 
 from common.config import for_device, parse
 from common.validation import ConfigError
+from protos import worker_pb2 as pb
+from tests.driver import DriverRequest, run_requests
 from tests.e2e.test_model import PagedRunner
 from tests.random_weights import randomize
 from worker_svc.compiled import CompiledForward, wants_compiled
 from worker_svc.config import CompilationConfig, WorkerConfig
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
+from worker_svc.runner import ModelRunner
 
 SIZES = (4, 8)
 
 
 @pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
+def tiny_path(tmp_path_factory) -> str:
     import transformers
 
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -30,7 +33,12 @@ def tiny_weights(tmp_path_factory):
     model = transformers.LlamaForCausalLM(config)
     randomize(model)
     model.save_pretrained(path, safe_serialization=True)
-    return load_model_weights(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tiny_path):
+    return load_model_weights(tiny_path)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +78,23 @@ def test_compiled_matches_eager_without_compiling_while_serving(tiny_weights, co
     # Padding rows never reach the KV cache: the same slots written (untouched ones stay NaN), the same values.
     torch.testing.assert_close(ours.kv, eager.kv, rtol=1e-4, atol=1e-4, equal_nan=True)
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph while serving"
+
+
+def test_worker_runner_with_o1_matches_eager(tiny_path, compiled, monkeypatch, tmp_path):
+    """The worker's own path: `-O1` makes the runner build dense weights and compile at start-up; greedy tokens
+    equal the default (eager) runner's in mixed steps (chunks of 3 tokens, requests arriving over time)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.cache_dir)
+    outputs = []
+    for argv in ([], ["-O1", "--compilation-config", '{"cudagraph_capture_sizes": [4, 8]}']):
+        runner = ModelRunner(parse(WorkerConfig, ["--model", tiny_path, "--dtype", "float32",
+                                                  "--num-gpu-blocks-override", "64", *argv]))
+        assert isinstance(runner.model, CompiledForward) == bool(argv)
+        reqs = [DriverRequest(f"r{i}", list(range(10 + i, 15 + 2 * i)), pb.SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=i) for i in range(3)]
+        run_requests(runner.execute, reqs, chunk=3, num_blocks=runner.num_blocks, block_size=runner.block_size)
+        outputs.append([r.output for r in reqs])
+    assert outputs[0] == outputs[1]
+    assert all(len(o) == 6 for o in outputs[0])
 
 
 def test_padded_sizes():
