@@ -45,10 +45,12 @@ def tiny_weights(tiny_path):
 def compiled(tiny_weights, tmp_path_factory):
     config, weights = tiny_weights
     cache = str(tmp_path_factory.mktemp("inductor"))
-    fwd = CompiledForward(LlamaModel(config, weights, torch.float32, "cpu", prepack=False),
-                          CompilationConfig(cudagraph_capture_sizes=SIZES, cache_dir=cache))
-    fwd.warm_up()
-    return fwd
+    with pytest.MonkeyPatch.context() as mp:  # a fresh cache, and no leftover setting for later tests
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", cache)
+        fwd = CompiledForward(LlamaModel(config, weights, torch.float32, "cpu", prepack=False),
+                              CompilationConfig(cudagraph_capture_sizes=SIZES))
+        fwd.warm_up()
+        yield fwd
 
 
 def test_compiled_matches_eager_without_compiling_while_serving(tiny_weights, compiled):
