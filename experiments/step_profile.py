@@ -17,6 +17,7 @@ from protos import worker_pb2 as pb
 from worker_svc.config import WorkerConfig
 from worker_svc.loader import default_model_path
 from worker_svc.runner import ModelRunner
+from worker_svc.server import execute_step
 
 BLOCK = 16
 
@@ -36,7 +37,7 @@ class Steps:
         self.step_id += 1
         plan.step_id = self.step_id
         t = time.perf_counter()
-        self.runner.execute(plan)
+        execute_step(self.runner, plan)
         print(f"{label:<44} {time.perf_counter() - t:6.3f} s", flush=True)
 
     def new(self, plan: pb.StepPlan, rid: str, prompt: list[int], n: int) -> None:

@@ -48,10 +48,10 @@ import torch
 
 import kernels
 from protos import worker_pb2 as pb
-from worker_svc import runner as runner_mod
 from worker_svc.config import WorkerConfig
 from worker_svc.loader import default_model_path
 from worker_svc.runner import ModelRunner
+from worker_svc.server import execute_step
 
 BLOCK_SIZE = 16
 PREFILL_STEP_TOKENS = 2048  # setup prefill: sequences per step so that a step holds at most this many tokens
@@ -153,12 +153,16 @@ class Ours:
                 plan.new_requests.add(slot=slot, request_id=rid, prompt_token_ids=prompts[i], sampling=sampling,
                                       block_ids=self.blocks(blocks_each), num_scheduled_tokens=context)
                 ids.append(rid)
-            res = self.runner.execute(plan)
+            res = execute_step(self.runner, plan)
             assert len(res.slots) == len(plan.new_requests), res
         return ids
 
-    def states(self, rids: list[str]):
-        return [self.runner.batch.requests[r] for r in rids]
+    def rows(self, rids: list[str]) -> list[int]:
+        return [self.runner.batch.inputs.row_of[r] for r in rids]
+
+    def block_ids(self, rids: list[str]) -> list[list[int]]:
+        b = self.runner.batch.inputs
+        return [b.block_table[r, : b.num_blocks[r]].tolist() for r in self.rows(rids)]
 
     def decode_plan(self, rids: list[str]) -> pb.StepPlan:
         plan = self.plan()
@@ -167,21 +171,20 @@ class Ours:
         return plan
 
     def decode_step(self, rids: list[str]) -> list[int]:
-        return list(self.runner.execute(self.decode_plan(rids)).token_ids)
+        return list(execute_step(self.runner, self.decode_plan(rids)).token_ids)
 
     def rewind(self, rids: list[str], context: int) -> None:
         """Back to C computed tokens + the token to decode: the next step recomputes the same position."""
-        for s in self.states(rids):
-            del s.token_ids[context + 1:]
-            s.num_computed_tokens = context
+        rows = self.rows(rids)
+        self.runner.batch.inputs.num_tokens[rows] = context + 1
+        self.runner.batch.inputs.num_computed_tokens[rows] = context
 
     def forward_inputs(self, rids: list[str], context: int):
         r = self.runner
-        states = self.states(rids)
-        n = len(states)
-        meta = kernels.build_attention_metadata([1] * n, [context + 1] * n, [s.block_ids for s in states],
+        n = len(rids)
+        meta = kernels.build_attention_metadata([1] * n, [context + 1] * n, self.block_ids(rids),
                                                 r.block_size, r.device, build_plan=self.backend == "torch")
-        ids = torch.tensor([s.token_ids[context] for s in states], dtype=torch.int64)
+        ids = torch.from_numpy(r.batch.inputs.token_ids[self.rows(rids), context]).to(torch.int64)
         pos = torch.full((n,), context, dtype=torch.int64)
         return ids, pos, meta, torch.arange(n)
 
@@ -195,14 +198,14 @@ class Ours:
         plan.new_requests.add(slot=len(self.slot_of), request_id=rid, prompt_token_ids=prompt,  # freed at once
                               sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1),
                               block_ids=self.prefill_blocks, num_scheduled_tokens=len(prompt))
-        res = self.runner.execute(plan)
-        assert len(res.slots) == 1 and rid not in self.runner.batch.requests
+        res = execute_step(self.runner, plan)
+        assert len(res.slots) == 1 and rid not in self.runner.batch.inputs.row_of
         return res.token_ids[0]
 
     def hf_cache_tensors(self, rids: list[str], context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V) as [B, Hkv, C, D], read from our paged pool."""
         cfg = self.runner.config
-        table = torch.tensor([s.block_ids for s in self.states(rids)], dtype=torch.int64)
+        table = torch.tensor(self.block_ids(rids), dtype=torch.int64)
         out = []
         for layer in range(cfg.num_layers):
             kv = []
@@ -273,8 +276,8 @@ _CATEGORIES = [
 
 
 def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dict:
-    """Phase times of `execute` (metadata and sampling timed by wrapping the functions the runner calls)
-    and torch-op self time by category, over `steps` decode steps."""
+    """Phase times of `execute` (metadata timed by wrapping the function the runner calls, sampling as the step
+    reports it) and torch-op self time by category, over `steps` decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     phase = defaultdict(float)
@@ -288,9 +291,8 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
                 phase[name] += time.perf_counter() - t
         return wrapper
 
-    orig_meta, orig_sample = kernels.build_attention_metadata, runner_mod.sample
-    kernels.build_attention_metadata = timed("metadata", orig_meta)
-    runner_mod.sample = timed("sampling", orig_sample)
+    orig_meta = kernels.attention_metadata_from_arrays
+    kernels.attention_metadata_from_arrays = timed("metadata", orig_meta)
     try:
         ours.decode_step(rids)  # warm
         ours.rewind(rids, context)
@@ -299,12 +301,13 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 t = time.perf_counter()
-                res = ours.runner.execute(ours.decode_plan(rids))
+                res = execute_step(ours.runner, ours.decode_plan(rids))
                 wall += time.perf_counter() - t
                 forward += res.forward_seconds
+                phase["sampling"] += res.sample_seconds
                 ours.rewind(rids, context)
     finally:
-        kernels.build_attention_metadata, runner_mod.sample = orig_meta, orig_sample
+        kernels.attention_metadata_from_arrays = orig_meta
 
     # self CPU time of the ops that ran inside the forward (sampling ops are counted there too: small)
     by_cat: dict[str, float] = defaultdict(float)
@@ -319,8 +322,8 @@ def profile_decode(ours: Ours, rids: list[str], context: int, steps: int) -> dic
         "step_ms": 1e3 * wall / steps,
         "phases_ms": {
             "forward": 1e3 * forward / steps,
-            "attention metadata (build_attention_metadata)": 1e3 * phase["metadata"] / steps,
-            "sampling (sampler.sample)": 1e3 * phase["sampling"] / steps,
+            "attention metadata (attention_metadata_from_arrays)": 1e3 * phase["metadata"] / steps,
+            "sampling (the step's sample_seconds)": 1e3 * phase["sampling"] / steps,
             "plan check/apply, input tensors, bookkeeping": 1e3 * rest / steps,
         },
         "ops_ms": {k: 1e3 * v for k, v in per_step.items()},
@@ -395,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 def bench_decode(ours: Ours, hf: HF, timer: Timer, rids: list[str], args: argparse.Namespace) -> dict:
     b, context = len(rids), args.context
     hf.set_cache(ours.hf_cache_tensors(rids, context))
-    tokens = torch.tensor([s.token_ids[context] for s in ours.states(rids)], dtype=torch.int64)
+    tokens = torch.from_numpy(ours.runner.batch.inputs.token_ids[ours.rows(rids), context]).to(torch.int64)
     inputs = ours.forward_inputs(rids, context)
     picked: dict[str, list[int]] = {}
 

@@ -129,6 +129,16 @@ def result_tokens(pb, res, rids: list[str]) -> list[tuple[str, int, int, float |
     return out
 
 
+def wire_execute(runner):
+    """runner's step on a wire StepPlan, returning a StepResult, in either version: the gRPC edge converts for a
+    runner with a plain core, an older runner took the message itself."""
+    try:
+        from worker_svc.server import execute_step
+    except ImportError:
+        return runner.execute
+    return lambda plan: execute_step(runner, plan)
+
+
 def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
     """Prefill n requests in one step, then time decode steps of all n (a new block every BLOCK_SIZE tokens)."""
     import random
@@ -145,6 +155,7 @@ def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
     runner = ModelRunner(WorkerConfig(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                                        num_gpu_blocks_override=n * per_request + 1,
                                        max_model_len=args.prompt_len + total_steps + 16))
+    execute = wire_execute(runner)
     rng = random.Random(n)
     free = list(range(runner.num_blocks))
     rng.shuffle(free)
@@ -166,7 +177,7 @@ def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
         # logits (inference tensors) in place outside it, which fails on CPU for penalties and min_tokens.
         with torch.inference_mode():
             t = time.perf_counter()
-            res = runner.execute(plan)
+            res = execute(plan)
             wall = time.perf_counter() - t
         tokens = result_tokens(pb, res, rids)
         for rid, tok, finish, logprob, top_logprobs in tokens:

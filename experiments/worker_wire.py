@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from experiments.worker_host_path import BLOCK_SIZE, make_model
+from experiments.worker_host_path import BLOCK_SIZE, make_model, wire_execute
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = ("plan_bytes", "result_bytes", "encode", "parse", "worker", "result", "wire")
@@ -78,6 +78,7 @@ def run_size(model: str, n: int, args: argparse.Namespace) -> dict:
     runner = ModelRunner(WorkerConfig(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                                        num_gpu_blocks_override=num_blocks,
                                        max_model_len=args.prompt_len + total + 16))
+    execute = wire_execute(runner)
     policy = PolicyConfig(max_num_seqs=n, max_num_batched_tokens=n * args.prompt_len, block_size=BLOCK_SIZE,
                           enable_prefix_caching=False)
     core = SchedulerCore(policy, BlockPool(num_blocks))
@@ -107,7 +108,7 @@ def run_size(model: str, n: int, args: argparse.Namespace) -> dict:
         plan = pb.StepPlan.FromString(data)
         t2 = time.perf_counter()
         with torch.inference_mode():
-            result = runner.execute(plan)
+            result = execute(plan)
         t3 = time.perf_counter()
         blob = result.SerializeToString()
         output = decode(pb.StepResult.FromString(blob))

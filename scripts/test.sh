@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Set everything up, lint, and run the test suite: the default run leaves out the tests marked `slow` (bench smoke
-# runs, chaos loops; README "Tests"). `--all` runs those too; other arguments go to pytest.
+# Set everything up, lint, and run the tests. Three tiers (README, "Tests"): tests/unit (pure), tests/service (one part
+# at a time, in this process where it can be) and tests/e2e (real processes end to end).
+#   ./scripts/test.sh            every tier, leaving out the tests marked `slow` (bench smoke runs, chaos loops)
+#   ./scripts/test.sh --fast     tests/unit and tests/service only: the run a developer repeats all day
+#   ./scripts/test.sh --all      the `slow` tests too (LLMSERVE_TEST_ALL=1)
+# Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=()
+paths=()
 for a in "$@"; do
-  if [ "$a" = "--all" ]; then export LLMSERVE_TEST_ALL=1; else args+=("$a"); fi
+  case "$a" in
+    --all) export LLMSERVE_TEST_ALL=1 ;;
+    --fast) paths=(tests/unit tests/service) ;;
+    *) args+=("$a") ;;
+  esac
 done
 ./scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
+.venv/bin/python -m pytest -q ${paths[@]+"${paths[@]}"} ${args[@]+"${args[@]}"}

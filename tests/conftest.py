@@ -10,6 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The shared harness (tests/support/): a failing test's report gets the logs of the processes still running, and
+# every test may ask for the session's `redis_server` by name.
+pytest_plugins = ("tests.support.cluster", "tests.support.redis_fixture")
+
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 # Without a GPU the Triton kernels run in the interpreter; it must be chosen before triton is first imported

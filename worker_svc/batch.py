@@ -6,47 +6,26 @@ plan changes nothing; `apply_plan` then mutates. Both walk the plan in the same 
 Requests are addressed by slot, and slot s lives in row s of the InputBatch, so the plan's
 packed arrays index the batch's columns directly. Steady state is mostly cached requests
 (decodes), so those are checked together with array operations; only a plan that fails that
-check is walked entry by entry, to name the first offender. `requests` and the chunks a Schedule yields are views
-of the rows (worker_svc/request_views.py) for code that wants one request at a time (tests,
-tools); the step itself never builds them.
+check is walked entry by entry, to name the first offender. A refusal is a typed PlanError
+(worker_svc/errors.py); the gRPC edge maps it to a status code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
-from common import plan_errors
-from common.structured_outputs import Constraint, ConstraintError
+from common.structured_outputs import ConstraintError
 from common.worker_protocol import MAX_SLOTS
-from protos import worker_pb2 as pb
+from worker_svc.errors import EpochMismatch, FencedPlan, InvalidPlan, PlanError, StaleStep
 from worker_svc.grammar import GrammarCache
 from worker_svc.input_batch import InputBatch
-from worker_svc.request_views import Requests, RequestState, ScheduledChunk
-from worker_svc.sampling import from_proto
-
-
-class PlanError(Exception):
-    """A plan the worker refuses; carries the gRPC status it maps to, why, and the request at fault."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = plan_errors.INVALID, request_id: str = "",
-                 slot: int | None = None):
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.request_id = request_id
-        self.slot = slot
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        md = ((plan_errors.REASON_KEY, self.reason),)
-        if self.slot is not None:
-            md += ((plan_errors.SLOT_KEY, str(self.slot)),)
-        return md + ((plan_errors.REQUEST_ID_KEY, self.request_id),) if self.request_id else md
+from worker_svc.plan import JoiningRequest, StepPlan
+from worker_svc.sampling import SamplingParams
 
 
 @dataclass
@@ -59,10 +38,7 @@ class BatchLimits:
 
 @dataclass
 class Schedule:
-    """The step's chunks in plan order, as arrays: row rows[i] computes its tokens [starts[i], starts[i] + lengths[i]).
-
-    Iterating yields ScheduledChunk views, for code that handles one request at a time.
-    """
+    """The step's chunks in plan order, as arrays: row rows[i] computes tokens [starts[i], starts[i] + lengths[i])."""
 
     inputs: InputBatch
     rows: np.ndarray  # int64
@@ -73,10 +49,6 @@ class Schedule:
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    def __iter__(self) -> Iterator[ScheduledChunk]:
-        for row, start, length in zip(self.rows.tolist(), self.starts.tolist(), self.lengths.tolist(), strict=True):
-            yield ScheduledChunk(RequestState(self.inputs, row), start, length)
 
     @property
     def num_tokens(self) -> int:
@@ -97,39 +69,39 @@ class CachedDeltas:
     draft_slots: np.ndarray | None = None  # int64 per entry; None when the plan grants no draft positions
 
     @staticmethod
-    def parse(plan: pb.StepPlan) -> CachedDeltas:
+    def parse(plan: StepPlan) -> CachedDeltas:
         c = plan.cached
-        slots = np.array(c.slots, dtype=np.int64)
+        slots = c.slots.astype(np.int64, copy=False)
         n = len(slots)
         if len(c.num_scheduled_tokens) != n:
             raise _invalid(f"cached: num_scheduled_tokens has {len(c.num_scheduled_tokens)} entries, slots {n}")
         if len(c.num_new_blocks) not in (0, n):
             raise _invalid(f"cached: num_new_blocks has {len(c.num_new_blocks)} entries, slots {n} (or none)")
-        counts = np.array(c.num_new_blocks, dtype=np.int64) if len(c.num_new_blocks) else np.zeros(n, np.int64)
+        counts = c.num_new_blocks.astype(np.int64, copy=False) if len(c.num_new_blocks) else np.zeros(n, np.int64)
         if int(counts.sum()) != len(c.new_block_ids):
             raise _invalid(f"cached: num_new_blocks add up to {int(counts.sum())}, new_block_ids has "
                            f"{len(c.new_block_ids)}")
         if len(c.num_draft_slots) not in (0, n):
             raise _invalid(f"cached: num_draft_slots has {len(c.num_draft_slots)} entries, slots {n} (or none)")
-        drafts = np.array(c.num_draft_slots, dtype=np.int64) if len(c.num_draft_slots) else None
+        drafts = c.num_draft_slots.astype(np.int64, copy=False) if len(c.num_draft_slots) else None
         if drafts is not None and not 1 <= plan.prompt_lookup_min <= plan.prompt_lookup_max:
             raise _invalid(f"num_draft_slots needs 1 <= prompt_lookup_min ({plan.prompt_lookup_min}) <= "
                            f"prompt_lookup_max ({plan.prompt_lookup_max})")
         tables: dict[int, list[int]] = {}
-        for t in plan.replaced_tables:
-            where = np.flatnonzero(slots == t.slot)
+        for slot, block_ids in plan.replaced_tables:
+            where = np.flatnonzero(slots == slot)
             if not len(where):
-                raise _invalid(f"replaced_tables[slot {t.slot}]: the slot is not among the cached requests")
+                raise _invalid(f"replaced_tables[slot {slot}]: the slot is not among the cached requests")
             if int(where[0]) in tables:
-                raise _invalid(f"replaced_tables[slot {t.slot}]: the slot appears more than once")
-            tables[int(where[0])] = list(t.block_ids)
-        return CachedDeltas(slots=slots, scheduled=np.array(c.num_scheduled_tokens, dtype=np.int64),
-                            new_counts=counts, new_blocks=np.array(c.new_block_ids, dtype=np.int64), tables=tables,
-                            draft_slots=drafts)
+                raise _invalid(f"replaced_tables[slot {slot}]: the slot appears more than once")
+            tables[int(where[0])] = list(block_ids)
+        return CachedDeltas(slots=slots, scheduled=c.num_scheduled_tokens.astype(np.int64, copy=False),
+                            new_counts=counts, new_blocks=c.new_block_ids.astype(np.int64, copy=False),
+                            tables=tables, draft_slots=drafts)
 
 
-def _invalid(msg: str) -> PlanError:
-    return PlanError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+def _invalid(msg: str) -> InvalidPlan:
+    return InvalidPlan(msg)
 
 
 @contextlib.contextmanager
@@ -148,30 +120,25 @@ class PersistentBatch:
         self.limits = limits
         self.grammars = grammars  # None: structured outputs are refused
         self.inputs = InputBatch(limits.max_model_len)
-        self.requests = Requests(self.inputs)
         self.last_step_id = 0
         self.fencing_token = 0
 
     # -- validation (no mutation) -------------------------------------------------------------
 
-    def check_plan(self, plan: pb.StepPlan, epoch: str) -> CachedDeltas:
+    def check_plan(self, plan: StepPlan, epoch: str) -> CachedDeltas:
         """Raise PlanError unless the whole plan is valid; return its parsed cached requests (for apply_plan)."""
         if plan.fencing_token < self.fencing_token:
-            raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"fencing_token {plan.fencing_token} is older than {self.fencing_token}: "
-                            "the plan comes from a scheduler that lost its lease", plan_errors.FENCED)
+            raise FencedPlan(f"fencing_token {plan.fencing_token} is older than {self.fencing_token}: "
+                             "the plan comes from a scheduler that lost its lease")
         if plan.step_id <= self.last_step_id:
-            raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"step_id {plan.step_id} is not newer than the last executed step {self.last_step_id}",
-                            plan_errors.STALE_STEP)
+            raise StaleStep(f"step_id {plan.step_id} is not newer than the last executed step {self.last_step_id}")
         if plan.expected_epoch and plan.expected_epoch != epoch:
-            raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"expected_epoch {plan.expected_epoch!r} does not match this worker's epoch {epoch!r}: "
-                            "its KV cache was lost, resume the requests", plan_errors.EPOCH_MISMATCH)
+            raise EpochMismatch(f"expected_epoch {plan.expected_epoch!r} does not match this worker's epoch "
+                                f"{epoch!r}: its KV cache was lost, resume the requests")
         inputs = self.inputs
         # Which rows hold a request once the plan's reset and drops are applied.
         live = np.zeros(inputs.num_rows, dtype=bool) if plan.reset_batch else inputs.live.copy()
-        dropped = np.array(plan.dropped_slots, dtype=np.int64)
+        dropped = np.asarray(plan.dropped_slots, dtype=np.int64)
         live[dropped[dropped < len(live)]] = False
         joining: set[int] = set()  # slots of new and resumed entries
         matchers: dict[int, object] = {}
@@ -191,32 +158,24 @@ class PersistentBatch:
                 raise _invalid(f"{where}: request_id {rid!r} is already on this worker in slot {other}")
             joining.add(slot)
 
-        for r in plan.new_requests:
-            with _blame(r.slot, r.request_id):
-                where = f"new_requests[slot {r.slot}, {r.request_id!r}]"
-                join(r.slot, r.request_id, where)
-                self._check_tokens(where, r.prompt_token_ids, len(r.prompt_token_ids))
-                self._check_sampling(where, r.sampling)
-                self._check_chunk(where, r.block_ids, len(r.prompt_token_ids), r.num_computed_tokens,
-                                  r.num_scheduled_tokens)
-                self._check_constraint(where, r.sampling, (), r.slot, matchers)
-        for r in plan.resumed_requests:
-            with _blame(r.slot, r.request_id):
-                where = f"resumed_requests[slot {r.slot}, {r.request_id!r}]"
-                join(r.slot, r.request_id, where)
-                self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
-                self._check_sampling(where, r.sampling)
-                self._check_chunk(where, r.block_ids, len(r.token_ids), r.num_computed_tokens,
-                                  r.num_scheduled_tokens)
-                self._check_constraint(where, r.sampling, r.token_ids[r.num_prompt_tokens:], r.slot, matchers)
+        for kind, entries in (("new_requests", plan.new_requests), ("resumed_requests", plan.resumed_requests)):
+            for r in entries:
+                with _blame(r.slot, r.request_id):
+                    where = f"{kind}[slot {r.slot}, {r.request_id!r}]"
+                    join(r.slot, r.request_id, where)
+                    self._check_tokens(where, r.token_ids, r.num_prompt_tokens)
+                    self._check_sampling(where, r.sampling)
+                    self._check_chunk(where, r.block_ids, len(r.token_ids), r.num_computed_tokens,
+                                      r.num_scheduled_tokens)
+                    self._check_constraint(where, r, matchers)
         cached = CachedDeltas.parse(plan)
         cached.matchers = matchers
         if not self._cached_valid(cached, live, joining):
             self._check_each_cached(cached, live, joining)  # names the first offender
         n = self.limits.num_blocks
-        for i, c in enumerate(plan.copy_blocks):
-            if not (0 <= c.src < n and 0 <= c.dst < n) or c.src == c.dst:
-                raise _invalid(f"copy_blocks[{i}]: src {c.src} and dst {c.dst} must be distinct blocks in [0, {n})")
+        for i, (src, dst) in enumerate(zip(plan.copy_src.tolist(), plan.copy_dst.tolist(), strict=True)):
+            if not (0 <= src < n and 0 <= dst < n) or src == dst:
+                raise _invalid(f"copy_blocks[{i}]: src {src} and dst {dst} must be distinct blocks in [0, {n})")
         return cached
 
     def _cached_valid(self, d: CachedDeltas, live: np.ndarray, joining: set[int]) -> bool:
@@ -281,31 +240,30 @@ class PersistentBatch:
         if len(bad):
             raise _invalid(f"{where}: token id {ids[bad[0]]} is outside the vocabulary [0, {vocab})")
 
-    def _check_sampling(self, where: str, p: pb.SamplingParams) -> None:
+    def _check_sampling(self, where: str, p: SamplingParams) -> None:
         # The sampler indexes the logits with these; out of range they would fail mid-step, after mutation.
         vocab = self.limits.vocab_size
-        bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in sorted(p.stop_token_ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise _invalid(f"{where}: stop token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in [*p.logit_bias, *(t for w in p.bad_words for t in w.ids)] if not 0 <= t < vocab), None)
+        bad = next((t for t in [*p.logit_bias, *(t for w in p.bad_words for t in w)] if not 0 <= t < vocab), None)
         if bad is not None:
             raise _invalid(f"{where}: logit_bias / bad_words token id {bad} is outside the vocabulary [0, {vocab})")
-        if p.HasField("logprobs") and p.logprobs > vocab:
+        if p.logprobs is not None and p.logprobs > vocab:
             raise _invalid(f"{where}: logprobs {p.logprobs} exceeds the vocabulary size {vocab}")
 
-    def _check_constraint(self, where: str, p: pb.SamplingParams, output_ids: Sequence[int], slot: int,
-                          matchers: dict[int, object]) -> None:
+    def _check_constraint(self, where: str, r: JoiningRequest, matchers: dict[int, object]) -> None:
         """A joining constrained request's matcher, at the state after its output tokens (compiled now if the
         cache lacks the grammar)."""
-        if not p.HasField("constraint"):
+        c = r.sampling.constraint
+        if c is None:
             return
         if self.grammars is None:
             raise _invalid(f"{where}: structured outputs (sampling.constraint) are not enabled on this worker")
         try:
-            matchers[slot] = self.grammars.matcher(Constraint(p.constraint.kind, p.constraint.spec),
-                                                   np.asarray(output_ids, dtype=np.int64))
+            matchers[r.slot] = self.grammars.matcher(c, np.asarray(r.token_ids[r.num_prompt_tokens:], dtype=np.int64))
         except ConstraintError as e:
-            raise _invalid(f"{where}: sampling.constraint ({p.constraint.kind}): {e}") from None
+            raise _invalid(f"{where}: sampling.constraint ({c.kind}): {e}") from None
 
     def _check_chunk(self, where: str, block_ids: Sequence[int], num_tokens: int, computed: int,
                      scheduled: int) -> None:
@@ -324,7 +282,7 @@ class PersistentBatch:
 
     # -- mutation ---------------------------------------------------------------------------
 
-    def apply_plan(self, plan: pb.StepPlan, cached: CachedDeltas | None = None) -> Schedule:
+    def apply_plan(self, plan: StepPlan, cached: CachedDeltas | None = None) -> Schedule:
         """Apply a checked plan (`cached`: what check_plan returned for it); return the step's chunks, in plan
         order."""
         self.last_step_id = plan.step_id
@@ -334,32 +292,24 @@ class PersistentBatch:
             cached = CachedDeltas.parse(plan)
         if plan.reset_batch:
             inputs.clear()
-        for slot in plan.dropped_slots:
+        for slot in np.asarray(plan.dropped_slots, dtype=np.int64).tolist():
             if slot < inputs.num_rows and inputs.live[slot]:
                 inputs.free(slot)
         rows: list[int] = []
         starts: list[int] = []
         lengths: list[int] = []
 
-        def join(slot: int, rid: str, token_ids: Sequence[int], num_prompt_tokens: int,
-                 sampling: pb.SamplingParams, block_ids: Sequence[int], computed: int, scheduled: int) -> None:
-            matcher = cached.matchers.get(slot)
-            if matcher is None and sampling.HasField("constraint"):  # applied without check_plan (tests)
-                self._check_constraint("", sampling, token_ids[num_prompt_tokens:], slot, cached.matchers)
-                matcher = cached.matchers[slot]
-            inputs.add(slot, rid, token_ids, num_prompt_tokens, from_proto(sampling), block_ids,
-                       computed, matcher)
-            if scheduled > 0:
-                rows.append(slot)
-                starts.append(computed)
-                lengths.append(scheduled)
-
-        for r in plan.new_requests:
-            join(r.slot, r.request_id, r.prompt_token_ids, len(r.prompt_token_ids), r.sampling, r.block_ids,
-                 r.num_computed_tokens, r.num_scheduled_tokens)
-        for r in plan.resumed_requests:
-            join(r.slot, r.request_id, r.token_ids, r.num_prompt_tokens, r.sampling, r.block_ids,
-                 r.num_computed_tokens, r.num_scheduled_tokens)
+        for r in (*plan.new_requests, *plan.resumed_requests):
+            matcher = cached.matchers.get(r.slot)
+            if matcher is None and r.sampling.constraint is not None:  # applied without check_plan (tests)
+                self._check_constraint("", r, cached.matchers)
+                matcher = cached.matchers[r.slot]
+            inputs.add(r.slot, r.request_id, r.token_ids, r.num_prompt_tokens, r.sampling, r.block_ids,
+                       r.num_computed_tokens, matcher)
+            if r.num_scheduled_tokens > 0:
+                rows.append(r.slot)
+                starts.append(r.num_computed_tokens)
+                lengths.append(r.num_scheduled_tokens)
         for i, table in cached.tables.items():
             inputs.set_blocks(int(cached.slots[i]), table)
         inputs.append_blocks(cached.slots, cached.new_counts, cached.new_blocks)

@@ -26,8 +26,6 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
-    sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     name: str = ""

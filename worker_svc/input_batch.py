@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protos import worker_pb2 as pb
+from worker_svc.outputs import FINISH_EOS, FINISH_MAX_TOKENS, FINISH_NONE, FINISH_STOP_TOKEN
 from worker_svc.sampler import BATCH_COLUMNS, SAMPLING_COLUMNS, SamplingBatch, output_tails, right_aligned
 from worker_svc.sampling import SamplingParams
 
@@ -238,7 +238,7 @@ class InputBatch:
     # -- finishing ----------------------------------------------------------------------------
 
     def finish_reasons(self, rows: np.ndarray, eos_token_ids: np.ndarray) -> np.ndarray:
-        """pb.FinishReason of each of `rows` after its last token was appended (0: still running).
+        """The FINISH_* reason of each of `rows` after its last token was appended (0: still running).
 
         min_tokens holds back EOS and stop tokens, not the length limits; EOS wins over a stop token, both over
         the length.
@@ -251,7 +251,7 @@ class InputBatch:
         stop = allowed & (self.stop_token_ids[rows] == tok[:, None]).any(axis=1)
         max_tokens = self.max_tokens[rows]
         length = ((max_tokens > 0) & (n_out >= max_tokens)) | (n >= self.max_model_len)
-        reason = np.where(length, pb.FINISH_REASON_MAX_TOKENS, pb.FINISH_REASON_NONE)
-        reason[stop] = pb.FINISH_REASON_STOP_TOKEN
-        reason[eos] = pb.FINISH_REASON_EOS
+        reason = np.where(length, FINISH_MAX_TOKENS, FINISH_NONE)
+        reason[stop] = FINISH_STOP_TOKEN
+        reason[eos] = FINISH_EOS
         return reason

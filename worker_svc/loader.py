@@ -160,7 +160,6 @@ def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=int(bos) if bos is not None else None,
         name=str(_field(reader, "general.name", "")),
@@ -328,10 +327,6 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
     num_heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rope_theta, rope_scaling = _hf_rope(cfg)
-    sliding_window = cfg.get("sliding_window")
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-        sliding_window = None  # Qwen2 configs carry a window value even when it is disabled
-
     eos_ids = _as_id_list(cfg.get("eos_token_id"))
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -361,8 +356,6 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         # The head is tied when the checkpoint has no lm_head (save_pretrained drops tied copies).
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in names,
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        sliding_window=sliding_window,
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
         name=cfg.get("_name_or_path") or os.path.basename(os.path.normpath(path)),

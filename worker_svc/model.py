@@ -142,14 +142,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [x2, x1] along the last dim, in one copy. With sin's first half negated,
-    swap_halves(x) * sin == rotate_half(x) * sin exactly (only signs move)."""
+    swap_halves(x) * sin == cat(-x2, x1) * sin exactly (only signs move): HF's rotate_half, without the negation."""
     return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 

@@ -1,4 +1,8 @@
-"""ModelRunner: plan in, one fused prefill+decode forward, sampled tokens out."""
+"""ModelRunner: plan in, one fused prefill+decode forward, sampled tokens out.
+
+Plain data both ways (worker_svc/plan.py in, worker_svc/outputs.py out): the gRPC edge (worker_svc/server.py)
+converts the wire messages and maps refusals (worker_svc/errors.py) to status codes.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,7 @@ import kernels
 from common import tracing
 from common.config import for_device
 from common.structured_outputs import StructuredOutputsConfig
-from protos import worker_pb2 as pb
-from worker_svc import kv_cache
+from worker_svc import kv_cache, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
@@ -24,8 +27,9 @@ from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel, cpu_has_native_bf16
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
-from worker_svc.sampler import greedy_batch, sample_batch
-from worker_svc.speculative import accepted_lengths, propose_ngram
+from worker_svc.outputs import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
+from worker_svc.plan import StepPlan
+from worker_svc.sampler import greedy_batch, pack_logprobs, sample_batch
 from worker_svc.tensor_parallel import FULL, Shard, local_config
 
 if TYPE_CHECKING:
@@ -144,59 +148,45 @@ class ModelRunner:
         del scratch
         torch.cuda.synchronize(self.device)
 
-    def describe(self) -> pb.WorkerInfo:
-        cfg = self.config
-        model = pb.ModelInfo(
-            name=cfg.name, architecture=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
-            max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-            eos_token_ids=cfg.eos_token_ids, path=self.opts.model,
-        )
-        if cfg.bos_token_id is not None:
-            model.bos_token_id = cfg.bos_token_id
-        return pb.WorkerInfo(
-            model=model, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-            block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-            epoch=self.epoch, attention_backend=self.attention_backend,
-            kv_bytes_per_block=kv_cache.bytes_per_block(cfg, self.block_size, self.dtype),
-            last_step_id=self.batch.last_step_id, fencing_token=self.batch.fencing_token,
-            tensor_parallel_size=self.group.size if self.group is not None else 1,
-            rank_num_blocks=self.rank_num_blocks,
-            rank_kv_bytes_per_block=kv_cache.bytes_per_block(self.local_config, self.block_size, self.dtype),
-        )
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """One block of the whole model's KV (every rank's share together)."""
+        return kv_cache.bytes_per_block(self.config, self.block_size, self.dtype)
 
-    def execute(self, plan: pb.StepPlan) -> pb.StepResult:
+    @property
+    def rank_kv_bytes_per_block(self) -> int:
+        return kv_cache.bytes_per_block(self.local_config, self.block_size, self.dtype)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Check (raises PlanError, changes nothing), apply, run, sample."""
         t0 = time.perf_counter()
         cached = self.batch.check_plan(plan, self.epoch)
         previous = self.batch.last_step_id
         sched = self.batch.apply_plan(plan, cached)
-        copies = (np.array([c.src for c in plan.copy_blocks], dtype=np.int64),
-                  np.array([c.dst for c in plan.copy_blocks], dtype=np.int64))
-        result = pb.StepResult(step_id=plan.step_id, num_scheduled_tokens=sched.num_tokens,
-                               previous_step_id=previous)
+        copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
         if not len(sched):
             if len(copies[0]):
                 self._run(copies, None)
-            return result
-        num_drafts = self._propose(sched, plan) if sched.draft_slots is not None else None
+            return StepOutput(plan.step_id, previous)
+        num_drafts = None
+        if sched.draft_slots is not None:
+            num_drafts = speculative.propose(self.batch.inputs, sched.rows, sched.starts + sched.lengths,
+                                             sched.draft_slots, self.block_size, self.max_model_len,
+                                             plan.prompt_lookup_min, plan.prompt_lookup_max)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
         t2 = time.perf_counter()
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
+        out = StepOutput(plan.step_id, previous, sched.num_tokens)
         if len(inputs.sample_rows):
-            if inputs.num_drafts is not None and inputs.num_drafts.any():
-                self._verify(logits, inputs.sample_rows, inputs.num_drafts, result)
-            else:
-                self._sample(logits, inputs.sample_rows, result)
+            self._sample(logits, inputs.sample_rows, inputs.num_drafts, out)
         t3 = time.perf_counter()
-        result.prepare_seconds, result.forward_seconds, result.sample_seconds = t1 - t0, t2 - t1, t3 - t2
+        out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
             _trace_phases(plan, sched, len(inputs.sample_rows), t0, t1, t2, t3)
-        return result
+        return out
 
     def _run(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None) -> torch.Tensor | None:
         """Copy-on-write, then the forward; in a group, on every rank (the step's inputs sent to them first)."""
@@ -240,147 +230,57 @@ class ModelRunner:
                            logits_indices=torch.from_numpy(step.logits_indices).to(dev),
                            sample_rows=np.zeros(0, dtype=np.int64))
 
-    def _propose(self, sched: Schedule, plan: pb.StepPlan) -> np.ndarray:
-        """N-gram drafts for the decoding chunks with draft positions, written to the batch's token_ids past each
-        row's num_tokens (the next step's tokens overwrite them); returns the drafts per chunk (0 for most)."""
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, num_drafts: np.ndarray | None,
+                out: StepOutput) -> None:
+        """Sample for `rows` (for a row with drafts, at each of its 1 + num_drafts positions, as plain sampling
+        would, and keep the accepted run), append the tokens, fill `out`; finished requests leave the batch."""
         b = self.batch.inputs
-        rows, ends = sched.rows, sched.starts + sched.lengths
-        n = b.num_tokens[rows]
-        # Within the grant, the row's blocks, max_model_len (the bonus token included) and max_tokens.
-        cap = np.minimum(sched.draft_slots, b.num_blocks[rows] * self.block_size - ends)
-        cap = np.minimum(cap, self.max_model_len - 1 - n)
-        max_tokens = b.max_tokens[rows]
-        cap = np.where(max_tokens > 0, np.minimum(cap, max_tokens - (n - b.num_prompt_tokens[rows]) - 1), cap)
-        cap = np.where(ends == n, np.maximum(cap, 0), 0)
-        cap[b.constrained[rows]] = 0  # the scheduler grants constrained requests none; never draft past a grammar
-        num_drafts = np.zeros(len(rows), dtype=np.int64)
-        which = np.flatnonzero(cap > 0)
-        if not len(which):
-            return num_drafts
-        spec_rows = rows[which]
-        drafts, counts = propose_ngram(b.token_ids[spec_rows], n[which], cap[which], plan.prompt_lookup_min,
-                                       plan.prompt_lookup_max)
-        b.reserve_tokens(int((n[which] + counts).max()))
-        col = np.arange(drafts.shape[1])
-        r, c = np.nonzero(col[None, :] < counts[:, None])
-        b.token_ids[spec_rows[r], n[which][r] + c] = drafts[r, c]
-        num_drafts[which] = counts
-        return num_drafts
-
-    def _verify(self, logits: torch.Tensor, rows: np.ndarray, num_drafts: np.ndarray, result: pb.StepResult) -> None:
-        """Speculative decoding: logits hold 1 + num_drafts[i] positions of rows[i]. Sample a target token at each
-        (as plain sampling would), accept the leading drafts that equal their targets, append those and the bonus
-        token one position at a time (EOS, a stop token or a length limit ends a row's run there), and report."""
-        b = self.batch.inputs
-        per = num_drafts + 1
-        first = np.cumsum(per) - per
-        offsets = np.arange(int(per.sum())) - np.repeat(first, per)
-        virtual = np.repeat(rows, per)
         logits = logits.cpu()
+        if num_drafts is not None and not num_drafts.any():
+            num_drafts = None
+        virtual, offsets = (rows, None) if num_drafts is None else speculative.verified_positions(rows, num_drafts)
         constrained = b.constrained[rows]
-        if constrained.any():  # grammar rows have no drafts (see _propose): one position each, masked as in _sample
+        if constrained.any():  # structured outputs: mask the grammar rows' logits before any sampling step sees them
             t0 = time.perf_counter()
             self.grammar_masks.apply(logits, [b.matchers[r] for r in virtual.tolist()])
-            mask_seconds = time.perf_counter() - t0
+            out.mask_seconds = time.perf_counter() - t0
         if b.plain[rows].all():
-            out = greedy_batch(logits)
+            sampled = greedy_batch(logits)
         else:
-            out = sample_batch(logits, b.sampling_batch(virtual, self.eos_token_ids, offsets))
-        width = int(per.max())
-        targets = np.full((len(rows), width), -1, dtype=np.int64)
-        targets[np.repeat(np.arange(len(rows)), per), offsets] = out.token_ids
-        drafts = np.zeros((len(rows), width - 1), dtype=np.int64)
-        col = np.arange(width - 1)
-        r, c = np.nonzero(col[None, :] < num_drafts[:, None])
-        drafts[r, c] = b.token_ids[rows[r], b.num_tokens[rows][r] + c]
-        accepted = accepted_lengths(targets, drafts, num_drafts)
-        # Emit position by position (a few columns, not a loop over requests); a finish stops the row.
-        alive = np.ones(len(rows), dtype=bool)
-        emitted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (chunk index, column, reason)
-        for j in range(int(accepted.max()) + 1):
-            idx = np.flatnonzero(alive & (accepted >= j))
-            if not len(idx):
-                break
-            b.append_tokens(rows[idx], targets[idx, j])
-            reasons = b.finish_reasons(rows[idx], self.eos_token_ids)
-            if j == 0 and constrained.any():
-                t0 = time.perf_counter()
-                matchers = [b.matchers[r] for r in rows[idx].tolist()]
-                ended = self.grammar_masks.advance(matchers, targets[idx, 0]) & (reasons == pb.FINISH_REASON_NONE)
-                reasons[ended] = pb.FINISH_REASON_STOP_TOKEN
-                result.num_constrained = int(constrained.sum())
-                result.mask_seconds = mask_seconds + time.perf_counter() - t0
-            emitted.append((idx, np.full(len(idx), j), reasons))
-            alive[idx[reasons != 0]] = False
-        chunk = np.concatenate([e[0] for e in emitted])
-        column = np.concatenate([e[1] for e in emitted])
-        reasons = np.concatenate([e[2] for e in emitted])
-        order = np.lexsort((column, chunk))  # each request's tokens together, in order
-        chunk, column, reasons = chunk[order], column[order], reasons[order]
-        result.slots.extend(rows[chunk].tolist())
-        result.token_ids.extend(targets[chunk, column].tolist())
-        if reasons.any():
-            result.finish_reasons.extend(reasons.tolist())
-        if out.logprob_rows:
-            entry_of = np.full(len(virtual), -1, dtype=np.int64)
-            entry_of[first[chunk] + column] = np.arange(len(chunk))
-            for v, lp, top in zip(out.logprob_rows, out.logprobs, out.top_logprobs, strict=True):
-                if entry_of[v] >= 0:
-                    result.logprob_indices.append(int(entry_of[v]))
-                    result.logprobs.append(lp)
-                    result.num_top_logprobs.append(len(top))
-                    result.top_logprob_token_ids.extend(t for t, _ in top)
-                    result.top_logprobs.extend(x for _, x in top)
-        spec = np.flatnonzero(num_drafts)
-        result.spec_slots.extend(rows[spec].tolist())
-        result.spec_num_draft_tokens.extend(num_drafts[spec].tolist())
-        result.spec_num_accepted_tokens.extend(accepted[spec].tolist())
-        # The accepted drafts' KV was computed by this forward; the bonus token's is the next step's.
-        b.num_computed_tokens[rows[alive]] += accepted[alive]
-        for row in rows[~alive].tolist():
-            b.free(row)
-
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, result: pb.StepResult) -> None:
-        """Sample for `rows`, append the tokens and fill the result's packed arrays; finished requests leave the
-        batch."""
-        b = self.batch.inputs
-        logits = logits.cpu()
-        constrained = b.constrained[rows].any()
-        if constrained:  # structured outputs: mask the grammar rows' logits before any sampling step sees them
+            sampled = sample_batch(logits, b.sampling_batch(virtual, self.eos_token_ids, offsets))
+        if num_drafts is None:
+            emitted = speculative.emit_one_each(b, rows, sampled.token_ids, self.eos_token_ids)
+        else:
+            emitted = speculative.verify(b, rows, num_drafts, sampled.token_ids, self.eos_token_ids)
+        if constrained.any():  # a completed grammar ends its request as a stop (vLLM: finish_reason "stop")
             t0 = time.perf_counter()
+            # Each row's first token: a grammar row's only one (it is granted no drafts).
+            first = np.flatnonzero(np.diff(emitted.chunks, prepend=-1))
             matchers = [b.matchers[r] for r in rows.tolist()]
-            self.grammar_masks.apply(logits, matchers)
-            mask_seconds = time.perf_counter() - t0
-        if b.plain[rows].all():
-            out = greedy_batch(logits)
-        else:
-            out = sample_batch(logits, b.sampling_batch(rows, self.eos_token_ids))
-        b.append_tokens(rows, out.token_ids)
-        reasons = b.finish_reasons(rows, self.eos_token_ids)
-        if constrained:  # a completed grammar ends its request as a stop (vLLM: finish_reason "stop")
-            t0 = time.perf_counter()
-            ended = self.grammar_masks.advance(matchers, out.token_ids) & (reasons == pb.FINISH_REASON_NONE)
-            reasons[ended] = pb.FINISH_REASON_STOP_TOKEN
-            result.num_constrained = int(b.constrained[rows].sum())
-            result.mask_seconds = mask_seconds + time.perf_counter() - t0
-        finished = np.flatnonzero(reasons)
-        result.slots.extend(rows.tolist())  # a request's slot is its row
-        result.token_ids.extend(out.token_ids.tolist())
-        if len(finished):
-            result.finish_reasons.extend(reasons.tolist())
-        if out.logprob_rows:
-            result.logprob_indices.extend(out.logprob_rows)
-            result.logprobs.extend(out.logprobs)
-            for top in out.top_logprobs:
-                result.num_top_logprobs.append(len(top))
-                result.top_logprob_token_ids.extend(t for t, _ in top)
-                result.top_logprobs.extend(v for _, v in top)
+            ended = (self.grammar_masks.advance(matchers, emitted.token_ids[first])
+                     & (emitted.reasons[first] == FINISH_NONE))
+            emitted.reasons[first[ended]] = FINISH_STOP_TOKEN
+            out.num_constrained = int(constrained.sum())
+            out.mask_seconds += time.perf_counter() - t0
+        out.slots = rows[emitted.chunks]  # a request's slot is its row
+        out.token_ids = emitted.token_ids
+        out.finish_reasons = emitted.reasons
+        out.logprobs = pack_logprobs(sampled, emitted.entry_of)
+        finished = emitted.chunks[emitted.reasons != FINISH_NONE]
+        if num_drafts is not None:
+            spec = np.flatnonzero(num_drafts)
+            out.spec_slots, out.spec_num_draft_tokens = rows[spec], num_drafts[spec]
+            out.spec_num_accepted_tokens = emitted.accepted[spec]
+            # The accepted drafts' KV was computed by this forward; the bonus token's is the next step's.
+            alive = np.ones(len(rows), dtype=bool)
+            alive[finished] = False
+            b.num_computed_tokens[rows[alive]] += emitted.accepted[alive]
         for row in rows[finished].tolist():
             # The worker forgets a finished request at once; a later drop of its slot is a no-op.
             b.free(row)
 
 
-def _trace_phases(plan: pb.StepPlan, sched: Schedule, num_sampled: int, *t: float) -> None:
+def _trace_phases(plan: StepPlan, sched: Schedule, num_sampled: int, *t: float) -> None:
     """Child spans of the current (ExecuteStep) span for the three phases, from the perf_counter marks taken anyway
     (no tracing work inside the step itself)."""
     offset = time.time_ns() - time.perf_counter_ns()

@@ -9,6 +9,9 @@ Everything is tensor operations over the rows that sample this step, except draw
 torch's generator has no batched form, so each row that samples with temperature > 0 seeds one
 (a few microseconds); greedy rows cost nothing per row. The results are bit-identical to the
 per-row sampler this replaced (tests/legacy_host_path.py keeps it as the oracle).
+
+`pack_logprobs` lays a sample's logprobs out as the step's output wants them, for plain sampling and speculative
+verification alike.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 
 from common.sampling_fields import FIELDS
-from worker_svc.sampling import SamplingParams
+from worker_svc.outputs import Logprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -272,84 +275,18 @@ def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
     return BatchSample(tokens, lp_rows.tolist(), chosen, top)
 
 
-# -- the per-request interface (tests, tools): rows as Python objects -----------------------------------
-
-
-@dataclass
-class SampleRow:
-    """What the sampler needs to know about one request that samples this step."""
-
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
-    position: int  # index the new token will have in prompt + output
-    eos_ids: frozenset[int]
-
-
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]]]
-
-
-def _padded(lists: Sequence[Sequence[int]], fill: int = -1) -> np.ndarray:
-    out = np.full((len(lists), max((len(x) for x in lists), default=0) or 1), fill, dtype=np.int64)
-    for i, x in enumerate(lists):
-        out[i, : len(x)] = list(x)
-    return out
-
-
-def batch_of_rows(rows: Sequence[SampleRow]) -> SamplingBatch:
-    ps = [r.params for r in rows]
-
-    def col(name: str) -> np.ndarray:
-        dtype, unset = SAMPLING_COLUMNS[name]
-        return np.array([unset if getattr(p, name) is None else getattr(p, name) for p in ps], dtype=dtype)
-
-    b = SamplingBatch(
-        **{name: col(name) for name in BATCH_COLUMNS},
-        position=np.array([r.position for r in rows], dtype=np.int64),
-        num_output=np.array([len(r.output_ids) for r in rows], dtype=np.int64),
-        stop_token_ids=_padded([sorted(p.stop_token_ids) for p in ps]),
-        eos_token_ids=_padded([sorted(r.eos_ids) for r in rows]),
+def pack_logprobs(s: BatchSample, entry_of: np.ndarray) -> Logprobs:
+    """The logprobs of the sampled rows that became output entries (sampled row i is entry entry_of[i]; -1: cut by
+    a finish before it), flattened in entry order."""
+    if not s.logprob_rows:
+        return Logprobs()
+    entries = entry_of[np.asarray(s.logprob_rows, dtype=np.int64)]
+    keep = np.flatnonzero(entries >= 0).tolist()
+    tops = [s.top_logprobs[i] for i in keep]
+    return Logprobs(
+        indices=entries[keep],
+        logprobs=np.asarray(s.logprobs, dtype=np.float32)[keep],
+        num_top=np.array([len(t) for t in tops], dtype=np.int64),
+        top_token_ids=np.array([t for top in tops for t, _ in top], dtype=np.int64),
+        top_logprobs=np.array([v for top in tops for _, v in top], dtype=np.float32),
     )
-    bias = [i for i, p in enumerate(ps) if p.logit_bias]
-    if bias:
-        b.bias_rows = np.array(bias)
-        b.bias_ids = _padded([list(ps[i].logit_bias) for i in bias])
-        b.bias_values = np.zeros(b.bias_ids.shape, dtype=np.float32)
-        for j, i in enumerate(bias):
-            b.bias_values[j, : len(ps[i].logit_bias)] = list(ps[i].logit_bias.values())
-    bad = [i for i, p in enumerate(ps) if p.bad_words]
-    if bad:
-        width = max(len(w) for i in bad for w in ps[i].bad_words)
-        b.bad_words_rows = np.array(bad)
-        b.bad_words = np.full((len(bad), max(len(ps[i].bad_words) for i in bad), width), -1, dtype=np.int64)
-        for j, i in enumerate(bad):
-            b.bad_words[j, : len(ps[i].bad_words)] = right_aligned(ps[i].bad_words, width)
-        rs = [rows[i] for i in bad]
-        tokens = _padded([r.prompt_ids + r.output_ids for r in rs], 0)
-        b.bad_words_tail = output_tails(tokens, np.arange(len(rs)),
-                                        np.array([len(r.prompt_ids) + len(r.output_ids) for r in rs]),
-                                        np.array([len(r.prompt_ids) for r in rs]), width - 1)
-    pen = [r for r, used in zip(rows, b.uses_penalties.tolist(), strict=True) if used]
-    if pen:
-        b.penalty_tokens = _padded([r.prompt_ids + r.output_ids for r in pen], 0)
-        b.penalty_num_prompt = np.array([len(r.prompt_ids) for r in pen], dtype=np.int64)
-        b.penalty_num_tokens = np.array([len(r.prompt_ids) + len(r.output_ids) for r in pen], dtype=np.int64)
-    return b
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    apply_penalties(logits, batch_of_rows(rows))
-
-
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-    """logits: [len(rows), vocab] float32 (modified in place)."""
-    out = sample_batch(logits, batch_of_rows(rows))
-    logprobs: list[float | None] = [None] * len(rows)
-    top: list[list[tuple[int, float]]] = [[] for _ in rows]
-    for i, lp, t in zip(out.logprob_rows, out.logprobs, out.top_logprobs, strict=True):
-        logprobs[i], top[i] = lp, t
-    return SampleOutput(out.token_ids.tolist(), logprobs, top)

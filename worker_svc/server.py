@@ -1,4 +1,9 @@
-"""The worker's gRPC server: Describe, ExecuteStep, grpc.health.v1 and reflection."""
+"""The worker's gRPC server: Describe, ExecuteStep, grpc.health.v1 and reflection.
+
+The only worker module that speaks protobuf and gRPC status codes: a StepPlan message becomes the core's plain plan
+(worker_svc/plan.py), the runner's StepOutput becomes a StepResult, and a refused plan's PlanError
+(worker_svc/errors.py) becomes its status code and `common.plan_errors` trailing metadata.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +29,11 @@ from common.structured_outputs import StructuredOutputsConfig
 from common.worker_protocol import SERVICE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from worker_svc.batch import PlanError
+from worker_svc import plan as core
 from worker_svc.config import WorkerConfig
+from worker_svc.errors import InvalidPlan, PlanError, PredecessorRefused
+from worker_svc.outputs import StepOutput
+from worker_svc.sampling import from_proto
 
 if TYPE_CHECKING:  # torch loads only in the worker process, not in `llmserve generate`
     from worker_svc.runner import ModelRunner
@@ -60,7 +68,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Describe(self, request, context):
         with self.turn:
-            return self.runner.describe()
+            return worker_info(self.runner)
 
     def PrepareConstraint(self, request: pb.Constraint, context):
         """Compile on this gRPC thread (not the step's): xgrammar releases the GIL while it compiles."""
@@ -91,19 +99,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             if plan.after_step_id and plan.after_step_id == self.last_refused_step and not plan.reset_batch:
                 # Planned on top of a plan that never ran: its slots may name requests that never joined, or others.
-                raise PlanError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"the plan it follows (step {plan.after_step_id}) was refused",
-                                plan_errors.PREDECESSOR_REFUSED)
-            result = self.runner.execute(plan)
+                raise PredecessorRefused(f"the plan it follows (step {plan.after_step_id}) was refused")
+            out = self.runner.execute(step_plan(plan))
         except PlanError as e:
             self.last_refused_step = plan.step_id
             self._handled(plan)
-            context.set_trailing_metadata(e.trailing_metadata())
-            context.abort(e.code, str(e))
-        self.finished_last_step = (set(np.asarray(result.slots)[np.flatnonzero(result.finish_reasons)].tolist())
-                                   if result.finish_reasons else set())
+            context.set_trailing_metadata(plan_error_metadata(e))
+            context.abort(plan_error_code(e), str(e))
+        self.finished_last_step = set(out.finished_slots.tolist())
         self.finished_in_step = plan.step_id
         self._handled(plan)
+        result = step_result(out)
         if self.last_step_end is not None:
             result.idle_seconds = start - self.last_step_end
         self.last_step_end = time.perf_counter()
@@ -121,6 +127,86 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"{SERVICE}/ExecuteStep", context=tracing.extract(context.invocation_metadata()),
                 kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "llmserve.step.id": plan.step_id}):
             return self._execute_in_turn(plan, context)
+
+
+def step_plan(p: pb.StepPlan) -> core.StepPlan:
+    """The core's plan from the wire message (sampling parameters converted once, here)."""
+    c = p.cached
+
+    def ids(values) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    return core.StepPlan(
+        step_id=p.step_id, fencing_token=p.fencing_token, expected_epoch=p.expected_epoch,
+        reset_batch=p.reset_batch, dropped_slots=ids(p.dropped_slots),
+        new_requests=[core.JoiningRequest(r.slot, r.request_id, ids(r.prompt_token_ids), len(r.prompt_token_ids),
+                                          from_proto(r.sampling), list(r.block_ids),
+                                          r.num_computed_tokens, r.num_scheduled_tokens) for r in p.new_requests],
+        resumed_requests=[core.JoiningRequest(r.slot, r.request_id, ids(r.token_ids), r.num_prompt_tokens,
+                                              from_proto(r.sampling), list(r.block_ids),
+                                              r.num_computed_tokens, r.num_scheduled_tokens)
+                          for r in p.resumed_requests],
+        cached=core.CachedRequests(ids(c.slots), ids(c.num_scheduled_tokens), ids(c.num_new_blocks),
+                                   ids(c.new_block_ids), ids(c.num_draft_slots)),
+        replaced_tables=[(t.slot, list(t.block_ids)) for t in p.replaced_tables],
+        copy_src=ids([b.src for b in p.copy_blocks]), copy_dst=ids([b.dst for b in p.copy_blocks]),
+        prompt_lookup_min=p.prompt_lookup_min, prompt_lookup_max=p.prompt_lookup_max,
+    )
+
+
+def step_result(out: StepOutput) -> pb.StepResult:
+    lp = out.logprobs
+    result = pb.StepResult(
+        step_id=out.step_id, previous_step_id=out.previous_step_id, num_scheduled_tokens=out.num_scheduled_tokens,
+        slots=out.slots.tolist(), token_ids=out.token_ids.tolist(),
+        logprob_indices=lp.indices.tolist(), logprobs=lp.logprobs.tolist(), num_top_logprobs=lp.num_top.tolist(),
+        top_logprob_token_ids=lp.top_token_ids.tolist(), top_logprobs=lp.top_logprobs.tolist(),
+        spec_slots=out.spec_slots.tolist(), spec_num_draft_tokens=out.spec_num_draft_tokens.tolist(),
+        spec_num_accepted_tokens=out.spec_num_accepted_tokens.tolist(), num_constrained=out.num_constrained,
+        mask_seconds=out.mask_seconds, prepare_seconds=out.prepare_seconds, forward_seconds=out.forward_seconds,
+        sample_seconds=out.sample_seconds,
+    )
+    if out.finish_reasons.any():  # empty: every request still runs
+        result.finish_reasons.extend(out.finish_reasons.tolist())
+    return result
+
+
+def execute_step(runner: ModelRunner, plan: pb.StepPlan) -> pb.StepResult:
+    """One plan through the runner, wire message in and out (in-process tests and benchmarks)."""
+    return step_result(runner.execute(step_plan(plan)))
+
+
+def plan_error_code(e: PlanError) -> grpc.StatusCode:
+    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, InvalidPlan) else grpc.StatusCode.FAILED_PRECONDITION
+
+
+def plan_error_metadata(e: PlanError) -> tuple[tuple[str, str], ...]:
+    md = ((plan_errors.REASON_KEY, e.reason),)
+    if e.slot is not None:
+        md += ((plan_errors.SLOT_KEY, str(e.slot)),)
+    return md + ((plan_errors.REQUEST_ID_KEY, e.request_id),) if e.request_id else md
+
+
+def worker_info(runner: ModelRunner) -> pb.WorkerInfo:
+    cfg = runner.config
+    model = pb.ModelInfo(
+        name=cfg.name, architecture=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+        eos_token_ids=cfg.eos_token_ids, path=runner.opts.model,
+    )
+    if cfg.bos_token_id is not None:
+        model.bos_token_id = cfg.bos_token_id
+    return pb.WorkerInfo(
+        model=model, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
+        block_size=runner.block_size, num_blocks=runner.num_blocks, max_model_len=runner.max_model_len,
+        epoch=runner.epoch, attention_backend=runner.attention_backend,
+        kv_bytes_per_block=runner.kv_bytes_per_block, last_step_id=runner.batch.last_step_id,
+        fencing_token=runner.batch.fencing_token,
+        tensor_parallel_size=runner.group.size if runner.group is not None else 1,
+        rank_num_blocks=runner.rank_num_blocks, rank_kv_bytes_per_block=runner.rank_kv_bytes_per_block,
+    )
 
 
 def skip_finished_requests(plan: pb.StepPlan, finished: set[int]) -> None:
@@ -233,7 +319,7 @@ def serve(args: argparse.Namespace) -> None:
                                           for name in ("", SERVICE_NAME)])
         group.start_heartbeat(group.fail)
     server.start()
-    info = runner.describe()
+    info = worker_info(runner)
     log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", cfg.host, port,
              _tls_mode(cfg), config_summary(runner.config), info.dtype, info.device, info.num_blocks,
              info.block_size, info.epoch)

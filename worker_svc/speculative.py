@@ -17,7 +17,11 @@ the text is the text speculation-off sampling gives, token for token, and stays 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from worker_svc.input_batch import InputBatch
 
 
 def propose_ngram(token_ids: np.ndarray, num_tokens: np.ndarray, max_drafts: np.ndarray, lookup_min: int,
@@ -72,3 +76,91 @@ def accepted_lengths(targets: np.ndarray, drafts: np.ndarray, counts: np.ndarray
     # The first disagreement (or the end of the drafts): argmin finds the first False; all True -> d.
     first_miss = np.where(match.all(axis=1), d, np.argmin(match, axis=1))
     return np.minimum(first_miss, counts).astype(np.int64)
+
+
+def propose(b: InputBatch, rows: np.ndarray, ends: np.ndarray, draft_slots: np.ndarray, block_size: int,
+            max_model_len: int, lookup_min: int, lookup_max: int) -> np.ndarray:
+    """N-gram drafts for the chunks (rows[i], computing up to ends[i]) that decode and were granted draft slots,
+    written to the batch's token_ids past each row's num_tokens (the next step's tokens overwrite them); returns
+    the drafts per chunk (0 for most)."""
+    n = b.num_tokens[rows]
+    # Within the grant, the row's blocks, max_model_len (the bonus token included) and max_tokens.
+    cap = np.minimum(draft_slots, b.num_blocks[rows] * block_size - ends)
+    cap = np.minimum(cap, max_model_len - 1 - n)
+    max_tokens = b.max_tokens[rows]
+    cap = np.where(max_tokens > 0, np.minimum(cap, max_tokens - (n - b.num_prompt_tokens[rows]) - 1), cap)
+    cap = np.where(ends == n, np.maximum(cap, 0), 0)
+    cap[b.constrained[rows]] = 0  # the scheduler grants constrained requests none; never draft past a grammar
+    num_drafts = np.zeros(len(rows), dtype=np.int64)
+    which = np.flatnonzero(cap > 0)
+    if not len(which):
+        return num_drafts
+    spec_rows = rows[which]
+    drafts, counts = propose_ngram(b.token_ids[spec_rows], n[which], cap[which], lookup_min, lookup_max)
+    b.reserve_tokens(int((n[which] + counts).max()))
+    col = np.arange(drafts.shape[1])
+    r, c = np.nonzero(col[None, :] < counts[:, None])
+    b.token_ids[spec_rows[r], n[which][r] + c] = drafts[r, c]
+    num_drafts[which] = counts
+    return num_drafts
+
+
+def verified_positions(rows: np.ndarray, num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's rows for verification: row rows[i] once per position it samples (1 + num_drafts[i]), and
+    each position's offset past the row's num_tokens (its draft tokens before it)."""
+    per = num_drafts + 1
+    first = np.cumsum(per) - per
+    return np.repeat(rows, per), np.arange(int(per.sum())) - np.repeat(first, per)
+
+
+@dataclass
+class Emitted:
+    """The tokens a step appended, in entry order (a request's tokens together, in order)."""
+
+    chunks: np.ndarray  # per entry: its index in the step's sampling rows
+    token_ids: np.ndarray
+    reasons: np.ndarray  # per entry: FINISH_*; a nonzero one is the row's last entry
+    entry_of: np.ndarray  # per sampled position: the entry it became, -1 where a finish cut the run before it
+    accepted: np.ndarray  # per row: drafts accepted
+
+
+def emit_one_each(b: InputBatch, rows: np.ndarray, tokens: np.ndarray, eos_token_ids: np.ndarray) -> Emitted:
+    """Plain sampling (no drafts): one token per row."""
+    b.append_tokens(rows, tokens)
+    one = np.arange(len(rows))
+    return Emitted(one, tokens, b.finish_reasons(rows, eos_token_ids), one, np.zeros(len(rows), dtype=np.int64))
+
+
+def verify(b: InputBatch, rows: np.ndarray, num_drafts: np.ndarray, sampled: np.ndarray,
+           eos_token_ids: np.ndarray) -> Emitted:
+    """Accept the leading drafts of each row that equal the tokens sampled before them (`sampled`: one per
+    verified position, in verified_positions order), then append those and the bonus token position by position
+    (EOS, a stop token or a length limit ends a row's run there)."""
+    per = num_drafts + 1
+    first = np.cumsum(per) - per
+    width = int(per.max())
+    targets = np.full((len(rows), width), -1, dtype=np.int64)
+    targets[np.repeat(np.arange(len(rows)), per), np.arange(int(per.sum())) - np.repeat(first, per)] = sampled
+    drafts = np.zeros((len(rows), width - 1), dtype=np.int64)
+    r, c = np.nonzero(np.arange(width - 1)[None, :] < num_drafts[:, None])
+    drafts[r, c] = b.token_ids[rows[r], b.num_tokens[rows][r] + c]
+    accepted = accepted_lengths(targets, drafts, num_drafts)
+    # Emit position by position (a few columns, not a loop over requests); a finish stops the row.
+    alive = np.ones(len(rows), dtype=bool)
+    emitted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (chunk index, column, reason)
+    for j in range(int(accepted.max()) + 1):
+        idx = np.flatnonzero(alive & (accepted >= j))
+        if not len(idx):
+            break
+        b.append_tokens(rows[idx], targets[idx, j])
+        reasons = b.finish_reasons(rows[idx], eos_token_ids)
+        emitted.append((idx, np.full(len(idx), j), reasons))
+        alive[idx[reasons != 0]] = False
+    chunk = np.concatenate([e[0] for e in emitted])
+    column = np.concatenate([e[1] for e in emitted])
+    reasons = np.concatenate([e[2] for e in emitted])
+    order = np.lexsort((column, chunk))  # each request's tokens together, in order
+    chunk, column, reasons = chunk[order], column[order], reasons[order]
+    entry_of = np.full(int(per.sum()), -1, dtype=np.int64)
+    entry_of[first[chunk] + column] = np.arange(len(chunk))
+    return Emitted(chunk, targets[chunk, column], reasons, entry_of, accepted)

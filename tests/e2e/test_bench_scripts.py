@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.bench_runs import run_bench, run_llmserve_bench
+from tests.support.bench_runs import run_bench, run_llmserve_bench
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.bench_runs import require_git_checkout, run_bench
+from tests.support.bench_runs import require_git_checkout, run_bench
 
 pytestmark = pytest.mark.slow
 

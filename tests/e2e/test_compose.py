@@ -11,9 +11,8 @@ import time
 import pytest
 import yaml
 
-from tests import cluster
+from tests.support import cluster
 
-pytest_plugins = ("tests.cluster",)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 COMPOSE = yaml.safe_load(open(os.path.join(ROOT, "compose.yaml")))

@@ -24,10 +24,7 @@ from common.client import Client
 from llmserve.bench.metrics import metric_sum, scrape
 from llmserve.client import stream as grpc_stream
 from protos import llmserve_pb2 as pb
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 API_KEY = "sk-test-key"
 SCHEDULER_ARGS = ["--max-num-seqs", "4", "--max-num-queued-requests", "2", "--queue-timeout", "3",

@@ -26,10 +26,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"

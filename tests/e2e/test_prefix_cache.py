@@ -32,10 +32,7 @@ from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.block_pool import BlockPool, hash_block
 from scheduler_svc.store import RedisLedger, StepCommit
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 BS = 16
 MAIN_BLOCKS = 160

@@ -16,10 +16,7 @@ import pytest
 from experiments.scheduler_overhead import make_tiny_llama
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 VOCAB = 512
 STREAMS = 256

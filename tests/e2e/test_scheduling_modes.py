@@ -20,10 +20,7 @@ from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int, seq: int) -> Request:

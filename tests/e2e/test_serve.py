@@ -21,9 +21,7 @@ import pytest
 from llmserve import client
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 STREAMS, MAX_TOKENS = 8, 56
 

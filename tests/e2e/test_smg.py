@@ -20,10 +20,7 @@ from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 WORKER_ARGS = ["--num-gpu-blocks-override", "512", "--max-model-len", "1024"]
 SCHEDULER_ARGS = ["--max-num-batched-tokens", "512", "--lease-ttl-ms", "2000"]

@@ -14,7 +14,6 @@ import grpc
 import pytest
 
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
 from tests.e2e.test_scheduler_e2e import (
     MAX_MODEL_LEN,
     PREEMPT,
@@ -27,9 +26,7 @@ from tests.e2e.test_scheduler_e2e import (
     run_concurrently,
     wait_idle_ledger,
 )
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"

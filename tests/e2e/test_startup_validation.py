@@ -9,10 +9,8 @@ import pytest
 import redis
 
 from scheduler_svc.store import SCHEMA_VERSION
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
+from tests.support import cluster
 
-pytest_plugins = ("tests.cluster",)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

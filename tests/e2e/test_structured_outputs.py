@@ -26,10 +26,7 @@ from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 MAX_TOKENS = 64
 WORKER_ARGS = ["--num-gpu-blocks-override", "24", "--max-model-len", "256",

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import kernels
 from llmserve.processes import free_port
-from tests.random_weights import randomize
+from tests.support.random_weights import randomize
 from worker_svc.loader import load_hf_dir
 from worker_svc.model import LlamaModel
 from worker_svc.tensor_parallel import Shard, check_shardable, local_config

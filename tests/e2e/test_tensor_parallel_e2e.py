@@ -25,10 +25,7 @@ from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 TP = 3
 MAX_TOKENS = 32

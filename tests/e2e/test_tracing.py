@@ -21,10 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from common import tracing
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -116,10 +113,12 @@ def test_spans_of_a_multi_request_run(traced_stack):
         results[i] = _generate(st.address, prompts[i][0], prompts[i][1], md)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    sent = time.time()
     for t in threads:
         t.start()
     for t in threads:
         t.join(180)
+    window = time.time() - sent  # every request arrived and streamed its first token inside it
     assert len(results) == len(prompts)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -142,7 +141,7 @@ def test_spans_of_a_multi_request_run(traced_stack):
         assert a["gen_ai.request.top_p"] == pytest.approx(0.9)
         assert a["gen_ai.usage.input_tokens"] > 0
         assert list(a["gen_ai.response.finish_reasons"]) == ["length"]
-        assert 0 <= a["gen_ai.latency.time_in_queue"] <= a["gen_ai.latency.time_to_first_token"] < 120
+        assert 0 <= a["gen_ai.latency.time_in_queue"] <= a["gen_ai.latency.time_to_first_token"] <= window
         names = [e.name for e in s.events]
         assert names.index("scheduled") < names.index("first token")
     # The first request joined the caller's trace.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -19,9 +20,9 @@ import triton  # noqa: E402, F401
 
 import kernels  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
-from tests.driver import DriverRequest, run_requests  # noqa: E402
+from tests.support.driver import DriverRequest, run_requests  # noqa: E402
 from worker_svc.runner import ModelRunner, resolve_attention_backend  # noqa: E402
-from worker_svc.server import add_worker_args, config_from_args  # noqa: E402
+from worker_svc.server import add_worker_args, config_from_args, execute_step  # noqa: E402
 
 if not torch.cuda.is_available() and not kernels.get_backend("triton").INTERPRET:
     raise RuntimeError("kernels.triton_attention was imported without TRITON_INTERPRET=1 and there is no GPU "
@@ -75,16 +76,16 @@ def drive(runner: ModelRunner, seed: int) -> list[DriverRequest]:
                           pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
                           arrival_step=(2 * i) % 5)
             for i, n in enumerate(lengths)]
-    run_requests(runner.execute, reqs, chunk=9, num_blocks=runner.num_blocks, block_size=runner.block_size,
-                 seed=seed)
+    run_requests(partial(execute_step, runner), reqs, chunk=9, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size, seed=seed)
     return reqs
 
 
 def test_triton_backend_matches_torch_backend(model_dir):
     torch_runner = make_runner(model_dir, "torch")
     triton_runner = make_runner(model_dir, "triton")
-    assert torch_runner.describe().attention_backend == "torch"
-    assert triton_runner.describe().attention_backend == "triton"
+    assert torch_runner.attention_backend == "torch"
+    assert triton_runner.attention_backend == "triton"
     assert triton_runner.model.attention is kernels.get_backend("triton")
 
     expected = drive(torch_runner, seed=1)

@@ -24,8 +24,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from common.worker_protocol import PACKAGE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from tests import cluster
-from tests.plans import UNKNOWN_SLOT, Cached, Token, Wire, add_cached
+from tests.support import cluster
+from tests.support.plans import UNKNOWN_SLOT, Cached, Token, Wire, add_cached
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVICE = f"{PACKAGE}.Worker"

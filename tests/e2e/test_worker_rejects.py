@@ -21,10 +21,7 @@ from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.request import Request
 from scheduler_svc.sampling import SamplingParams
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 PROMPTS = [[100 + 37 * i + j for j in range(12 + 3 * i)] for i in range(8)]
 MAX_TOKENS = 24

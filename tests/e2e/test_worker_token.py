@@ -7,10 +7,7 @@ import pytest
 
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 TOKEN = "s3cret-token"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -16,10 +15,13 @@ import torch
 import kernels
 import kernels.reference as ref
 from protos import worker_pb2 as pb
-from tests import legacy_host_path as legacy
-from tests.plans import Cached, Wire, add_cached
-from worker_svc.batch import BatchLimits, CachedDeltas, PersistentBatch, PlanError
+from tests.support import legacy_host_path as legacy
+from tests.support.plans import Cached, Wire, add_cached
+from worker_svc.batch import BatchLimits, CachedDeltas, PersistentBatch, Schedule
+from worker_svc.errors import InvalidPlan, PlanError
+from worker_svc.input_batch import InputBatch
 from worker_svc.model_inputs import build_model_inputs
+from worker_svc.server import step_plan
 
 BLOCK = 4
 VOCAB = 50
@@ -40,6 +42,22 @@ def assert_same(a, b, path="") -> None:
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert type(a) is type(b) and a == b, (path, a, b)
+
+
+def run_plan(batch: PersistentBatch, plan: pb.StepPlan) -> Schedule:
+    """Check and apply a wire plan, as the worker does."""
+    p = step_plan(plan)
+    return batch.apply_plan(p, batch.check_plan(p, "e"))
+
+
+def tokens_of(inputs: InputBatch, rid: str) -> list[int]:
+    row = inputs.row_of[rid]
+    return inputs.token_ids[row, : inputs.num_tokens[row]].tolist()
+
+
+def blocks_of(inputs: InputBatch, rid: str) -> list[int]:
+    row = inputs.row_of[rid]
+    return inputs.block_table[row, : inputs.num_blocks[row]].tolist()
 
 
 @dataclasses.dataclass
@@ -156,13 +174,13 @@ def test_step_inputs_equal_the_per_chunk_construction(seed):
     d = Driver(seed)
     for _ in range(40):
         plan, chunks = d.plan()
-        sched = d.batch.apply_plan(plan, d.batch.check_plan(plan, "e"))
+        sched = run_plan(d.batch, plan)
         assert [(d.batch.inputs.request_ids[r], s, n) for r, s, n in
                 zip(sched.rows.tolist(), sched.starts.tolist(), sched.lengths.tolist(), strict=True)] == chunks
+        inputs = d.batch.inputs
         for rid, s in d.live.items():  # the rows hold what the old batch held
-            state = d.batch.requests[rid]
-            assert list(state.token_ids) == s.tokens and state.block_ids == s.blocks
-            assert state.num_computed_tokens == s.computed
+            assert tokens_of(inputs, rid) == s.tokens and blocks_of(inputs, rid) == s.blocks
+            assert inputs.num_computed_tokens[inputs.row_of[rid]] == s.computed
         if not chunks:
             continue
         ids, pos, meta, logits_idx, samplers = d.legacy_inputs(chunks)
@@ -208,42 +226,39 @@ def test_rows_grow_and_are_reused():
         plan.new_requests.add(slot=i, request_id=f"r{i}", prompt_token_ids=[i % VOCAB] * n,
                               sampling=pb.SamplingParams(stop_token_ids=list(range(i % 5))),
                               block_ids=list(range(i * 160, i * 160 + -(-n // BLOCK))), num_scheduled_tokens=n)
-    sched = batch.apply_plan(plan, batch.check_plan(plan, "e"))
-    assert len(sched) == 70 and batch.inputs.num_rows == 128 and batch.inputs.token_ids.shape[1] >= 600
+    sched = run_plan(batch, plan)
+    inputs = batch.inputs
+    assert len(sched) == 70 and inputs.num_rows == 128 and inputs.token_ids.shape[1] >= 600
     assert sched.rows.tolist() == list(range(70))  # a request's slot is its row
-    assert batch.requests["r69"].block_ids == list(range(69 * 160, 69 * 160 + 150))  # beyond 32 columns
-    del batch.requests["r3"]  # frees row 3: the slot can be given again, with nothing left of r3
-    assert "r3" not in batch.requests and len(batch.requests) == 69
+    assert blocks_of(inputs, "r69") == list(range(69 * 160, 69 * 160 + 150))  # beyond 32 columns
+    inputs.free(3)  # frees row 3: the slot can be given again, with nothing left of r3
+    assert "r3" not in inputs.row_of and len(inputs) == 69
     plan = pb.StepPlan(step_id=2)
     plan.new_requests.add(slot=3, request_id="x", prompt_token_ids=[7], block_ids=[11999], num_scheduled_tokens=1)
-    batch.apply_plan(plan, batch.check_plan(plan, "e"))
-    assert batch.inputs.row_of["x"] == 3
-    x = batch.requests["x"]
-    assert (list(x.token_ids), x.block_ids, x.sampling.stop_token_ids) == ([7], [11999], [])
-    assert (batch.inputs.stop_token_ids[3] == -1).all() and batch.inputs.block_table[3, 1:].sum() == 0
-    x.token_ids.append(9)  # the views write through
-    x.num_computed_tokens = 1
-    assert list(batch.requests["x"].token_ids) == [7, 9] and batch.requests["x"].output_ids == [9]
-    del x.token_ids[1:]
-    assert len(batch.requests["x"].token_ids) == 1
-    plan = pb.StepPlan(step_id=3, reset_batch=True)
-    batch.apply_plan(plan, batch.check_plan(plan, "e"))
-    assert not batch.requests and not batch.inputs.live.any()
+    run_plan(batch, plan)
+    assert inputs.row_of["x"] == 3
+    assert (tokens_of(inputs, "x"), blocks_of(inputs, "x"), list(inputs.params[3].stop_token_ids)) == (
+        [7], [11999], [])
+    assert (inputs.stop_token_ids[3] == -1).all() and inputs.block_table[3, 1:].sum() == 0
+    inputs.append_tokens(np.array([3]), np.array([9]))
+    assert tokens_of(inputs, "x") == [7, 9] and inputs.num_prompt_tokens[3] == 1
+    run_plan(batch, pb.StepPlan(step_id=3, reset_batch=True))
+    assert not len(inputs) and not inputs.live.any()
 
 
 def test_a_dropped_slot_is_given_again_in_the_same_plan():
     batch = PersistentBatch(BatchLimits(num_blocks=64, block_size=BLOCK, max_model_len=100, vocab_size=VOCAB))
     plan = pb.StepPlan(step_id=1)
     plan.new_requests.add(slot=0, request_id="a", prompt_token_ids=[1, 2], block_ids=[5], num_scheduled_tokens=2)
-    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    run_plan(batch, plan)
     taken = pb.StepPlan(step_id=2)
     taken.new_requests.add(slot=0, request_id="b", prompt_token_ids=[3], block_ids=[6], num_scheduled_tokens=1)
-    with pytest.raises(PlanError, match="slot 0 still holds request 'a'") as e:
-        batch.check_plan(taken, "e")
+    with pytest.raises(InvalidPlan, match="slot 0 still holds request 'a'") as e:
+        batch.check_plan(step_plan(taken), "e")
     assert (e.value.slot, e.value.request_id) == (0, "b")
     taken.dropped_slots.append(0)
-    sched = batch.apply_plan(taken, batch.check_plan(taken, "e"))
-    assert sched.rows.tolist() == [0] and list(batch.requests) == ["b"] and batch.requests["b"].block_ids == [6]
+    sched = run_plan(batch, taken)
+    assert sched.rows.tolist() == [0] and list(batch.inputs.row_of) == ["b"] and blocks_of(batch.inputs, "b") == [6]
 
 
 def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one():
@@ -252,7 +267,7 @@ def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one()
     d = Driver(seed=11)
     for _ in range(15):
         plan, chunks = d.plan()
-        sched = d.batch.apply_plan(plan, d.batch.check_plan(plan, "e"))
+        sched = run_plan(d.batch, plan)
         d.after_step(chunks, build_model_inputs(sched, BLOCK, torch.device("cpu"), build_plan=False).sample_rows)
     b, rng = d.batch, random.Random(5)
     live_slots = np.flatnonzero(b.inputs.live).tolist()
@@ -262,12 +277,14 @@ def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one()
         plan = pb.StepPlan(step_id=b.last_step_id + 1)
         entries = []
         for slot in rng.sample(live_slots, rng.randint(1, min(6, len(live_slots)))):
-            s = b.requests[b.inputs.request_ids[slot]]
-            e = Cached(s.request_id, max(0, len(s.token_ids) - s.num_computed_tokens + rng.choice([0, 0, 0, -1, 1])))
+            rid = b.inputs.request_ids[slot]
+            todo = int(b.inputs.num_tokens[slot] - b.inputs.num_computed_tokens[slot])
+            e = Cached(rid, max(0, todo + rng.choice([0, 0, 0, -1, 1])))
             if rng.random() < 0.3:
                 e.new_block_ids = rng.choice([[1], [2, 3], [-1], [b.limits.num_blocks]])
             if rng.random() < 0.1:
-                e.block_table = s.block_ids[: len(s.block_ids) + rng.choice([-1, 0, 1])]
+                held = blocks_of(b.inputs, rid)
+                e.block_table = held[: len(held) + rng.choice([-1, 0, 1])]
             entries.append((slot, e))
         fault = rng.random()
         if fault < 0.05:
@@ -284,15 +301,15 @@ def test_array_check_of_cached_requests_agrees_with_the_request_by_request_one()
             entries.append((b.inputs.num_rows + 5, Cached("")))  # beyond the rows
         add_cached(plan, entries)
         try:
-            b.check_plan(plan, "e")
+            b.check_plan(step_plan(plan), "e")
             ok = True
         except PlanError as e:
-            assert e.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert isinstance(e, InvalidPlan)
             ok = False
         live = b.inputs.live.copy()
         live[np.array(plan.dropped_slots, dtype=np.int64)] = False
         joining = {r.slot for r in plan.new_requests}
-        cached = CachedDeltas.parse(plan)
+        cached = CachedDeltas.parse(step_plan(plan))
         fast = b._cached_valid(cached, live, joining)
         slow = True
         try:

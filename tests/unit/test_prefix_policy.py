@@ -15,6 +15,7 @@ import random
 import zlib
 from collections import deque
 
+import numpy as np
 import pytest
 
 from protos import llmserve_pb2 as pb
@@ -28,7 +29,7 @@ from scheduler_svc.policy import PolicyConfig, schedule
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 from worker_svc.batch import BatchLimits, PersistentBatch
-from worker_svc.server import skip_finished_requests
+from worker_svc.server import skip_finished_requests, step_plan
 
 BS = 4
 VOCAB = 500
@@ -426,42 +427,50 @@ class FakeWorker:
     def ExecuteStep(self, plan: wpb.StepPlan, timeout=None) -> wpb.StepResult:
         if plan.after_step_id and plan.after_step_id == self.finished_in_step:  # as the worker's server does
             skip_finished_requests(plan, self.finished)
-        self.batch.check_plan(plan, self.epoch)
+        checked = step_plan(plan)
+        self.batch.check_plan(checked, self.epoch)
         previous = self.batch.last_step_id
-        chunks = self.batch.apply_plan(plan)
+        sched = self.batch.apply_plan(checked)
+        inputs = self.batch.inputs
+        chunks = list(zip(sched.rows.tolist(), sched.starts.tolist(), sched.lengths.tolist(), strict=True))
+
+        def row_state(row: int) -> tuple[str, list[int], list[int]]:
+            return (inputs.request_ids[row], inputs.block_table[row, : inputs.num_blocks[row]].tolist(),
+                    inputs.token_ids[row, : inputs.num_tokens[row]].tolist())
         src = {c.src: list(self.kv[c.src]) for c in plan.copy_blocks}  # all copies read before any writes
         for c in plan.copy_blocks:
             self.kv[c.dst] = list(src[c.src])
         self.copies += len(plan.copy_blocks)
         written: dict[tuple[int, int], str] = {}
-        for c in chunks:
-            s = c.state
-            for p in range(c.start, c.start + c.length):
-                slot = (s.block_ids[p // self.bs], p % self.bs)
-                assert slot not in written, f"{s.request_id} and {written[slot]} write KV slot {slot} in one step"
-                written[slot] = s.request_id
-                self.kv[slot[0]][slot[1]] = (s.token_ids[p], p)
-            self.tokens_computed += c.length
+        for row, start, length in chunks:
+            rid, block_ids, token_ids = row_state(row)
+            for p in range(start, start + length):
+                slot = (block_ids[p // self.bs], p % self.bs)
+                assert slot not in written, f"{rid} and {written[slot]} write KV slot {slot} in one step"
+                written[slot] = rid
+                self.kv[slot[0]][slot[1]] = (token_ids[p], p)
+            self.tokens_computed += length
         result = wpb.StepResult(step_id=plan.step_id, previous_step_id=previous)
         reasons: list[int] = []
-        for c in chunks:
-            s = c.state
-            for p in range(c.start + c.length):  # what attention reads
-                got = self.kv[s.block_ids[p // self.bs]][p % self.bs]
-                assert got == (s.token_ids[p], p), (f"{s.request_id} reads position {p} from block "
-                                                    f"{s.block_ids[p // self.bs]}: {got}, wants {(s.token_ids[p], p)}")
-            s.num_computed_tokens += c.length
-            if c.samples:
-                tok = fake_model(s.sampling.seed, s.sampling.greedy, s.token_ids)
-                s.token_ids.append(tok)
-                stop = tok in s.sampling.stop_token_ids
-                done = stop or len(s.output_ids) >= s.sampling.max_tokens
+        for row, start, length in chunks:
+            rid, block_ids, token_ids = row_state(row)
+            for p in range(start + length):  # what attention reads
+                got = self.kv[block_ids[p // self.bs]][p % self.bs]
+                assert got == (token_ids[p], p), (f"{rid} reads position {p} from block "
+                                                  f"{block_ids[p // self.bs]}: {got}, wants {(token_ids[p], p)}")
+            inputs.num_computed_tokens[row] += length
+            if start + length == len(token_ids):  # the chunk reached the last known token: it samples
+                sampling = inputs.params[row]
+                tok = fake_model(sampling.seed, sampling.greedy, token_ids)
+                inputs.append_tokens(np.array([row]), np.array([tok]))
+                stop = tok in sampling.stop_token_ids
+                done = stop or len(token_ids) + 1 - inputs.num_prompt_tokens[row] >= sampling.max_tokens
                 reason = wpb.FINISH_REASON_STOP_TOKEN if stop else wpb.FINISH_REASON_MAX_TOKENS
-                result.slots.append(s.row)
+                result.slots.append(row)
                 result.token_ids.append(tok)
                 reasons.append(reason if done else 0)
                 if done:
-                    self.batch.inputs.free(s.row)
+                    inputs.free(row)
         if any(reasons):
             result.finish_reasons.extend(reasons)
         self.finished = {slot for slot, r in zip(result.slots, reasons, strict=True) if r}

@@ -1,15 +1,42 @@
-"""Sampler unit tests on explicit logits (the model-driven versions live in test_worker_runner.py)."""
+"""Sampler unit tests on explicit logits (the model-driven versions live in test_worker_runner.py). Requests become
+the sampler's columns as in the worker: rows of the persistent input batch."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
-from worker_svc.sampler import SampleRow, exponential_noise, sample
+from worker_svc.input_batch import InputBatch
+from worker_svc.sampler import BatchSample, SamplingBatch, apply_penalties, exponential_noise, sample_batch
 from worker_svc.sampling import SamplingParams
 
 V = 64
+Row = tuple[SamplingParams, Sequence[int], Sequence[int]]  # params, prompt, output so far
 
 
-def row(params: SamplingParams, output=(), prompt=(1, 2, 3), position=10) -> SampleRow:
-    return SampleRow(params, list(prompt), list(output), position, frozenset({0}))
+def row(params: SamplingParams, output=(), prompt=(1, 2, 3)) -> Row:
+    return params, prompt, output
+
+
+def sampling_batch(rows: Sequence[Row], eos: Sequence[int] = (0,), repeat: np.ndarray | None = None,
+                   offsets: np.ndarray | None = None) -> SamplingBatch:
+    """The sampler's view of `rows` (each samples the token after its prompt + output). `repeat` samples the given
+    rows instead, `offsets[i]` positions further on (as speculative verification does)."""
+    inputs = InputBatch(max_model_len=1 << 16)
+    for i, (p, prompt, output) in enumerate(rows):
+        inputs.add(i, f"r{i}", [*prompt, *output], len(prompt), p, [], 0)
+    which = np.arange(len(rows)) if repeat is None else repeat
+    return inputs.sampling_batch(which, np.array(sorted(eos), dtype=np.int64), offsets)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[Row], **kw) -> BatchSample:
+    return sample_batch(logits, sampling_batch(rows, **kw))
+
+
+def tokens(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
+    return sample(logits, rows).token_ids.tolist()
 
 
 def logits_for(n: int, seed: int = 0) -> torch.Tensor:
@@ -19,21 +46,21 @@ def logits_for(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_and_top_k_1_pick_argmax():
     lg = logits_for(4)
-    greedy = sample(lg.clone(), [row(SamplingParams(temperature=0.0))] * 4).token_ids
-    topk1 = sample(lg.clone(), [row(SamplingParams(temperature=1.5, top_k=1, seed=s)) for s in range(4)]).token_ids
+    greedy = tokens(lg.clone(), [row(SamplingParams(temperature=0.0))] * 4)
+    topk1 = tokens(lg.clone(), [row(SamplingParams(temperature=1.5, top_k=1, seed=s)) for s in range(4)])
     assert greedy == lg.argmax(-1).tolist() == topk1
 
 
 def test_same_seed_same_token_whatever_the_companions():
     lg = logits_for(1, seed=3)
     p = SamplingParams(temperature=1.0, seed=1234)
-    alone = sample(lg.clone(), [row(p)]).token_ids[0]
+    alone = tokens(lg.clone(), [row(p)])[0]
     others = logits_for(5, seed=9)
     mixed = torch.cat([others[:2], lg, others[2:]])
     rows = [row(SamplingParams(temperature=0.7, seed=i)) for i in range(2)] + [row(p)]
     rows += [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=2.0, top_p=0.5, seed=5)),
              row(SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=6), output=[4, 5])]
-    assert sample(mixed.clone(), rows).token_ids[2] == alone
+    assert tokens(mixed.clone(), rows)[2] == alone
 
 
 def test_noise_is_a_function_of_seed_and_position():
@@ -46,17 +73,17 @@ def test_noise_is_a_function_of_seed_and_position():
 
 def test_different_seeds_give_different_samples():
     lg = torch.zeros(1, V)  # uniform distribution: seeds must spread out
-    draws = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, seed=s))]).token_ids[0] for s in range(40)}
+    draws = set(tokens(lg.expand(40, V).clone(), [row(SamplingParams(temperature=1.0, seed=s)) for s in range(40)]))
     assert len(draws) > 15
 
 
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
     lg = torch.log(probs.clamp_min(1e-30))[None]
-    counts = torch.zeros(V)
-    for pos in range(3000):
-        t = sample(lg.clone(), [row(SamplingParams(temperature=1.0, seed=42), position=pos)]).token_ids[0]
-        counts[t] += 1
+    n = 3000  # one request, sampled at n positions
+    picked = sample(lg.expand(n, V).clone(), [row(SamplingParams(temperature=1.0, seed=42))],
+                    repeat=np.zeros(n, dtype=np.int64), offsets=np.arange(n)).token_ids
+    counts = torch.bincount(torch.from_numpy(picked), minlength=V).float()
     freq = counts / counts.sum()
     assert torch.allclose(freq[:3], probs[:3], atol=0.04)
     assert counts[3:].sum() == 0
@@ -65,33 +92,29 @@ def test_sampling_follows_the_distribution():
 def test_top_p_and_min_p_restrict_the_support():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (V - 4))
     lg = torch.log(probs.clamp_min(1e-30))[None]
-    top_p = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, top_p=0.6, seed=s))]).token_ids[0]
-             for s in range(200)}
-    assert top_p == {0, 1}  # 0.4 < 0.6, 0.4 + 0.3 >= 0.6: token 2 and beyond are cut
-    min_p = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, min_p=0.6, seed=s))]).token_ids[0]
-             for s in range(200)}
-    assert min_p == {0, 1}  # keeps p >= 0.6 * 0.4 = 0.24
-    top_k = {sample(lg.clone(), [row(SamplingParams(temperature=1.0, top_k=3, seed=s))]).token_ids[0]
-             for s in range(200)}
-    assert top_k == {0, 1, 2}
+    def support(**kw) -> set[int]:
+        return set(tokens(lg.expand(200, V).clone(), [row(SamplingParams(temperature=1.0, seed=s, **kw))
+                                                      for s in range(200)]))
+
+    assert support(top_p=0.6) == {0, 1}  # 0.4 < 0.6, 0.4 + 0.3 >= 0.6: token 2 and beyond are cut
+    assert support(min_p=0.6) == {0, 1}  # keeps p >= 0.6 * 0.4 = 0.24
+    assert support(top_k=3) == {0, 1, 2}
 
 
 def test_penalties_follow_vllm_semantics():
     lg = torch.tensor([[2.0, -1.0, 0.5, 3.0] + [-10.0] * (V - 4)])
     # Repetition: seen tokens (prompt 0, output 1) are divided (positive) or multiplied (negative).
     out = lg.clone()
-    from worker_svc.sampler import _apply_penalties
-
-    _apply_penalties(out, [row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])])
+    apply_penalties(out, sampling_batch([row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])]))
     assert out[0, :4].tolist() == [1.0, -2.0, 0.5, 3.0]
     # Presence (once per seen token) and frequency (per occurrence) over the output only.
     out = lg.clone()
-    _apply_penalties(out, [row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[2],
-                               output=[3, 3, 1])])
+    apply_penalties(out, sampling_batch([row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                                             prompt=[2], output=[3, 3, 1])]))
     assert out[0, :4].tolist() == [2.0, -1.0 - 0.75, 0.5, 3.0 - 1.0]
     # And the greedy choice moves: token 3 is penalized below token 0.
     p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
-    assert sample(lg.clone(), [row(p, output=[3, 3])]).token_ids == [0]
+    assert tokens(lg.clone(), [row(p, output=[3, 3])]) == [0]
 
 
 def test_min_tokens_blocks_eos_and_stop_tokens():
@@ -100,14 +123,14 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
     lg[0, 5] = 9.0  # stop token
     lg[0, 7] = 1.0
     p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5])
-    assert sample(lg.clone(), [row(p, output=[9])]).token_ids == [7]
-    assert sample(lg.clone(), [row(p, output=[9, 9, 9])]).token_ids == [0]
+    assert tokens(lg.clone(), [row(p, output=[9])]) == [7]
+    assert tokens(lg.clone(), [row(p, output=[9, 9, 9])]) == [0]
 
 
 def test_logprobs_are_raw_log_softmax_with_top_n():
     lg = logits_for(2)
     out = sample(lg.clone(), [row(SamplingParams(temperature=0.0, logprobs=3)), row(SamplingParams(temperature=0.0))])
     ref = torch.log_softmax(lg, -1)
+    assert out.logprob_rows == [0]  # only the row that asked
     assert abs(out.logprobs[0] - ref[0].max().item()) < 1e-6
     assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(3).indices.tolist()
-    assert out.logprobs[1] is None and out.top_logprobs[1] == []

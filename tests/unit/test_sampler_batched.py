@@ -1,7 +1,8 @@
 """Batched sampling against a simple per-row reference and against the per-row sampler it replaced
 (tests/legacy_host_path.py), bit for bit, on random logits and random rows using every parameter: seeded
 temperature with top-k / top-p / min-p, repetition / presence / frequency penalties, min_tokens with stop and EOS
-tokens, logprobs. Also through the persistent batch's columns, with the vectorized finish checks."""
+tokens, logprobs. The rows reach the sampler as in the worker, through the persistent batch's columns; also with the
+vectorized finish checks."""
 
 from __future__ import annotations
 
@@ -12,23 +13,40 @@ import pytest
 import torch
 
 from protos import worker_pb2 as pb
-from tests import legacy_host_path as legacy
+from tests.support import legacy_host_path as legacy
+from tests.support.legacy_host_path import SampleRow
+from tests.unit.test_sampler import sampling_batch
 from worker_svc import sampler
 from worker_svc.batch import BatchLimits, PersistentBatch
 from worker_svc.sampler import (
-    SampleRow,
+    BatchSample,
     _filter,
     apply_min_tokens,
     apply_penalties,
-    batch_of_rows,
     exponential_noise,
     greedy_batch,
-    sample,
     sample_batch,
 )
 from worker_svc.sampling import SamplingParams, to_proto
+from worker_svc.server import step_plan
 
 EOS = frozenset({0, 3})
+
+
+def batch_of_rows(rows: list[SampleRow]) -> sampler.SamplingBatch:
+    """Rows sample the token after their prompt + output, all with the same EOS ids."""
+    assert all(r.position == len(r.prompt_ids) + len(r.output_ids) and r.eos_ids == rows[0].eos_ids for r in rows)
+    return sampling_batch([(r.params, r.prompt_ids, r.output_ids) for r in rows], eos=sorted(rows[0].eos_ids))
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> legacy.SampleOutput:
+    """The batched sampler's result per row, as the per-row sampler gave it."""
+    out: BatchSample = sample_batch(logits, batch_of_rows(rows))
+    logprobs: list[float | None] = [None] * len(rows)
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    for i, lp, t in zip(out.logprob_rows, out.logprobs, out.top_logprobs, strict=True):
+        logprobs[i], top[i] = lp, t
+    return legacy.SampleOutput(out.token_ids.tolist(), logprobs, top)
 
 
 def random_params(rng: random.Random, vocab: int, *, filters: bool = True) -> SamplingParams:
@@ -105,16 +123,12 @@ def filters_any(rows: list[SampleRow]) -> bool:
 def test_batched_equals_the_per_row_reference_and_the_old_sampler(seed):
     rows, logits = random_case(seed, filters=seed % 4 != 0)
     got = sample(logits.clone(), rows)
-    old = legacy.sample(logits.clone(), legacy_rows(rows))
+    old = legacy.sample(logits.clone(), rows)
     assert (got.token_ids, got.logprobs, got.top_logprobs) == (old.token_ids, old.logprobs, old.top_logprobs)
     max_n = max((r.params.logprobs or 0) for r in rows)
     for i, r in enumerate(rows):
         assert (got.token_ids[i], got.logprobs[i], got.top_logprobs[i]) == reference_row(
             logits[i], r, filters_any(rows), max_n), f"row {i}: {r.params}"
-
-
-def legacy_rows(rows: list[SampleRow]) -> list[legacy.SampleRow]:
-    return [legacy.SampleRow(r.params, r.prompt_ids, r.output_ids, r.position, r.eos_ids) for r in rows]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -123,8 +137,8 @@ def test_penalties_and_bans_change_the_logits_exactly_as_before(seed):
     new, old = logits.clone(), logits.clone()
     apply_penalties(new, batch_of_rows(rows))
     apply_min_tokens(new, batch_of_rows(rows))
-    legacy._apply_penalties(old, legacy_rows(rows))
-    legacy._apply_min_tokens(old, legacy_rows(rows))
+    legacy._apply_penalties(old, rows)
+    legacy._apply_min_tokens(old, rows)
     assert torch.equal(new, old)
 
 
@@ -161,13 +175,13 @@ def test_through_the_persistent_batch_with_finish_checks(seed):
         ids = r.prompt_ids + r.output_ids
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=ids, num_prompt_tokens=len(r.prompt_ids),
                                   sampling=to_proto(r.params), block_ids=range(i * 10, i * 10 + 10))
-    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    p = step_plan(plan)
+    batch.apply_plan(p, batch.check_plan(p, "e"))
     inputs = batch.inputs
     order = np.array([inputs.row_of[f"r{i}"] for i in range(len(rows))], dtype=np.int64)
     eos = np.array(sorted(EOS), dtype=np.int64)
     got = sample_batch(logits.clone(), inputs.sampling_batch(order, eos))
-    old = legacy.sample(logits.clone(), [legacy.SampleRow(r.params, r.prompt_ids, r.output_ids, r.position, EOS)
-                                         for r in rows])
+    old = legacy.sample(logits.clone(), rows)
     assert got.token_ids.tolist() == old.token_ids
     assert [got.logprobs[got.logprob_rows.index(i)] if i in got.logprob_rows else None
             for i in range(len(rows))] == old.logprobs
@@ -202,7 +216,8 @@ def test_finish_reasons_cover_every_branch():
     for i, (sp, out, _, _) in enumerate(cases):
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=[1, 1, 1, *out], num_prompt_tokens=3,
                                   sampling=sp, block_ids=[i * 3, i * 3 + 1, i * 3 + 2])
-    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    p = step_plan(plan)
+    batch.apply_plan(p, batch.check_plan(p, "e"))
     rows = np.array([batch.inputs.row_of[f"r{i}"] for i in range(len(cases))], dtype=np.int64)
     batch.inputs.append_tokens(rows, np.array([c[2] for c in cases]))
     assert batch.inputs.finish_reasons(rows, np.array([0])).tolist() == [c[3] for c in cases]

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from protos import worker_pb2 as pb
+from tests.support.legacy_host_path import SampleRow
+from tests.unit.test_sampler_batched import sample
 from worker_svc.batch import BatchLimits, PersistentBatch
-from worker_svc.sampler import SampleRow, sample, sample_batch
+from worker_svc.sampler import sample_batch
 from worker_svc.sampling import SamplingParams, to_proto
+from worker_svc.server import step_plan
 
 V = 32
 EOS = frozenset({0})
@@ -93,14 +96,15 @@ def test_through_the_persistent_batch_equals_the_plain_reference(seed):
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=r.prompt_ids + r.output_ids,
                                   num_prompt_tokens=len(r.prompt_ids), sampling=to_proto(r.params),
                                   block_ids=range(i * 10, i * 10 + 10))
-    batch.apply_plan(plan, batch.check_plan(plan, "e"))
+    p = step_plan(plan)
+    batch.apply_plan(p, batch.check_plan(p, "e"))
     order = np.array([batch.inputs.row_of[f"r{i}"] for i in range(len(rows))], dtype=np.int64)
     got = sample_batch(logits.clone(), batch.inputs.sampling_batch(order, np.array(sorted(EOS)))).token_ids.tolist()
     plain_rows = [SampleRow(SamplingParams(**{**r.params.to_dict(), "logit_bias": {}, "bad_words": []}),
                             r.prompt_ids, r.output_ids, r.position, EOS) for r in rows]
     want = sample(torch.stack([reference(logits[i], r) for i, r in enumerate(rows)]), plain_rows).token_ids
     assert got == want
-    assert got == sample(logits.clone(), rows).token_ids  # the per-row interface packs them alike
+    assert got == sample(logits.clone(), rows).token_ids  # rows packed one by one give the same
 
 
 def test_rows_without_them_carry_nothing():
@@ -109,6 +113,7 @@ def test_rows_without_them_carry_nothing():
     for i, p in enumerate([greedy(), greedy(logit_bias={3: 1.0}), greedy(bad_words=[[4, 5]])]):
         plan.new_requests.add(slot=i, request_id=f"r{i}", prompt_token_ids=[1, 2], sampling=to_proto(p),
                               block_ids=[i], num_scheduled_tokens=2)
+    plan = step_plan(plan)
     batch.apply_plan(plan, batch.check_plan(plan, "e"))
     inputs = batch.inputs
     assert inputs.plain[:3].tolist() == [True, False, False]  # only the first is a bare argmax
@@ -125,4 +130,4 @@ def test_the_worker_refuses_token_ids_outside_the_vocabulary():
         plan.new_requests.add(slot=0, request_id="r", prompt_token_ids=[1], sampling=p, block_ids=[0],
                               num_scheduled_tokens=1)
         with pytest.raises(Exception, match=f"token id {V} is outside the vocabulary"):
-            batch.check_plan(plan, "e")
+            batch.check_plan(step_plan(plan), "e")

@@ -15,7 +15,7 @@ from worker_svc.tensor_parallel import Shard, local_config, shard_weights
 
 def _config(heads: int = 8, kv: int = 4, vocab: int = 250) -> ModelConfig:
     return ModelConfig(architecture="qwen2", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=1,
-                       num_heads=heads, num_kv_heads=kv, head_dim=4, attention_bias=True)
+                       num_heads=heads, num_kv_heads=kv, head_dim=4)
 
 
 def _weights(c: ModelConfig) -> dict[str, torch.Tensor]:

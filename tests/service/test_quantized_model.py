@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.test_model import PROMPTS, PagedRunner
 from tests.e2e.test_startup_validation import assert_fails, run_cli
+from tests.service.test_model import PROMPTS, PagedRunner
 from worker_svc import quant
 from worker_svc.loader import default_model_path, load_model_weights
 from worker_svc.model import LlamaModel

@@ -2,12 +2,10 @@
 
 Every process writes stdout+stderr to its own log file (``Proc.log_path``; under $LLMSERVE_TEST_LOG_DIR, default
 ``$TMPDIR/llmserve-test-logs``); ``Proc.log_tail()`` returns the end of it. While a process is running it is
-registered, and a test that fails gets the log tail of every such process appended to its report -- if the test
-module activates this file as a plugin:
+registered, and a test that fails gets the log tail of every such process appended to its report (tests/conftest.py
+registers this file as a plugin, and tests/support/redis_fixture.py's session fixture `redis_server`):
 
-    pytest_plugins = ("tests.cluster",)          # in the test module (optional)
-    from tests.redis_fixture import redis_server  # noqa: F401  (a session-wide redis-server URL)
-    from tests import cluster
+    from tests.support import cluster
 
     w = cluster.start_worker(["--num-gpu-blocks-override", "64"])            # waits for the worker's READY line
     s = cluster.start_scheduler(redis_url, w.port, ["--max-num-batched-tokens", "64"])
@@ -62,7 +60,7 @@ from llmserve.processes import (  # noqa: F401  (re-exported for the tests)
     wait_ready,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def log_dir() -> str:
@@ -122,7 +120,7 @@ def ledger(redis_url: str, namespace: str):
     return RedisLedger(redis.Redis.from_url(redis_url), namespace=namespace)
 
 
-# ---- pytest plugin part (active with `pytest_plugins = ("tests.cluster",)`) --------------------------------------
+# ---- pytest plugin part (tests/conftest.py lists this module in `pytest_plugins`) ---------------------------
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):

@@ -18,7 +18,6 @@ from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.store import SCHEMA_VERSION, RedisLedger, SchemaMismatch, StepCommit
 from scheduler_svc.worker_wire import sampling_to_wire
-from tests.redis_fixture import redis_server  # noqa: F401
 
 HOLDER = "sched-a"
 TTL_MS = 5000

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.e2e.test_model import PROMPTS, PagedRunner
+from tests.service.test_model import PROMPTS, PagedRunner
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel, cpu_has_native_bf16
 from worker_svc.runner import resolve_dtype

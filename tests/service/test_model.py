@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import kernels
-from tests.random_weights import randomize
+from tests.support.random_weights import randomize
 from worker_svc.loader import default_model_path, load_gguf, load_hf_dir, load_model_weights
 from worker_svc.model import LlamaModel
 
@@ -202,8 +202,7 @@ def test_hf_qwen2_dir_with_bias_matches_hf(tmp_path):
     torch.manual_seed(0)
     model = _check_hf_dir_parity(transformers.Qwen2ForCausalLM(config), tmp_path)
     c = model.config
-    assert c.architecture == "qwen2" and c.attention_bias and c.tie_word_embeddings
-    assert c.sliding_window is None and c.eos_token_ids == [5]
+    assert c.architecture == "qwen2" and c.tie_word_embeddings and c.eos_token_ids == [5]
     assert model.layers[0].qkv_bias is not None and model.layers[0].qkv_bias.shape == (64 + 2 * 32,)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protos import worker_pb2 as pb
-from tests.plans import Cached, Wire
+from tests.support.plans import Cached, Wire
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The session fixture `redis_server`: the URL of a throw-away redis-server (`llmserve.processes.start_redis`).
 
-Use it from a test module with `from tests.redis_fixture import redis_server  # noqa: F401`
-(or list the module in `pytest_plugins`). Set LLMSERVE_REDIS_SERVER to use another binary.
+tests/conftest.py lists this module in `pytest_plugins`: every test may ask for it by name. Set
+LLMSERVE_REDIS_SERVER to use another binary.
 """
 
 from __future__ import annotations

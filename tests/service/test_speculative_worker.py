@@ -2,21 +2,24 @@
 the tokens plain decoding gives (greedy: Hugging Face's), seeded sampling included, and a stop token or max_tokens
 inside an accepted run ends the request at that token."""
 
+from functools import partial
+
 import pytest
 
 from protos import worker_pb2 as pb
-from tests.driver import DriverRequest, run_requests
-from tests.e2e.test_worker_runner import NEW_TOKENS, PROMPTS, greedy_params, hf_greedy
+from tests.service.test_worker_runner import NEW_TOKENS, PROMPTS, greedy_params, hf_greedy
+from tests.support.driver import DriverRequest, run_requests
+from worker_svc.server import execute_step
 
 K = 4
 
 
 def drive(runner, reqs: list[DriverRequest], chunk: int, seed: int = 0, drafts: int = K) -> list[pb.StepResult]:
     results: list[pb.StepResult] = []
-    run_requests(runner.execute, reqs, chunk=chunk, num_blocks=runner.num_blocks, block_size=runner.block_size,
-                 seed=seed, first_step_id=runner.batch.last_step_id + 1, num_draft_slots=drafts,
-                 spec_results=results)
-    assert not runner.batch.requests, "finished requests must leave the worker's batch"
+    run_requests(partial(execute_step, runner), reqs, chunk=chunk, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size, seed=seed, first_step_id=runner.batch.last_step_id + 1,
+                 num_draft_slots=drafts, spec_results=results)
+    assert not len(runner.batch.inputs), "finished requests must leave the worker's batch"
     return results
 
 

@@ -1,11 +1,14 @@
 """The worker's runner on the bundled model: greedy parity with Hugging Face in mixed batches,
 chunk sizes 1, 7 and 64, shuffled block tables; seeded sampling independent of companions."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from protos import worker_pb2 as pb
-from tests.driver import DriverRequest, run_requests
+from tests.support.driver import DriverRequest, run_requests
+from worker_svc.server import execute_step
 
 PROMPTS = [
     "The capital of France is",
@@ -19,8 +22,18 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
+_HF_GREEDY: dict[tuple, list[int]] = {}  # the session's HF model is shared: each reference is computed once
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Hugging Face forward with its own KV cache, argmax each step (no EOS stop)."""
+    key = (id(model), tuple(ids), n)
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = _hf_greedy(model, ids, n)
+    return list(_HF_GREEDY[key])
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     out = []
     with torch.inference_mode():
         res = model(torch.tensor([ids]), use_cache=True)
@@ -47,9 +60,9 @@ def greedy_params(**kw) -> pb.SamplingParams:
 
 def drive(runner, reqs: list[DriverRequest], chunk: int, seed: int = 0) -> None:
     # Step ids must grow across every test (and module) sharing the session's runner.
-    run_requests(runner.execute, reqs, chunk=chunk, num_blocks=runner.num_blocks, block_size=runner.block_size,
-                 seed=seed, first_step_id=runner.batch.last_step_id + 1)
-    assert not runner.batch.requests, "finished requests must leave the worker's batch"
+    run_requests(partial(execute_step, runner), reqs, chunk=chunk, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size, seed=seed, first_step_id=runner.batch.last_step_id + 1)
+    assert not len(runner.batch.inputs), "finished requests must leave the worker's batch"
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])

@@ -26,10 +26,7 @@ from scheduler_svc.outputs import SampledToken, SchedulerOutput, WorkerOutput
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import Request
 from scheduler_svc.sampling import SamplingParams
-from tests import cluster
-from tests.redis_fixture import redis_server  # noqa: F401
-
-pytest_plugins = ("tests.cluster",)
+from tests.support import cluster
 
 ITL_BOUNDS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
 STEP_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

