@@ -4,6 +4,8 @@ size; and the flags' validation."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -11,14 +13,15 @@ from torch._dynamo.utils import counters
 from common.config import for_device, parse
 from common.validation import ConfigError
 from protos import worker_pb2 as pb
-from tests.driver import DriverRequest, run_requests
-from tests.e2e.test_model import PagedRunner
-from tests.random_weights import randomize
+from tests.service.test_model import PagedRunner
+from tests.support.driver import DriverRequest, run_requests
+from tests.support.random_weights import randomize
 from worker_svc.compiled import CompiledForward, wants_compiled
 from worker_svc.config import CompilationConfig, WorkerConfig
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
 from worker_svc.runner import ModelRunner
+from worker_svc.server import execute_step
 
 SIZES = (4, 8)
 
@@ -93,7 +96,8 @@ def test_worker_runner_with_o1_matches_eager(tiny_path, compiled, monkeypatch, t
         assert isinstance(runner.model, CompiledForward) == bool(argv)
         reqs = [DriverRequest(f"r{i}", list(range(10 + i, 15 + 2 * i)), pb.SamplingParams(
             temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=i) for i in range(3)]
-        run_requests(runner.execute, reqs, chunk=3, num_blocks=runner.num_blocks, block_size=runner.block_size)
+        run_requests(partial(execute_step, runner), reqs, chunk=3, num_blocks=runner.num_blocks,
+                     block_size=runner.block_size)
         outputs.append([r.output for r in reqs])
     assert outputs[0] == outputs[1]
     assert all(len(o) == 6 for o in outputs[0])
