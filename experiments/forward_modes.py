@@ -8,6 +8,7 @@ modes alike; the table shows medians and the ratio to the first mode. The attent
 
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16,64 --context 256
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16 --context 2048 --modes bfloat16-packed
+    .venv/bin/python -m experiments.forward_modes --modes float32,float32-compiled,bfloat16-packed,bfloat16-compiled
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ import torch
 
 import kernels
 from worker_svc import kv_cache
+from worker_svc.compiled import CompiledForward
+from worker_svc.config import CompilationConfig
 from worker_svc.loader import default_model_path, load_model_weights
 from worker_svc.model import LlamaModel
 
 BLOCK_SIZE = 16
-MODES = {"float32": (torch.float32, None), "bfloat16-linear": (torch.bfloat16, False),
-         "bfloat16-packed": (torch.bfloat16, True)}
+# name: (dtype, prepack, compiled): the compiled modes run `-O1`'s forward (dense weights) at the batch sizes
+MODES = {"float32": (torch.float32, None, False), "bfloat16-linear": (torch.bfloat16, False, False),
+         "bfloat16-packed": (torch.bfloat16, True, False), "float32-compiled": (torch.float32, False, True),
+         "bfloat16-compiled": (torch.bfloat16, False, True)}
 
 
 class TimedAttention:
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--context", type=int, default=256, help="cached tokens per sequence")
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(list(MODES)[:3]), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--cache-dir", default=None, help="inductor cache of the compiled modes (default: llmserve's)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
@@ -65,9 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     blocks_each = -(-(a.context + 1) // BLOCK_SIZE)
     models, caches, timers = {}, {}, {}
     for name in modes:
-        dtype, prepack = MODES[name]
+        dtype, prepack, compiled = MODES[name]
         timers[name] = TimedAttention()
         models[name] = LlamaModel(config, weights, dtype, "cpu", attention=timers[name], prepack=prepack)
+        if compiled:
+            models[name] = CompiledForward(models[name], CompilationConfig(tuple(batch_sizes), cache_dir=a.cache_dir))
+            t = time.perf_counter()
+            models[name].warm_up()
+            print(f"{name}: compiled sizes {batch_sizes} in {time.perf_counter() - t:.1f} s", flush=True)
         caches[name] = kv_cache.allocate(config, blocks_each * max(batch_sizes), BLOCK_SIZE, dtype,
                                          torch.device("cpu")).normal_()
     del weights

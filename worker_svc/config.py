@@ -3,6 +3,7 @@ loaders, the model and Describe (`ModelConfig`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from common import config as c
@@ -31,6 +32,62 @@ class ModelConfig:
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's `--compilation-config` keys that apply here (the compiled forward, worker_svc/compiled.py)."""
+
+    # Step sizes (tokens) the compiled forward pads to; None: 1, 2, 4, then multiples of 8 up to the max.
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int = 64
+    cache_dir: str | None = None  # inductor's cache (default ~/.cache/llmserve/inductor)
+
+    def sizes(self) -> tuple[int, ...]:
+        if self.cudagraph_capture_sizes is not None:
+            return self.cudagraph_capture_sizes
+        m = self.max_cudagraph_capture_size
+        return tuple(n for n in (1, 2, 4) if n <= m) + tuple(range(8, m + 1, 8))
+
+    @staticmethod
+    def parse(text: str | None) -> CompilationConfig:
+        """From the flag's JSON (None or "": the defaults); ValueError naming the key when wrong."""
+        if not text:
+            return CompilationConfig()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"must be a JSON object, e.g. '{{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}}': {e}") \
+                from None
+        if not isinstance(d, dict):
+            raise ValueError(f"must be a JSON object, got {text!r}")
+        known = {f for f in CompilationConfig.__dataclass_fields__}
+        if unknown := sorted(set(d) - known):
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}")
+        sizes = d.get("cudagraph_capture_sizes")
+        if sizes is not None:
+            if not isinstance(sizes, list) or not sizes or not all(type(n) is int and n >= 1 for n in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of ints >= 1, got {sizes!r}")
+            sizes = tuple(sorted(set(sizes)))
+        top = d.get("max_cudagraph_capture_size", 64)
+        if type(top) is not int or top < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be an int >= 1, got {top!r}")
+        cache_dir = d.get("cache_dir")
+        if cache_dir is not None and not isinstance(cache_dir, str):
+            raise ValueError(f"cache_dir must be a string, got {cache_dir!r}")
+        return CompilationConfig(sizes, top, cache_dir)
+
+
+def _check_compilation_config(text: str | None) -> str | None:
+    try:
+        CompilationConfig.parse(text)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_optimization_level(level: int | None) -> str | None:
+    return None if level is None or 0 <= level <= 3 else f"must be 0, 1, 2 or 3, got {level}"
 
 
 @dataclass(frozen=True)
@@ -80,3 +137,14 @@ class WorkerConfig:
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")
+    enforce_eager: bool = setting(False, "always run the eager forward (no torch.compile, no CUDA graphs), whatever "
+                                  "-O says")
+    optimization_level: int | None = setting(
+        None, "0: eager forward; 1-3: torch.compile (inductor) of the decoder layers, steps padded to the "
+        "--compilation-config sizes and compiled during start-up; on CUDA, 2-3 also replay CUDA graphs for "
+        "decode-only steps", aliases=("-O",), device_default={"cpu": 0, "cuda": 0}, check=_check_optimization_level)
+    compilation_config: str | None = setting(
+        None, 'compiled forward (vLLM\'s flag): {"cudagraph_capture_sizes": [1, 2, 4, 8]} (the step sizes compiled; '
+        'default 1, 2, 4, then multiples of 8 up to "max_cudagraph_capture_size", default 64; larger steps run '
+        'eager), "cache_dir" (inductor\'s cache, default ~/.cache/llmserve/inductor)', metavar="JSON",
+        check=_check_compilation_config)

@@ -21,6 +21,7 @@ from common.config import for_device
 from common.structured_outputs import StructuredOutputsConfig
 from worker_svc import kv_cache, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
+from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
@@ -94,9 +95,12 @@ class ModelRunner:
         self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL,
                                                   opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
-        self.model = LlamaModel(self.local_config, weights, self.dtype, self.device,
-                                attention=kernels.get_backend(self.attention_backend), tp=group)
+        compiled = wants_compiled(opts)  # inductor cannot trace oneDNN-prepacked weights: dense ones then
+        self.model = LlamaModel(self.local_config, weights, self.dtype, self.device, prepack=False if compiled
+                                else None, attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights
+        if compiled:
+            self.model = compile_model(self.model, opts)
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size

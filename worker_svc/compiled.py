@@ -1,0 +1,178 @@
+"""The compiled forward (`-O1`..`-O3`): torch.compile (inductor) of each decoder layer's dense parts.
+
+Paged attention stays eager between the compiled parts: its metadata (the CPU backend's plan, block tables of
+every length) is Python data a graph cannot hold. Per layer two compiled functions run: norm + qkv + rope, and
+o-proj + residual + norm + MLP; every layer calls the same two graphs (shapes match), so a step size costs two
+compiles for the whole model. A step's token count is padded up to the next size of the compilation config;
+only the compiled parts see the padding rows: attention and the KV write get the real rows alone, so padding
+never touches the KV cache and every real row's arithmetic is per row. Steps above the largest size run eager.
+
+The weights must be dense (not oneDNN-prepacked, which inductor cannot trace, and not quantized); tensor
+parallelism runs eager.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common.validation import ConfigError
+from worker_svc.config import CompilationConfig, WorkerConfig
+from worker_svc.model import LlamaModel, rms_norm, swap_halves
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor")
+
+
+def use_cache_dir(path: str | None) -> str:
+    """Persist inductor's compiled graphs under `path` (default DEFAULT_CACHE_DIR): read by every compile after
+    this call, so a restart loads them instead of compiling again. $TORCHINDUCTOR_CACHE_DIR, if set, wins."""
+    path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path or DEFAULT_CACHE_DIR)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    return path
+
+
+def wants_compiled(opts: WorkerConfig) -> bool:
+    """Whether `opts` (device defaults filled in) asks for the compiled forward; ConfigError for a combination it
+    does not run."""
+    level = opts.optimization_level or 0
+    if level == 0:
+        return False
+    if opts.enforce_eager:
+        log.warning("--enforce-eager: running the eager forward, not -O%d", level)
+        return False
+    if opts.quantization:
+        raise ConfigError(f"--optimization-level {level} runs dense weights only; drop --quantization "
+                          f"{opts.quantization} or use -O0")
+    if opts.tensor_parallel_size > 1:
+        raise ConfigError(f"--optimization-level {level} runs on one rank only; use -O0 with "
+                          f"--tensor-parallel-size {opts.tensor_parallel_size}")
+    return True
+
+
+def compile_model(model: LlamaModel, opts: WorkerConfig) -> CompiledForward:
+    """The compiled forward of `model` (built with prepack=False), every size compiled before it returns."""
+    compiled = CompiledForward(model, CompilationConfig.parse(opts.compilation_config),
+                               cuda_graphs=(opts.optimization_level or 0) >= 2)
+    compiled.warm_up()
+    return compiled
+
+
+def _qkv_rope(h: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+              cos: torch.Tensor, sin: torch.Tensor, eps: float, split: tuple[int, int], heads: int,
+              kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's pre-attention math (LlamaModel.forward) on dense weights: q and k heads roped, and v."""
+    qk, v = F.linear(rms_norm(h, norm, eps), qkv_w, qkv_b).split(split, dim=-1)
+    qk = qk.view(h.shape[0], heads, head_dim)
+    return qk * cos + swap_halves(qk) * sin, v.view(h.shape[0], kv_heads, head_dim)
+
+
+def _o_mlp(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, norm: torch.Tensor,
+           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's post-attention math: residual + o-proj, then residual + MLP."""
+    h = h + F.linear(o, o_w, o_b)
+    x = rms_norm(h, norm, eps)
+    return h + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class CompiledForward:
+    """`LlamaModel.forward`'s signature and results, run through compiled graphs at the configured step sizes."""
+
+    def __init__(self, model: LlamaModel, cfg: CompilationConfig, cuda_graphs: bool = False):
+        if model.prepacked or model.tp is not None or not all(
+                isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
+            raise ValueError("the compiled forward needs dense weights on one rank (no prepacked or quantized "
+                             "weights, no tensor parallelism)")
+        self.model = model
+        self.sizes = cfg.sizes()
+        self.cache_dir = use_cache_dir(cfg.cache_dir)
+        # One graph per size and function; never fall back to dynamic shapes or stop compiling at serving time.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes))
+        self._qkv_rope = torch.compile(_qkv_rope, dynamic=False, fullgraph=True)
+        self._o_mlp = torch.compile(_o_mlp, dynamic=False, fullgraph=True)
+        self._graphs: tuple | None = None
+        if cuda_graphs and model.device.type == "cuda":
+            # Decode-only steps replay CUDA graphs (torch's cudagraph trees). Untested: no GPU where this was
+            # written. The weights are marked static so a replay reads them in place instead of copying them.
+            for layer in model.layers:
+                for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias, layer.post_norm,
+                          layer.gate, layer.up, layer.down):
+                    if t is not None:
+                        torch._dynamo.mark_static_address(t, guard=False)
+            self._graphs = (torch.compile(_qkv_rope, mode="reduce-overhead", dynamic=False, fullgraph=True),
+                            torch.compile(_o_mlp, mode="reduce-overhead", dynamic=False, fullgraph=True))
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The compiled size a step of `num_tokens` runs at, or None (eager)."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def warm_up(self) -> float:
+        """Compile (or load from the cache) every size before the worker serves; returns the seconds taken."""
+        t0 = time.perf_counter()
+        m = self.model
+        for size in self.sizes:
+            ids = torch.zeros(size, dtype=torch.int64, device=m.device)
+            self._layers(ids, ids, None, None, size, decode_only=False)
+            if self._graphs is not None:
+                for _ in range(3):  # cudagraph trees record on the third call
+                    self._layers(ids, ids, None, None, size, decode_only=True)
+        seconds = time.perf_counter() - t0
+        log.info("compiled forward ready: sizes %s in %.1f s (cache %s)", list(self.sizes), seconds, self.cache_dir)
+        return seconds
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        size = self.padded_size(n)
+        if size is None:
+            return self.model.forward(input_ids, positions, kv_cache, attn_meta, logits_indices)
+        if size > n:  # padding rows: token 0 at position 0, dropped before attention
+            input_ids, positions = F.pad(input_ids, (0, size - n)), F.pad(positions, (0, size - n))
+        decode_only = self._graphs is not None and len(attn_meta.seq_lens) == n
+        h = self._layers(input_ids, positions, kv_cache, attn_meta, n, decode_only)
+        m = self.model
+        h = rms_norm(h[logits_indices], m.norm, m.config.rms_norm_eps)
+        return F.linear(h, m.lm_head).float()
+
+    @torch.inference_mode()
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, attn_meta,
+                n: int, decode_only: bool) -> torch.Tensor:
+        """The decoder layers over padded rows, of which the first `n` are real (kv_cache None: warm-up, the
+        attention output stands in as zeros)."""
+        m, c = self.model, self.model.config
+        qkv_rope, o_mlp = self._graphs if decode_only else (self._qkv_rope, self._o_mlp)
+        size, eps = input_ids.shape[0], c.rms_norm_eps
+        cos = m.cos_cache[positions].unsqueeze(1)
+        sin = m.sin_signed_cache[positions].unsqueeze(1)
+        split = (m.q_size + m.kv_size, m.kv_size)
+        h = m._embed(input_ids)
+        for i, layer in enumerate(m.layers):
+            qk, v = qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, cos, sin, eps, split,
+                             c.num_heads + c.num_kv_heads, c.num_kv_heads, c.head_dim)
+            if kv_cache is None:
+                o = torch.zeros(size, m.q_size, dtype=h.dtype, device=h.device)
+            else:
+                q, k = qk[:n].split([c.num_heads, c.num_kv_heads], dim=1)
+                key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
+                m.attention.write_kv_cache(k, v[:n], key_cache, value_cache, attn_meta.slot_mapping)
+                o = m.attention.paged_attention(q, key_cache, value_cache, attn_meta.block_tables,
+                                                attn_meta.cu_seqlens_q, attn_meta.seq_lens, m.scale,
+                                                plan=attn_meta.plan)
+                o = F.pad(o.reshape(n, m.q_size), (0, 0, 0, size - n))
+            h = o_mlp(o, h, layer.o, layer.o_bias, layer.post_norm, layer.gate, layer.up, layer.down, eps)
+        return h
+
+    def __getattr__(self, name: str):  # the model's other attributes (config, kv_cache_shape, ...)
+        return getattr(self.model, name)
+
+    __call__ = forward
