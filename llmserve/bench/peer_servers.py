@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from llmserve import stack
+from llmserve import processes
 
 
 @dataclass
@@ -29,12 +29,12 @@ class ServerSpec:
 class Started:
     base_url: str
     startup_s: float
-    proc: stack.Proc
+    proc: processes.Proc
 
 
 def llmserve_spec(model: str, dtype: str, served_name: str, extra: list[str], gguf_cache_dir: str) -> ServerSpec:
-    """`llmserve serve` with its defaults, the dtype and the served name (started through stack.start_serve)."""
-    port = stack.free_port()
+    """`llmserve serve` with its defaults, the dtype and the served name (started through processes.start_serve)."""
+    port = processes.free_port()
     flags = ["--model", model, "--dtype", dtype, "--served-model-name", served_name, *extra]
     # The GGUF's dequantized weights are cached between starts (only start-up time changes, not the weights).
     return ServerSpec("llmserve", flags, {"LLMSERVE_GGUF_CACHE_DIR": gguf_cache_dir}, port)
@@ -44,7 +44,7 @@ def vllm_spec(vllm_cli: list[str], model_dir: str, dtype: str, served_name: str,
               threads_bind: str, kvcache_gib: int) -> ServerSpec:
     """`vllm serve` of the CPU build. By default it computes on one core and leaves the rest to its front end:
     VLLM_CPU_OMP_THREADS_BIND gives its model threads the cores named (all of them here, as llmserve's worker)."""
-    port = stack.free_port()
+    port = processes.free_port()
     argv = [*vllm_cli, "serve", model_dir, "--dtype", dtype, "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(port), *extra]
     env = {"VLLM_TARGET_DEVICE": "cpu",  # its platform check also reads the `+cpu` the wrapper's version carries
@@ -57,13 +57,13 @@ def llamacpp_spec(llamacpp_cli: list[str], gguf: str, served_name: str, extra: l
     """llama-cpp-python's OpenAI server on the GGUF as it is (its own quantized kernels). It runs one request at a
     time; by default a new request cuts off the stream in progress, so concurrent clients would see broken streams:
     --interrupt_requests false queues them instead."""
-    port = stack.free_port()
+    port = processes.free_port()
     argv = [*llamacpp_cli, "--model", gguf, "--model_alias", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--n_threads", str(threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "false", *extra]
     return ServerSpec("llamacpp", argv, {}, port)
 
 
-def _wait_models(proc: stack.Proc, base_url: str, served_name: str, timeout_s: float) -> None:
+def _wait_models(proc: processes.Proc, base_url: str, served_name: str, timeout_s: float) -> None:
     """Until GET /v1/models lists the served name; a server that exits or overruns raises with its log's end."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -78,10 +78,10 @@ def _wait_models(proc: stack.Proc, base_url: str, served_name: str, timeout_s: f
         time.sleep(1.0)
 
 
-def _stop_group(proc: stack.Proc) -> None:
-    stack.stop(proc, timeout=60)
+def _stop_group(proc: processes.Proc) -> None:
+    processes.stop(proc, timeout=60)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session (stack.spawn): children left behind go too
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session (processes.spawn): children left behind go too
 
 
 @contextlib.contextmanager
@@ -92,12 +92,12 @@ def started(spec: ServerSpec, served_name: str, log_path: str, timeout_s: float)
     t0 = time.monotonic()
     if spec.peer == "llmserve":
         try:
-            proc = stack.start_serve(spec.argv, http_port=spec.port, timeout=timeout_s, log_path=log_path,
+            proc = processes.start_serve(spec.argv, http_port=spec.port, timeout=timeout_s, log_path=log_path,
                                      env=spec.env)
-        except stack.ProcError as e:
+        except processes.ProcError as e:
             raise RuntimeError(str(e)) from None
     else:
-        proc = stack.spawn(spec.peer, spec.argv, log_path=log_path, env=spec.env)
+        proc = processes.spawn(spec.peer, spec.argv, log_path=log_path, env=spec.env)
     base_url = f"http://127.0.0.1:{spec.port}"
     try:
         _wait_models(proc, base_url, served_name, timeout_s)
