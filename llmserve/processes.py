@@ -424,8 +424,10 @@ def live() -> list[Proc]:
         return list(_live)
 
 
-def stop_all() -> None:
-    """Stop every process in `live()`: schedulers and serve first, redis-servers last."""
+def stop_all(everything: bool = False) -> None:
+    """Stop every process in `live()`, schedulers and serve first, redis-servers last; a process whose
+    `extra["keep"]` is set (a test session's shared redis-server) only with `everything`."""
     order = {"serve": 0, "api": 0, "scheduler": 1, "worker": 2, "redis": 3}
     for proc in sorted(live(), key=lambda p: order.get(p.kind, 2)):
-        stop(proc)
+        if everything or not proc.extra.get("keep"):
+            stop(proc)

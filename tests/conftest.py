@@ -45,7 +45,7 @@ def _stop_leftover_processes():
 def pytest_sessionfinish(session, exitstatus):
     from llmserve.processes import stop_all
 
-    stop_all()
+    stop_all(everything=True)
 
 
 def pytest_unconfigure(config):

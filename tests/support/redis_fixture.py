@@ -20,5 +20,6 @@ def redis_server(tmp_path_factory) -> Iterator[str]:
         proc = start_redis(str(tmp_path_factory.mktemp("redis")))
     except ProcError as e:
         pytest.fail(str(e), pytrace=False)
+    proc.extra["keep"] = True  # shared by every module: a module's stop_all() leaves it running
     yield proc.url
     stop(proc, timeout=5)
