@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.structured_outputs import ConstraintError
+from common.structured_outputs import Constraint, ConstraintError
 from common.worker_protocol import MAX_SLOTS
 from worker_svc.errors import EpochMismatch, FencedPlan, InvalidPlan, PlanError, StaleStep
 from worker_svc.grammar import GrammarCache
@@ -255,9 +255,9 @@ class PersistentBatch:
     def _check_constraint(self, where: str, r: JoiningRequest, matchers: dict[int, object]) -> None:
         """A joining constrained request's matcher, at the state after its output tokens (compiled now if the
         cache lacks the grammar)."""
-        c = r.sampling.constraint
-        if c is None:
+        if r.sampling.constraint is None:
             return
+        c = Constraint(**r.sampling.constraint)  # the record keeps it as a plain {kind, spec} dict (JSON in Redis)
         if self.grammars is None:
             raise _invalid(f"{where}: structured outputs (sampling.constraint) are not enabled on this worker")
         try:
