@@ -115,7 +115,7 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("logit_bias", LOGIT_BIAS, {}, Limit(-100, 100), max_items=MAX_LOGIT_BIAS, vllm=_SAME),
     # vLLM semantics: each word's tokens, with and without a leading space; a sequence's last token is banned
     # where the output ends with the tokens before it.
-    SamplingField("bad_words", TOKEN_SEQS, [], max_items=MAX_BAD_WORDS),
+    SamplingField("bad_words", TOKEN_SEQS, [], max_items=MAX_BAD_WORDS, vllm=_SAME),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 

@@ -193,6 +193,9 @@ def test_bad_words_never_appear_in_greedy_output(st):
     assert len(word) >= 3, text
     ids, banned_text = _llmserve_greedy(st, PROMPT, 16, bad_words=[word])
     assert word not in banned_text and len(ids) == 16, (word, text, banned_text)
+    # vLLM's protocol carries the words too: the same tokens as over llmserve.v1.
+    vllm = generate(st, _tokenizer(st).encode(PROMPT), sampling=greedy(16, bad_words=[word]))[0].complete
+    assert list(vllm.output_ids) == ids
     for bad in (["w"] * 65, ["x" * 257], [" "]):  # the limits: 64 words, 256 bytes each, not only spaces
         with pytest.raises(grpc.RpcError) as e:
             _llmserve_greedy(st, PROMPT, 4, bad_words=bad)
@@ -226,6 +229,7 @@ def _refusal(st: Stack, **kw) -> grpc.RpcError:
     (greedy(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
     (greedy(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
     (greedy(logit_bias={10**7: 1.0}), "sampling_params.logit_bias"),
+    (greedy(bad_words=["x" * 257]), "sampling_params.bad_words"),
     (greedy(logprobs=-1), "sampling_params.logprobs"),
     (greedy(logprobs=21), "sampling_params.logprobs"),
     (greedy(seed=-1), "sampling_params.seed"),
