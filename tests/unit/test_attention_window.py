@@ -15,22 +15,19 @@ SHAPES = [(1, 150), (1, 40), (1, 3), (5, 18), (33, 97), (20, 45), (24, 24)]
 
 
 def dense_windowed(query, shapes, dense, scale, window=None, softcap=None):
-    """float64 per sequence: scores, soft-capped, bottom-right causal, keys in (pos - window, pos]."""
+    """float64, one query row at a time over exactly the keys it may see: positions (pos - window, pos]."""
     outs, row = [], 0
     for (q_len, s), (k, v) in zip(shapes, dense, strict=True):
         group = query.shape[1] // k.shape[1]
-        q = query[row:row + q_len].double().transpose(0, 1)
-        kk = k.double().repeat_interleave(group, 1).transpose(0, 1)
-        vv = v.double().repeat_interleave(group, 1).transpose(0, 1)
-        scores = q @ kk.transpose(1, 2) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        q_pos = torch.arange(s - q_len, s)[:, None]
-        k_pos = torch.arange(s)[None]
-        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
-        outs.append((torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ vv).transpose(0, 1))
-        row += q_len
-    return torch.cat(outs)
+        kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)  # [s, Hq, D]
+        for pos in range(s - q_len, s):
+            first = max(0, pos - window + 1) if window else 0
+            scores = torch.einsum("hd,khd->hk", query[row].double(), kk[first:pos + 1]) * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vv[first:pos + 1]))
+            row += 1
+    return torch.stack(outs)
 
 
 @pytest.mark.parametrize("window,softcap", [
