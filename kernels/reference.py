@@ -56,6 +56,9 @@ class _Group:
     real_pos: Tensor | None         # positions of real rows among the padded ones; None = no padding
     rows: Tensor                    # [num_real] token rows the real positions are written to
     span: tuple[int, int] | None    # rows == range(*span): slice instead of gather/scatter
+    q_pos: np.ndarray               # [num_seqs, max_q] absolute position of each (padded) query row
+    # Explicit masks by sliding window (None: none), made on first use by a layer that needs one.
+    masks: dict = field(default_factory=dict, repr=False)
 
 
 # Decodes are gathered and attended in slices of at most this many gathered rows (a whole number of
@@ -163,6 +166,7 @@ def _build_decode_groups(order: np.ndarray, ends: list[int], tables: np.ndarray,
             num_seqs=b - a, max_q=1, kv_len=kv_len, num_blocks=num_blocks, blocks=_to(blocks.ravel(), device),
             kv_pad=kv_pad, mask=mask, causal=False, q_index=rows_t, real_pos=None, rows=rows_t,
             span=(int(rows[0]), int(rows[0]) + b - a) if bool((np.diff(rows) == 1).all()) else None,
+            q_pos=(k[a:b] - 1)[:, None],
         ))
     return groups, [start[k < 1]]  # rows that see no key: a decode of an empty sequence (invalid input)
 
@@ -238,6 +242,7 @@ def _build_group(ids: np.ndarray, tables: np.ndarray, starts: np.ndarray, query_
         real_pos=None if all_real else _to(np.flatnonzero(real), device),
         rows=_to(rows, device),
         span=(first, first + len(rows)) if bool((np.diff(rows) == 1).all()) else None,  # rows == first, first + 1..
+        q_pos=q_pos,
     )
     return group, empty_rows
 
@@ -249,7 +254,8 @@ def _to(a: np.ndarray, device: torch.device) -> Tensor:
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, *,
-                    plan: ReferencePlan | None = None, out: Tensor | None = None) -> Tensor:
+                    plan: ReferencePlan | None = None, out: Tensor | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     query: [num_tokens, Hq, D], the new tokens of all sequences concatenated; sequence i owns rows
@@ -258,7 +264,11 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     GQA: query head h uses kv head h // (Hq // Hkv). Causal mask aligned bottom-right. Returns
     [num_tokens, Hq, D] in query's dtype (into `out` when given). Pass the step's `plan` to skip
     rebuilding it; without one it is computed here (a host sync).
+    sliding_window: query at position p sees keys in (p - sliding_window, p]; None or <= 0 = off.
+    softcap: scores become softcap * tanh(scale * q.k / softcap) (Gemma 2); None or 0 = off.
     """
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else None
+    cap = softcap if softcap else None
     if plan is None:
         cu = cu_seqlens_q.tolist()
         query_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
@@ -268,11 +278,11 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     if (out is None and len(groups) == 1 and plan.empty_rows is None and groups[0].real_pos is None
             and groups[0].span == (0, plan.num_tokens)):
         # One group covering every row in order (a lone prompt, or a few decodes): its result is the output.
-        return _attend(groups[0], query, key_cache, value_cache, scale, plan.scratch)
+        return _attend(groups[0], query, key_cache, value_cache, scale, plan.scratch, window, cap)
     if out is None:
         out = torch.empty_like(query)
     for g in groups:  # slices of decodes, then prefill chunks
-        o = _attend(g, query, key_cache, value_cache, scale, plan.scratch)
+        o = _attend(g, query, key_cache, value_cache, scale, plan.scratch, window, cap)
         if g.span is not None:
             out[g.span[0]:g.span[1]] = o
         else:
@@ -282,8 +292,36 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     return out
 
 
+def _window_mask(g: _Group, window: int | None, device: torch.device) -> tuple[Tensor | None, bool]:
+    """(mask, is_causal) for the group's attention with a sliding window (None: the plain causal one). The
+    window changes nothing when no query row sits `window` or more positions in."""
+    if window is None or window > int(g.q_pos.max()):
+        return g.mask, g.causal
+    if window not in g.masks:
+        t = np.arange(g.kv_len)[None, None]
+        pos = g.q_pos[:, :, None]
+        g.masks[window] = _to(((t <= pos) & (t > pos - window))[:, None], device)
+    return g.masks[window], False
+
+
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                          cap: float) -> Tensor:
+    """SDPA with scores soft-capped before the mask and softmax, which SDPA cannot do: scores computed whole
+    (softmax in float32, as transformers' eager attention). q [B, Hq, M, D], k/v [B, Hkv, N, D]."""
+    if k.shape[1] != q.shape[1]:  # GQA: query head h reads KV head h // (Hq // Hkv)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / cap) * cap
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _attend(g: _Group, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
-            scratch: list[Tensor | None]) -> Tensor:
+            scratch: list[Tensor | None], window: int | None = None, cap: float | None = None) -> Tensor:
     """The group's output rows [len(g.rows), Hq, D], in the order of g.rows (a fresh tensor)."""
     num_heads, head_dim = query.shape[1:]
     if g.span is not None and g.real_pos is None:
@@ -293,17 +331,23 @@ def _attend(g: _Group, query: Tensor, key_cache: Tensor, value_cache: Tensor, sc
     k = _gather(key_cache, g, query.dtype, scratch, 0)
     v = _gather(value_cache, g, query.dtype, scratch, 1)
     num_kv_heads = k.shape[1]
+    mask, causal = _window_mask(g, window, query.device)
+    if cap is not None:
+        q = q.view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)
+        o = _softcapped_attention(q, k, v, mask, causal, scale, cap)
+        o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads, head_dim)
+        return o if g.real_pos is None else o.index_select(0, g.real_pos)
     # CPU SDPA handles the GQA broadcast and the strided K/V views without copies (measured faster
     # than grouped matmuls or .contiguous() K/V).
     if g.max_q == 1 and num_kv_heads != num_heads:
         # Decodes: a KV head's query heads become its query rows (nothing is causal within one token),
         # so each K/V row is read once per KV head instead of once per query head.
         q = q.view(g.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         o = o.reshape(g.num_seqs, num_heads, head_dim)
     else:
         q = q.view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, is_causal=g.causal, scale=scale,
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=num_kv_heads != num_heads)
         o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads, head_dim)
     if g.real_pos is not None:

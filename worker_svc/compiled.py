@@ -91,6 +91,9 @@ class CompiledForward:
                 isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
             raise ValueError("the compiled forward needs dense weights on one rank (no prepacked or quantized "
                              "weights, no tensor parallelism)")
+        if type(model).forward is not LlamaModel.forward or model.layers[0].qk_norm is not None:
+            raise ValueError(f"the compiled forward runs the Llama-shaped decoder only, not "
+                             f"{model.config.architecture}; use -O0")
         self.model = model
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
@@ -167,7 +170,7 @@ class CompiledForward:
                 m.attention.write_kv_cache(k, v[:n], key_cache, value_cache, attn_meta.slot_mapping)
                 o = m.attention.paged_attention(q, key_cache, value_cache, attn_meta.block_tables,
                                                 attn_meta.cu_seqlens_q, attn_meta.seq_lens, m.scale,
-                                                plan=attn_meta.plan)
+                                                plan=attn_meta.plan, **m.attn_kwargs[i])
                 o = F.pad(o.reshape(n, m.q_size), (0, 0, 0, size - n))
             h = o_mlp(o, h, layer.o, layer.o_bias, layer.post_norm, layer.gate, layer.up, layer.down, eps)
         return h

@@ -12,7 +12,7 @@ from common.config import setting
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # the family's short name (worker_svc.models): "llama", "qwen3", "gemma2", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,6 +29,13 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     name: str = ""
+    # Per layer "full_attention" or "sliding_attention" (HF's layer_types); None: every layer full.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
+    rope_local_theta: float | None = None  # rope base of sliding layers, unscaled (Gemma 3); None: rope_theta
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from common import gguf_cache
+from worker_svc import models
 from worker_svc.config import ModelConfig
+from worker_svc.models.hf import hf_rope
 from worker_svc.tensor_parallel import (
     FULL,
     Shard,
@@ -30,28 +32,10 @@ from worker_svc.tensor_parallel import (
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Per-layer GGUF tensor name -> HF name (the layer prefixes are added around them).
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
 }
 
 
@@ -124,8 +108,7 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
     arch = _field(reader, "general.architecture", "llama")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: expected llama, mistral or qwen2")
+    family = models.gguf_class(arch)
 
     def key(name, default=None):
         return _field(reader, f"{arch}.{name}", default)
@@ -146,7 +129,7 @@ def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
 
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -165,6 +148,7 @@ def _gguf_config(reader, tensor_names: set[str]) -> ModelConfig:
         name=str(_field(reader, "general.name", "")),
         vocabulary=gguf_vocabulary(reader),
     )
+    return ModelConfig(**{**fields, **family.gguf_config(key)})
 
 
 _TOKEN_CONTROL = 3  # llama.cpp token type of <|im_start|> and the like
@@ -216,9 +200,7 @@ def _read_gguf(path: str, shard: Shard) -> tuple[ModelConfig, dict[str, torch.Te
     if not config.name:
         config.name = os.path.basename(path)
     check_shardable(config, shard.size)
-    # Only llama-style converters permute q/k; Qwen2 is stored in HF (neox) order already.
-    unpermute = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} \
-        if config.architecture in ("llama", "mistral") else {}
+    unpermute = _unpermute_heads(config)
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -228,7 +210,7 @@ def _read_gguf(path: str, shard: Shard) -> tuple[ModelConfig, dict[str, torch.Te
             factors = _dequantize(t.data, t, hf_shape).tolist()
             config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors}
             continue
-        name = _gguf_to_hf_name(t.name)
+        name = _gguf_to_hf_name(t.name, config)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         part = param_slice(name, config, shard)
         if part is not None and part[0] == 0:
@@ -262,8 +244,7 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
     config = _gguf_config(reader, tensor_names)
     if not config.name:
         config.name = os.path.basename(path)
-    unpermute = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} \
-        if config.architecture in ("llama", "mistral") else {}
+    unpermute = _unpermute_heads(config)
     weights: dict = {}
     for t in reader.tensors:
         hf_shape = tuple(int(d) for d in reversed(t.shape))
@@ -283,7 +264,7 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
             weight = _dequantize(t.data, t, hf_shape)
             if kind in unpermute and t.name.endswith(".weight"):
                 weight = _unpermute_rope_rows(weight, unpermute[kind])
-        weights[_gguf_to_hf_name(t.name)] = weight
+        weights[_gguf_to_hf_name(t.name, config)] = weight
     return config, weights
 
 
@@ -297,12 +278,20 @@ def _dequantize(data: np.ndarray, t, hf_shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(array.reshape(hf_shape))
 
 
-def _gguf_to_hf_name(name: str) -> str:
+def _unpermute_heads(config: ModelConfig) -> dict[str, int]:
+    """GGUF tensor kinds whose rows llama.cpp's converter permuted, and their head counts (llama-style only)."""
+    if not models.by_name(config.architecture).gguf_permuted_qk:
+        return {}
+    return {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+
+
+def _gguf_to_hf_name(name: str, config: ModelConfig) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = models.by_name(config.architecture).gguf_layer_names
     parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
@@ -316,17 +305,15 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    architectures = cfg.get("architectures") or []
-    arch = next((_HF_ARCHITECTURES[a] for a in architectures if a in _HF_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(
-            f"unsupported architectures {architectures} in {path}/config.json: "
-            f"expected one of {sorted(_HF_ARCHITECTURES)}"
-        )
+    try:
+        family = models.model_class(cfg.get("architectures") or [])
+        rope_theta, rope_scaling = hf_rope(cfg)
+        extra = family.hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}/config.json: {e}") from None
 
     num_heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
-    rope_theta, rope_scaling = _hf_rope(cfg)
     eos_ids = _as_id_list(cfg.get("eos_token_id"))
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -341,8 +328,8 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         with safe_open(file, framework="pt") as f:
             names.update(f.keys())
 
-    config = ModelConfig(
-        architecture=arch,
+    config = ModelConfig(**{**dict(
+        architecture=family.name,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
         intermediate_size=cfg["intermediate_size"],
@@ -359,7 +346,7 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
         name=cfg.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
-    )
+    ), **extra})
     check_shardable(config, shard.size)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
@@ -367,21 +354,6 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
             for name in f.keys():
                 weights[name] = shard_tensor(name, f.get_slice(name), config, shard).float()
     return config, weights
-
-
-def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
-    """rope theta and scaling from either the 4.x keys or 5.x's `rope_parameters`."""
-    params = cfg.get("rope_parameters")
-    if params:
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = cfg.get("rope_theta", 10000.0)
-        scaling = dict(cfg.get("rope_scaling") or {})
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    if rope_type == "default":
-        return float(theta), None
-    return float(theta), {"rope_type": rope_type, **scaling}
 
 
 def _as_id_list(value) -> list[int]:

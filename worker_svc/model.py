@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-shaped decoder over a paged KV cache, and the layer functions every family shares.
+
+`LlamaModel` runs Llama, Mistral, Qwen2 and Qwen3 (q/k norm); other families (worker_svc/models/) subclass it.
 
 One forward runs one flattened batch: prefill chunks and decode tokens of many sequences are
 concatenated into `num_tokens` rows. Everything except attention is per-token, so only
@@ -33,6 +35,7 @@ class LayerWeights:
     gate: torch.Tensor  # [intermediate, hidden]; two matmuls measured faster on CPU than one fused gate+up
     up: torch.Tensor
     down: torch.Tensor
+    qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per-head q then k RMSNorm weights (Qwen3); None: none
 
 
 def cpu_has_native_bf16() -> bool:
@@ -109,11 +112,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim / 2], float32, with the config's scaling applied."""
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head of x [T, H, D] with per-head weights [H, D] (q and k heads normalized in one call)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2], float32, with the config's scaling applied (`scaled`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    theta = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling if scaled else None
     if not scaling:
         return inv_freq
     rope_type = scaling.get("rope_type") or scaling.get("type")
@@ -140,6 +152,24 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
+                theta: float | None = None, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-flipped sin [max_position, head_dim] for rope as x * cos + swap_halves(x) * sin_signed,
+    computed in float32 then cast (as HF does per step)."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(config, theta, scaled))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(device=device, dtype=dtype)
+    sin = emb.sin().to(device=device, dtype=dtype)
+    half = config.head_dim // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def layer_windows(config: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), from the config's layer_types."""
+    types = config.layer_types or ["full_attention"] * config.num_layers
+    return [config.sliding_window if t == "sliding_attention" else None for t in types]
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +219,11 @@ class LlamaModel:
         self.prepacked = prepack
         # Anything with write_kv_cache / paged_attention (the torch reference or a Triton backend).
         self.attention = attention if attention is not None else kernels
-        self.scale = config.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        # Per layer: the attention backend's keyword arguments beyond the defaults (a sliding window, soft-capping).
+        self.attn_kwargs: list[dict] = [
+            {k: v for k, v in (("sliding_window", wnd), ("softcap", config.attn_logit_softcapping)) if v}
+            for wnd in layer_windows(config)]
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
@@ -221,9 +255,12 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            qkv_bias = None
+            qkv_bias = qk_norm = None
             if attn + "q_proj.bias" in weights:
                 qkv_bias = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+            if attn + "q_norm.weight" in weights:
+                qk_norm = torch.cat([w(attn + "q_norm.weight").expand(config.num_heads, -1),
+                                     w(attn + "k_norm.weight").expand(config.num_kv_heads, -1)])
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
@@ -235,6 +272,7 @@ class LlamaModel:
                     gate=mat(w(mlp + "gate_proj.weight")),
                     up=mat(w(mlp + "up_proj.weight")),
                     down=mat(w(mlp + "down_proj.weight")),
+                    qk_norm=qk_norm,
                 )
             )
         self.norm = w("model.norm.weight")
@@ -242,15 +280,9 @@ class LlamaModel:
         # tied + prepacked: the head is a packed copy of the embedding (which stays dense for the lookup)
         self.lm_head = mat(self.embed if tied else w("lm_head.weight"))
 
-        # cos/sin for every position, computed once in float32 then cast (as HF does per step).
-        max_position = max_position or config.max_position_embeddings
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin_cache = emb.sin().to(device=self.device, dtype=dtype)
-        # sin with its first half negated, for rope as x * cos + swap_halves(x) * sin_signed
-        half = config.head_dim // 2
-        self.sin_signed_cache = torch.cat((-self.sin_cache[:, :half], self.sin_cache[:, half:]), dim=-1)
+        # cos/sin for every position; sin with its first half negated, for rope as x * cos + swap_halves(x) * sin
+        self.max_position = max_position or config.max_position_embeddings
+        self.cos_cache, self.sin_signed_cache = rope_tables(config, self.max_position, dtype, self.device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config
@@ -279,6 +311,8 @@ class LlamaModel:
             # Rope on q and k heads together (adjacent in qkv): 4 ops instead of 12. q and k come out as
             # strided views of one tensor, which the attention backends accept.
             qk = qk.view(num_tokens, qk_heads, c.head_dim)
+            if layer.qk_norm is not None:
+                qk = head_rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
             qk = qk * cos + swap_halves(qk) * sin
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -294,6 +328,7 @@ class LlamaModel:
                 attn_meta.seq_lens,
                 self.scale,
                 plan=attn_meta.plan,
+                **self.attn_kwargs[i],
             )
             h = self._row_parallel_add(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias, h)
 

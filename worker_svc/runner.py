@@ -19,13 +19,13 @@ import kernels
 from common import tracing
 from common.config import for_device
 from common.structured_outputs import StructuredOutputsConfig
-from worker_svc import kv_cache, speculative
+from worker_svc import kv_cache, models, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
-from worker_svc.model import LlamaModel, cpu_has_native_bf16
+from worker_svc.model import cpu_has_native_bf16
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.outputs import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
 from worker_svc.plan import StepPlan
@@ -96,8 +96,9 @@ class ModelRunner:
                                                   opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
         compiled = wants_compiled(opts)  # inductor cannot trace oneDNN-prepacked weights: dense ones then
-        self.model = LlamaModel(self.local_config, weights, self.dtype, self.device, prepack=False if compiled
-                                else None, attention=kernels.get_backend(self.attention_backend), tp=group)
+        family = models.by_name(self.config.architecture)  # the registry's class for this architecture
+        self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
+                            attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights
         if compiled:
             self.model = compile_model(self.model, opts)
