@@ -8,7 +8,8 @@ tokens). The results, scaled by the routing weights, are summed back into their 
 
 Expert weights are stacked per layer: `gate_up` [E, 2 * I, hidden] (gate rows, then up rows) and `down`
 [E, hidden, I]. Tensor parallelism splits every expert's intermediate dimension I like the dense MLP's
-(`shard_experts`): each rank computes a partial down projection for every pair and one all-reduce sums them.
+(`expert_slice`, applied by the loader): each rank computes a partial down projection for every pair and one
+all-reduce sums them.
 """
 
 from __future__ import annotations
@@ -112,14 +113,3 @@ def expert_slice(intermediate: int, rank: int, size: int) -> tuple[int, int]:
                          f"{intermediate} (moe_intermediate_size / intermediate_size)")
     n = intermediate // size
     return rank * n, (rank + 1) * n
-
-
-def shard_experts(gate_up: Tensor, down: Tensor, rank: int, size: int) -> tuple[Tensor, Tensor]:
-    """This rank's slice of stacked experts: the same intermediate rows of gate and of up, the matching columns
-    of down."""
-    if size == 1:
-        return gate_up, down
-    intermediate = down.shape[2]
-    start, stop = expert_slice(intermediate, rank, size)
-    gate, up = gate_up[:, start:stop], gate_up[:, intermediate + start:intermediate + stop]
-    return torch.cat([gate, up], dim=1).contiguous(), down[:, :, start:stop].contiguous()

@@ -106,7 +106,9 @@ def test_tensor_parallel_partials_sum_to_the_whole(size):
     x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(5))
     total = torch.zeros(11, HIDDEN)
     for rank in range(size):
-        gate_up, down = moe.shard_experts(w.gate_up, w.down, rank, size)
+        start, stop = moe.expert_slice(INTER, rank, size)
+        gate_up = torch.cat([w.gate_up[:, start:stop], w.gate_up[:, INTER + start:INTER + stop]], dim=1)
+        down = w.down[:, :, start:stop]
         assert gate_up.shape == (EXPERTS, 2 * INTER // size, HIDDEN) and down.shape == (EXPERTS, HIDDEN, INTER // size)
         total += moe.moe_forward(x, moe.MoEWeights(w.router, gate_up, down, w.top_k, w.norm_topk_prob))
     torch.testing.assert_close(total, moe.moe_forward(x, w), rtol=1e-5, atol=1e-6)

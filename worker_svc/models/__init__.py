@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from worker_svc.model import LlamaModel
 from worker_svc.models.llama import Llama, Mistral, Qwen2
+from worker_svc.models.mixtral import Mixtral
 from worker_svc.models.qwen3 import Qwen3
+from worker_svc.models.qwen3_moe import Qwen3Moe
 
 MODELS: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Mistral,
     "Qwen2ForCausalLM": Qwen2,
     "Qwen3ForCausalLM": Qwen3,
+    "MixtralForCausalLM": Mixtral,
+    "Qwen3MoeForCausalLM": Qwen3Moe,
 }
 
 
