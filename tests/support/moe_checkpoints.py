@@ -40,9 +40,20 @@ def hf_model(family: str, **overrides) -> torch.nn.Module:
 
 
 def write_checkpoint(family: str, path: str, **overrides) -> torch.nn.Module:
-    """Save `hf_model(family)` as safetensors + config.json in `path`; returns the model."""
+    """Save `hf_model(family)` as safetensors + config.json in `path`, with a byte-level tokenizer of the model's
+    256 tokens (the scheduler detokenizes what it streams); returns the model."""
+    import os
+
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
     model = hf_model(family, **overrides)
     model.save_pretrained(path, safe_serialization=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(path, "tokenizer.json"))
     return model
 
 
