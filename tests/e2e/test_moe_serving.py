@@ -1,7 +1,8 @@
 """Mixtral and Qwen3-MoE served end to end: a transformers-written random checkpoint behind a real worker,
 scheduler and redis-server, six concurrent greedy requests in a 32-token step budget (chunked prefill, mixed
 prefill + decode steps) and a 14-block pool that cannot hold them all (preemption). Each request's tokens equal
-transformers' greedy tokens up to the first step where transformers' own top-2 margin is not clear."""
+transformers' greedy tokens up to the first step where transformers' own top-2 margin is not clear; so do they
+with the experts (and the dense layer) sharded over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def _generate(address: str, ids: list[int], rid: str, out: dict) -> None:
     out[rid] = (tokens, finish)
 
 
-@pytest.mark.parametrize("family", mc.FAMILIES)
-def test_greedy_tokens_match_transformers(redis_server, tmp_path, family):
+@pytest.mark.parametrize("family,tp", [("mixtral", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)])
+def test_greedy_tokens_match_transformers(redis_server, tmp_path, family, tp):
     hf = mc.write_checkpoint(family, str(tmp_path))
     prompts = mc.prompts(6, seed=5)
     threads = torch.get_num_threads()
@@ -50,7 +51,7 @@ def test_greedy_tokens_match_transformers(redis_server, tmp_path, family):
         torch.set_num_threads(threads)
     assert sum(map(len, expected)) >= 4 * MAX_TOKENS, "too few clear greedy steps to compare"
 
-    worker = cluster.start_worker(["--model", tmp_path, *WORKER_ARGS])
+    worker = cluster.start_worker(["--model", tmp_path, *WORKER_ARGS, "--tensor-parallel-size", tp])
     sched = None
     try:
         sched = cluster.start_scheduler(redis_server, worker, SCHEDULER_ARGS)

@@ -90,6 +90,16 @@ def test_chunked_prefill_and_decode_match_transformers(checkpoints, family):
     assert tokens == want, margins
 
 
+def test_compiled_forward_is_refused(checkpoints):
+    from worker_svc.compiled import CompiledForward
+    from worker_svc.config import CompilationConfig
+
+    config, weights = load_hf_dir(checkpoints["mixtral"][0])
+    model = models.by_name("mixtral")(config, weights, torch.float32, "cpu", prepack=False)
+    with pytest.raises(ValueError, match="the compiled forward runs the Llama-shaped decoder only, not mixtral"):
+        CompiledForward(model, CompilationConfig())
+
+
 def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
