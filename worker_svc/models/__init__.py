@@ -8,6 +8,7 @@ where its layers differ. Adding one = that file + a line here + its tests (docs/
 from __future__ import annotations
 
 from worker_svc.model import LlamaModel
+from worker_svc.models.gemma import Gemma2, Gemma3
 from worker_svc.models.llama import Llama, Mistral, Qwen2
 from worker_svc.models.mixtral import Mixtral
 from worker_svc.models.qwen3 import Qwen3
@@ -18,6 +19,8 @@ MODELS: dict[str, type[LlamaModel]] = {
     "MistralForCausalLM": Mistral,
     "Qwen2ForCausalLM": Qwen2,
     "Qwen3ForCausalLM": Qwen3,
+    "Gemma2ForCausalLM": Gemma2,
+    "Gemma3ForCausalLM": Gemma3,
     "MixtralForCausalLM": Mixtral,
     "Qwen3MoeForCausalLM": Qwen3Moe,
 }

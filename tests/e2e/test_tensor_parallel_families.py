@@ -1,0 +1,66 @@
+"""Tensor parallel 2 equals 1 for the families beyond Llama: Qwen3 (q/k norm, explicit head_dim, a sliding layer)
+and Gemma 2 (four norms, soft-capping, interleaved windows; its norms come after the row-parallel all-reduce).
+Random-weight checkpoints written by transformers; two gloo ranks on this CPU, each loading only its slices."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from llmserve.processes import free_port
+from tests.e2e.test_tensor_parallel import _steps
+from worker_svc import models
+from worker_svc.loader import load_hf_dir
+from worker_svc.tensor_parallel import Shard, local_config
+
+FAMILIES = ("qwen3_sliding", "gemma2", "gemma3")
+SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[str]:
+    from tests.service.test_model_families import make_checkpoint  # transformers: not in every spawned rank
+
+    paths = []
+    for name in FAMILIES:
+        path = tmp_path_factory.mktemp(name)
+        make_checkpoint(name, path, max_position_embeddings=256)
+        paths.append(str(path))
+    return paths
+
+
+def _load(path: str, shard: Shard, group=None):
+    config, weights = load_hf_dir(path, shard)
+    return models.by_name(config.architecture)(local_config(config, shard.size), weights, torch.float32, "cpu",
+                                               tp=group)
+
+
+def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from worker_svc.parallel import RankGroup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=SIZE)
+    group = RankGroup(rank, SIZE, rank, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD)
+    for i, path in enumerate(paths):
+        logits = _steps(_load(path, Shard(rank, SIZE), group))
+        if rank == 0:
+            torch.save(logits, os.path.join(out_dir, f"{i}.pt"))
+        else:
+            assert all(x is None for x in logits)
+    dist.destroy_process_group()
+
+
+def test_tp2_logits_equal_one_rank(checkpoints, tmp_path):
+    expected = [_steps(_load(path, Shard(0, 1))) for path in checkpoints]
+    mp.spawn(_rank_main, args=(free_port(), checkpoints, str(tmp_path)), nprocs=SIZE, join=True)
+    for i, want in enumerate(expected):
+        for g, w in zip(torch.load(tmp_path / f"{i}.pt"), want, strict=True):
+            assert g.shape == w.shape
+            diff = (g - w).abs().max().item()
+            assert diff < 1e-4 * max(1.0, w.abs().max().item()), f"{FAMILIES[i]} N=2: max abs logit diff {diff}"

@@ -1,0 +1,25 @@
+"""The Triton paged-attention kernel's sliding window and soft-capping against the torch backend's (both
+per-layer options of the model's attention call), at windows smaller than, equal to and larger than a block and
+longer than the context. Small shapes: on CPU this runs under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.test_triton_attention import _batch, _check, ref, tri  # sets TRITON_INTERPRET=1 first without a GPU
+from tests.unit.test_attention_window import dense_windowed
+
+SHAPES = [(1, 40), (1, 7), (6, 23), (17, 17)]
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (16, None), (21, 4.0), (500, None), (16, 50.0)])
+def test_window_softcap_equal_torch_backend_and_dense(window, softcap):
+    (q, kc, vc, tables, cu, lens), dense = _batch(SHAPES, (4, 2), 32, 16, torch.float32, seed=11)
+    scale = 32 ** -0.5
+    out = tri.paged_attention(q, kc, vc, tables, cu, lens, scale, sliding_window=window, softcap=softcap)
+    torch_backend = ref.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), cu.cpu(), lens.cpu(), scale,
+                                        sliding_window=window, softcap=softcap)
+    expected = dense_windowed(q.cpu(), SHAPES, dense, scale, window, softcap)
+    _check(out.cpu(), expected, torch.float32, f"window {window} softcap {softcap}")
+    _check(torch_backend, expected, torch.float32, "torch backend")

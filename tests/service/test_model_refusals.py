@@ -1,0 +1,39 @@
+"""A config.json option the model or attention backend would ignore is refused when the checkpoint loads (at
+worker start), naming the field: never a silently different output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker_svc.loader import load_hf_dir
+
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+
+
+def refusal(tmp_path, architecture: str, **fields) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], **BASE, **fields}))
+    with pytest.raises(ValueError) as info:
+        load_hf_dir(str(tmp_path))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("architecture,fields,named", [
+    ("FalconForCausalLM", {}, "architectures=['FalconForCausalLM']"),
+    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ("Qwen3ForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}},
+     "rope_parameters.rope_type='dynamic'"),
+    ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("MistralForCausalLM", {"mlp_bias": True}, "mlp_bias=True"),
+    ("Gemma2ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ("Gemma3ForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ("Qwen2ForCausalLM", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+])
+def test_refused_naming_the_field(tmp_path, architecture, fields, named):
+    message = refusal(tmp_path, architecture, **fields)
+    assert named in message and "config.json" in message, message
