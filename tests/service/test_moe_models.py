@@ -28,10 +28,10 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
     return out
 
 
-def build(path: str, shard: Shard = FULL, tp=None):
+def build(path: str, shard: Shard = FULL, tp=None, prepack: bool | None = None):
     config, weights = load_hf_dir(path, shard)
     return models.by_name(config.architecture)(local_config(config, shard.size), weights, torch.float32, "cpu",
-                                                tp=tp)
+                                                tp=tp, prepack=prepack)
 
 
 def chunked_logits(model, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
@@ -54,7 +54,7 @@ def chunked_logits(model, prompts: list[list[int]], chunk: int) -> list[torch.Te
 @pytest.mark.parametrize("family", mc.FAMILIES)
 def test_config_and_stacked_experts(checkpoints, family):
     path, hf = checkpoints[family]
-    model = build(path)
+    model = build(path, prepack=False)
     c = model.config
     assert c.architecture == family and c.num_experts == 4 and c.num_experts_per_tok == 2
     sparse = [layer for layer in model.layers if layer.moe is not None]
@@ -71,10 +71,12 @@ def test_config_and_stacked_experts(checkpoints, family):
     assert moe0.norm_topk_prob and moe0.float32_weights == (family == "mixtral")
 
 
+@pytest.mark.parametrize("prepack", [False, True], ids=["dense", "prepacked"])
 @pytest.mark.parametrize("family", mc.FAMILIES)
-def test_chunked_prefill_and_decode_match_transformers(checkpoints, family):
+def test_chunked_prefill_and_decode_match_transformers(checkpoints, family, prepack):
     path, hf = checkpoints[family]
-    model = build(path)
+    model = build(path, prepack=prepack)
+    assert isinstance(model.layers[0].moe.gate_up, list) == model.prepacked  # prepacked where oneDNN is there
     prompts = mc.prompts(3, seed=7)
     for ids, got in zip(prompts, chunked_logits(model, prompts, chunk=16), strict=True):
         with torch.no_grad():
@@ -111,7 +113,7 @@ def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
     group = RankGroup(rank, 2, rank, torch.device("cpu"))
     prompts = mc.prompts(2, seed=11)
     for i, path in enumerate(paths):
-        model = build(path, Shard(rank, 2), tp=group)
+        model = build(path, Shard(rank, 2), tp=group, prepack=False)
         assert model.layers[0].moe.gate_up.shape[1] == 2 * model.config.moe_intermediate_size
         logits = chunked_logits(model, prompts, chunk=8)
         if rank == 0:

@@ -46,6 +46,8 @@ class SparseMoE:
         gate, up, down = ([w(f"{p}experts.{e}.{name}.weight") for e in range(c.num_experts)]
                           for name in self.expert_names)
         gate_up, down = moe.stack_experts(gate, up, down)  # this rank's slice of every expert (loader)
+        if self.prepacked:  # one oneDNN-prepacked matrix per expert (CPU); the fused CUDA kernel wants the stacks
+            gate_up, down = [mat(t) for t in gate_up], [mat(t) for t in down]
         return {"moe": moe.MoEWeights(w(p + "gate.weight"), gate_up, down, c.num_experts_per_tok,
                                       c.norm_topk_prob, self.route_float32)}
 
