@@ -33,7 +33,8 @@ class LayerWeights:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor | None = None  # [intermediate, hidden]; two matmuls measured faster on CPU than one fused
+    # [intermediate, hidden]; two matmuls measured faster on CPU than one fused gate+up. None in a sparse layer.
+    gate: torch.Tensor | None = None
     up: torch.Tensor | None = None
     down: torch.Tensor | None = None
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per-head q then k RMSNorm weights (Qwen3); None: none
