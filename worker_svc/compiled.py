@@ -91,7 +91,8 @@ class CompiledForward:
                 isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
             raise ValueError("the compiled forward needs dense weights on one rank (no prepacked or quantized "
                              "weights, no tensor parallelism)")
-        if type(model).forward is not LlamaModel.forward or model.layers[0].qk_norm is not None:
+        if type(model).forward is not LlamaModel.forward or model.layers[0].qk_norm is not None \
+                or type(model)._feed_forward is not LlamaModel._feed_forward:
             raise ValueError(f"the compiled forward runs the Llama-shaped decoder only, not "
                              f"{model.config.architecture}; use -O0")
         self.model = model

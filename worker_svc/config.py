@@ -36,6 +36,14 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
     rope_local_theta: float | None = None  # rope base of sliding layers, unscaled (Gemma 3); None: rope_theta
+    # Sparse mixture-of-experts feed-forward (worker_svc.moe; Mixtral, Qwen3-MoE): experts per sparse layer (0: a
+    # dense model), experts each token runs, each expert's intermediate size, whether the kept routing weights are
+    # renormalised to sum to 1, and which layers are sparse (None: all; the others run the dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[int] | None = None
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

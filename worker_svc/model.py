@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,10 +33,12 @@ class LayerWeights:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor  # [intermediate, hidden]; two matmuls measured faster on CPU than one fused gate+up
-    up: torch.Tensor
-    down: torch.Tensor
+    # [intermediate, hidden]; two matmuls measured faster on CPU than one fused gate+up. None in a sparse layer.
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per-head q then k RMSNorm weights (Qwen3); None: none
+    moe: Any = None  # worker_svc.moe.MoEWeights: a sparse block instead of gate/up/down (`_feed_forward`)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -254,7 +257,7 @@ class LlamaModel:
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
+            attn = p + "self_attn."
             qkv_bias = qk_norm = None
             if attn + "q_proj.bias" in weights:
                 qkv_bias = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
@@ -269,10 +272,8 @@ class LlamaModel:
                     o=mat(w(attn + "o_proj.weight")),
                     o_bias=maybe(attn + "o_proj.bias"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate=mat(w(mlp + "gate_proj.weight")),
-                    up=mat(w(mlp + "up_proj.weight")),
-                    down=mat(w(mlp + "down_proj.weight")),
                     qk_norm=qk_norm,
+                    **self._feed_forward_weights(i, weights, w, mat),
                 )
             )
         self.norm = w("model.norm.weight")
@@ -332,9 +333,7 @@ class LlamaModel:
             )
             h = self._row_parallel_add(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias, h)
 
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate = F.silu(linear(x, layer.gate), inplace=True)  # in place: two fewer allocations
-            h = self._row_parallel_add(gate.mul_(linear(x, layer.up)), layer.down, None, h)
+            h = self._feed_forward(layer, rms_norm(h, layer.post_norm, c.rms_norm_eps), h)
 
         # The head is the most expensive matmul per row: run it only where a token is sampled.
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
@@ -343,6 +342,17 @@ class LlamaModel:
             return logits
         logits = self.tp.gather_to_first(logits)  # [R, size * vocab rows] on rank 0, padding rows last
         return None if logits is None else logits[:, : c.vocab_size]
+
+    def _feed_forward_weights(self, i: int, weights: dict, w: Callable, mat: Callable) -> dict[str, Any]:
+        """Layer i's feed-forward fields of LayerWeights, from `weights` through the constructor's `w` (to the
+        device and dtype) and `mat` (a matmul weight): here the dense SwiGLU MLP; sparse families override it."""
+        mlp = f"model.layers.{i}.mlp."
+        return {x: mat(w(mlp + f"{x}_proj.weight")) for x in ("gate", "up", "down")}
+
+    def _feed_forward(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the layer's feed-forward of x (the post-attention-normed hidden states)."""
+        gate = F.silu(linear(x, layer.gate), inplace=True)  # in place: two fewer allocations
+        return self._row_parallel_add(gate.mul_(linear(x, layer.up)), layer.down, None, residual)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):  # dequantize only the rows looked up

@@ -1,10 +1,11 @@
 """Megatron-style tensor-parallel sharding of a Llama-family checkpoint: which slice of each weight a rank holds.
 
 q/k/v and gate/up are column-parallel (a rank holds some output rows), o and down row-parallel (some input
-columns; their partial outputs are summed by one all-reduce), the embedding and the LM head vocabulary-parallel
-(a rank holds a contiguous range of token rows, padded with zero rows so that every rank holds as many), norms
-replicated. KV heads are split across ranks; with more ranks than KV heads each KV head is replicated on
-`size // num_kv_heads` consecutive ranks, so that every rank's query heads still share its one KV head.
+columns; their partial outputs are summed by one all-reduce); each expert of a sparse MoE block is split like the
+MLP (its gate/up rows, its down columns; the router is replicated). The embedding and the LM head are
+vocabulary-parallel (a rank holds a contiguous range of token rows, padded with zero rows so that every rank
+holds as many), norms replicated. KV heads are split across ranks; with more ranks than KV heads each KV head is
+replicated on `size // num_kv_heads` consecutive ranks, so that every rank's query heads still share its one KV head.
 Names and shapes are Hugging Face's ([out, in]); pure shape arithmetic, no collectives.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_svc.config import ModelConfig
+from worker_svc.moe import expert_slice
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         raise ValueError(f"--tensor-parallel-size {size} does not divide the model's intermediate_size "
                          f"{cfg.intermediate_size}")
+    if cfg.num_experts:
+        expert_slice(cfg.moe_intermediate_size, 0, size)
 
 
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
@@ -47,7 +51,8 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if size == 1:
         return cfg
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
-                               intermediate_size=cfg.intermediate_size // size)
+                               intermediate_size=cfg.intermediate_size // size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // size)
 
 
 def vocab_rows(cfg: ModelConfig, size: int) -> int:
@@ -84,6 +89,9 @@ def param_slice(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, in
             return None  # added once, after the all-reduce (by rank 0)
         n = cfg.num_heads // shard.size
         return 1, shard.rank * n * d, (shard.rank + 1) * n * d
+    if ".experts." in name:  # one expert of a sparse block (worker_svc.moe): its rows of gate / up, columns of down
+        start, stop = expert_slice(cfg.moe_intermediate_size, shard.rank, shard.size)
+        return (1 if kind in ("w2", "down_proj") else 0), start, stop
     if kind in ("gate_proj", "up_proj", "down_proj"):
         n = cfg.intermediate_size // shard.size
         if kind == "down_proj":

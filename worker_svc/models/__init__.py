@@ -10,7 +10,9 @@ from __future__ import annotations
 from worker_svc.model import LlamaModel
 from worker_svc.models.gemma import Gemma2, Gemma3
 from worker_svc.models.llama import Llama, Mistral, Qwen2
+from worker_svc.models.mixtral import Mixtral
 from worker_svc.models.qwen3 import Qwen3
+from worker_svc.models.qwen3_moe import Qwen3Moe
 
 MODELS: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": Llama,
@@ -19,6 +21,8 @@ MODELS: dict[str, type[LlamaModel]] = {
     "Qwen3ForCausalLM": Qwen3,
     "Gemma2ForCausalLM": Gemma2,
     "Gemma3ForCausalLM": Gemma3,
+    "MixtralForCausalLM": Mixtral,
+    "Qwen3MoeForCausalLM": Qwen3Moe,
 }
 
 
