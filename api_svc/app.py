@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from api_svc import errors, openapi
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
@@ -72,6 +73,11 @@ def create_app(cfg: APIConfig) -> FastAPI:
         param = loc[0] if loc else None
         where = ".".join(loc)
         return errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):  # FastAPI's own (a body that is not UTF-8, 404, 405)
+        return APIError(e.status_code, str(e.detail), "BadRequestError" if e.status_code == 400 else "HTTPError",
+                        headers=e.headers).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception):

@@ -26,8 +26,8 @@ class BodyTooLarge(APIError):
 
 
 class BodyLimit:
-    """ASGI middleware: a body over `max_bytes` (by its Content-Length, or counted as it arrives when chunked) is
-    answered 413 before it is parsed."""
+    """ASGI middleware: a body over `max_bytes` is answered 413 before it is parsed: by its Content-Length, or, sent
+    without one (chunked), counted as it arrives and held until it is whole (at most `max_bytes`)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -36,22 +36,36 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = BodyTooLarge(self.max_bytes).response()
-            response.headers["Connection"] = "close"  # the rest of the body is not read
-            return await response(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:  # raised inside the route: the app's APIError handler answers it
-                    raise BodyTooLarge(self.max_bytes)
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()  # after the body: the disconnect, for handlers that wait for it
+            message, whole = whole, None
             return message
 
-        await self.app(scope, counted, send)
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        response = BodyTooLarge(self.max_bytes).response()
+        response.headers["Connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
 
 
 def check_prompts(prompt: object, max_prompts: int, max_model_len: int) -> None:
