@@ -35,7 +35,23 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _is_type_name(part) -> bool:
     """pydantic names the alternative of a union in an error's location (`str`, `list[int]`): not a field."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-int"))
+    return isinstance(part, str) and ("[" in part or part.startswith("constrained-")
+                                      or part in ("str", "int", "float", "bool"))
+
+
+def _limit_message(err: dict) -> str | None:
+    """A violated upper limit in the scheduler's words (`must be <= 16, got 17`; `has 17 entries, the limit is
+    16`), or None for pydantic's own message."""
+    ctx = err.get("ctx") or {}
+    if err.get("type") == "less_than_equal":
+        return f"must be <= {ctx.get('le')}, got {err.get('input')}"
+    if err.get("type") == "too_long":
+        n = ctx.get("actual_length")  # None: pydantic stopped counting at the limit
+        return f"has {n if n is not None else 'more than ' + str(ctx.get('max_length'))} entries, the limit is " \
+               f"{ctx.get('max_length')}"
+    if err.get("type") == "string_too_long":
+        return f"is longer than the limit of {ctx.get('max_length')} characters"
+    return None
 
 
 def create_app(cfg: APIConfig) -> FastAPI:
@@ -72,7 +88,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_name(x)]
         param = loc[0] if loc else None
         where = ".".join(loc)
-        return errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param).response()
+        msg = _limit_message(first) or first["msg"]
+        return errors.bad_request(f"{where}: {msg}" if where else msg, param).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException):  # FastAPI's own (a body that is not UTF-8, 404, 405)
