@@ -97,8 +97,10 @@ class Version(_Doc):
     version: str
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chunk}` events, then "
-                                                   "`data: [DONE]` (with `stream: true`)"}}}
+# With `stream: true`. OpenAPI 3.1 reads an event stream's schema as the schema of each event.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "description": "one server-sent event: a chunk, an error, or [DONE]",
+    "properties": {"data": {"type": "string", "description": "a chunk (or an error body) as JSON, or `[DONE]` last"}}}}}
 _ERRORS = {400: "the body or a field is invalid (the message names the field and the limit)",
            401: "missing or wrong API key", 404: "the model is not the one served",
            413: "the body is larger than --max-request-body-bytes", 429: "the scheduler's queue is full",

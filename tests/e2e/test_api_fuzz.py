@@ -44,7 +44,7 @@ from tests.support.stack import Stack
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 4 << 20
 MAX_PROMPTS = 8
-EXAMPLES = 12  # per operation and mode (valid bodies, invalid bodies)
+EXAMPLES = 20  # per operation and mode (valid bodies, invalid bodies)
 FUZZ_BUDGET_S = 240  # past this, the remaining examples are drawn but not sent
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -143,7 +143,7 @@ def test_openai_api_under_schema_fuzzing(stack, record_property):
                     sent += 1
                     try:
                         case.validate_response(response, checks=CHECKS)
-                    except AssertionError as e:  # schemathesis's failures: collected, the run goes on
+                    except Exception as e:  # noqa: BLE001  (schemathesis raises a group of its failures: all collected)
                         failures.append(f"{case.operation.label} -> {response.status_code}: {str(e)[:600]}")
 
                 try:
