@@ -14,11 +14,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
-from api_svc import errors
+from api_svc import errors, openapi
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
 from api_svc.errors import APIError
+from api_svc.limits import BodyLimit, check_prompts
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
@@ -33,7 +35,23 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _is_type_name(part) -> bool:
     """pydantic names the alternative of a union in an error's location (`str`, `list[int]`): not a field."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-int"))
+    return isinstance(part, str) and ("[" in part or part.startswith("constrained-")
+                                      or part in ("str", "int", "float", "bool"))
+
+
+def _limit_message(err: dict) -> str | None:
+    """A violated upper limit in the scheduler's words (`must be <= 16, got 17`; `has 17 entries, the limit is
+    16`), or None for pydantic's own message."""
+    ctx = err.get("ctx") or {}
+    if err.get("type") == "less_than_equal":
+        return f"must be <= {ctx.get('le')}, got {err.get('input')}"
+    if err.get("type") == "too_long":
+        n = ctx.get("actual_length")  # None: pydantic stopped counting at the limit
+        return f"has {n if n is not None else 'more than ' + str(ctx.get('max_length'))} entries, the limit is " \
+               f"{ctx.get('max_length')}"
+    if err.get("type") == "string_too_long":
+        return f"is longer than the limit of {ctx.get('max_length')} characters"
+    return None
 
 
 def create_app(cfg: APIConfig) -> FastAPI:
@@ -51,6 +69,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         await bridge.close()
 
     app = FastAPI(title="llmserve OpenAI-compatible API", version=VERSION, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_request_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -69,7 +88,13 @@ def create_app(cfg: APIConfig) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_name(x)]
         param = loc[0] if loc else None
         where = ".".join(loc)
-        return errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param).response()
+        msg = _limit_message(first) or first["msg"]
+        return errors.bad_request(f"{where}: {msg}" if where else msg, param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):  # FastAPI's own (a body that is not UTF-8, 404, 405)
+        return APIError(e.status_code, str(e.detail), "BadRequestError" if e.status_code == 400 else "HTTPError",
+                        headers=e.headers).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception):
@@ -102,7 +127,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     v1 = APIRouter(dependencies=[Depends(require_key)])
 
-    @v1.get("/v1/models")
+    @v1.get("/v1/models", responses=openapi.json_route(openapi.ModelList, 401, 500, 503))
     async def models(request: Request):
         bridge = bridge_of(request)
         info = await bridge.model_info()
@@ -139,25 +164,30 @@ def create_app(cfg: APIConfig) -> FastAPI:
                     await task
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         task.result()
-        return JSONResponse(whole(reply, choices, want_logprobs))
+        # A whole answer (n sequences, logprobs) can be megabytes of JSON: built off the event loop.
+        return await asyncio.to_thread(lambda: JSONResponse(whole(reply, choices, want_logprobs)))
 
-    @v1.post("/v1/completions")
+    @v1.post("/v1/completions", responses=openapi.json_route(openapi.Completion, *openapi.GENERATE, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         bridge = bridge_of(request)
         name = await check_model(bridge, body.model)
         rid = request_id(request)
-        reqs = completion_requests(body, rid)
+        check_prompts(body.prompt, cfg.max_prompts_per_request, bridge.info.max_model_len)
+        reqs = await asyncio.to_thread(completion_requests, body, rid)  # protobuf of up to a whole body
         echo = None
         if body.echo:
             tok = await bridge.get_tokenizer()
-            echo = [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids)) for r in reqs]
+            echo = await asyncio.to_thread(
+                lambda: [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids))
+                         for r in reqs])
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None else None)
         reply = Reply(f"cmpl-{rid}", name, body.n, strings, chat=False,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
         gens = [bridge.generation(r) for r in reqs]
         return await run(request, gens, reply, body.logprobs is not None, body.stream, echo)
 
-    @v1.post("/v1/chat/completions")
+    @v1.post("/v1/chat/completions",
+             responses=openapi.json_route(openapi.ChatCompletion, *openapi.GENERATE, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         bridge = bridge_of(request)
         name = await check_model(bridge, body.model)
@@ -171,28 +201,32 @@ def create_app(cfg: APIConfig) -> FastAPI:
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
-        gens = [bridge.generation(chat_request(body, rid), chat=True)]
+        gens = [bridge.generation(await asyncio.to_thread(chat_request, body, rid), chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
 
-    @v1.post("/tokenize")
+    @v1.post("/tokenize", responses=openapi.json_route(openapi.Tokens, *openapi.BODY))
     async def tokenize(body: TokenizeRequest, request: Request):
         bridge = bridge_of(request)
         await check_model(bridge, body.model)
         tok = await bridge.get_tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise errors.bad_request("give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
+
+        def encode() -> list[int]:  # in a worker thread: templates and tokenizing take time proportional to input
+            if body.messages is None:
+                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
             except Exception as e:  # a template error from the model's own template names the problem
                 raise errors.bad_request(f"the chat template failed on these messages: {e}", "messages") from None
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": bridge.info.max_model_len, "tokens": ids}
+            return tok.encode(text, add_special_tokens=False)
 
-    @v1.post("/detokenize")
+        ids = await asyncio.to_thread(encode)
+        body = {"count": len(ids), "max_model_len": bridge.info.max_model_len, "tokens": ids}
+        return await asyncio.to_thread(JSONResponse, body)  # not FastAPI's encoder on the loop: ids can be millions
+
+    @v1.post("/detokenize", responses=openapi.json_route(openapi.Text, *openapi.BODY))
     async def detokenize(body: DetokenizeRequest, request: Request):
         bridge = bridge_of(request)
         await check_model(bridge, body.model)
@@ -200,23 +234,25 @@ def create_app(cfg: APIConfig) -> FastAPI:
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise errors.bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": (await bridge.get_tokenizer()).decode(body.tokens)}
+        tok = await bridge.get_tokenizer()
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.HEALTH, response_class=PlainTextResponse)
     async def health(request: Request):
         status = await bridge_of(request).health()
         if status != "SERVING":
             return errors.unavailable(f"the scheduler at {cfg.scheduler} is {status}").response()
         return PlainTextResponse("")
 
-    @app.get("/version")
+    @app.get("/version", responses=openapi.json_route(openapi.Version))
     async def version():
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.METRICS, response_class=PlainTextResponse)
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    openapi.install(app)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from api_svc import limits
 from common import config as c
 from common.config import setting
 
@@ -22,3 +23,9 @@ class APIConfig:
         60.0, "seconds a stream keeps re-attaching while the scheduler is unavailable (fail-over)",
         check=c.at_least(0))
     log_level: str = setting("warning", "uvicorn's log level (access logs at info)")
+    max_request_body_bytes: int = setting(
+        limits.DEFAULT_MAX_BODY_BYTES, "largest request body accepted; a larger one is answered 413 before parsing",
+        check=c.at_least(1))
+    max_prompts_per_request: int = setting(
+        limits.DEFAULT_MAX_PROMPTS, "most prompts one /v1/completions request may batch (400 beyond)",
+        check=c.at_least(1))

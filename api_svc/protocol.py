@@ -13,11 +13,13 @@ from typing import Annotated, Literal
 from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from api_svc.limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
 from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS
 from protos import llmserve_pb2 as pb
 
 INT32_MAX = (1 << 31) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_BYTES)]  # the scheduler counts UTF-8 bytes
 
 
 class _Body(BaseModel):
@@ -74,8 +76,8 @@ _PROTO_FIELDS = pb.SamplingParams.DESCRIPTOR.fields_by_name
 # scheduler's default); typed as llmserve.v1 declares them (token ids: non-negative int32).
 _TableFields = create_model(
     "_TableFields", __base__=_Body,
-    **{f.public: ((list[TokenId] if f.kind == TOKEN_IDS else dict[TokenId, float] if f.kind == LOGIT_BIAS
-                   else _wire_type(_PROTO_FIELDS[f.public])) | None, None)
+    **{f.public: (Annotated[(list[TokenId] if f.kind == TOKEN_IDS else dict[TokenId, float] if f.kind == LOGIT_BIAS
+                             else _wire_type(_PROTO_FIELDS[f.public])), Field(max_length=f.max_items)] | None, None)
        for f in FIELDS if f.public is not None and f.openai})
 
 
@@ -84,8 +86,8 @@ class SamplingFields(_TableFields):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
-    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -78,6 +79,29 @@ def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int) ->
     where = {"host": own.host, "port": own.http_port, "scheduler": f"{host}:{scheduler_port}"}
     api = from_namespace(APIConfig, args, **where)
     return cli_argv("api", *[w for k, v in where.items() for w in (c.flag(k), v)], *to_argv(api, exclude=where))
+
+
+def taken_port(host: str, port: int) -> str | None:
+    """Why `port` on `host` cannot be listened on (already in use, ...), or None; port 0 is always free."""
+    if not port:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def check_ports(own: ServeConfig) -> None:
+    """Refuse at start, before any child is started, a gRPC or HTTP port that something else holds."""
+    for flag, port in (("--port", own.port), ("--http-port", own.http_port)):
+        why = taken_port(own.host, port)
+        if why:
+            raise SystemExit(f"llmserve serve: {flag} {port} cannot be used on {own.host}: {why}; stop what holds "
+                             f"it or give {flag} another port")
 
 
 class _Child:
@@ -165,6 +189,7 @@ def serve(args: argparse.Namespace) -> None:
         own, worker_cfg = from_namespace(ServeConfig, args), from_namespace(WorkerConfig, args)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+    check_ports(own)
     tracing.setup("llmserve-scheduler", sched_cfg.otlp_traces_endpoint)
     workdir = tempfile.mkdtemp(prefix="llmserve-")
     log_dir = own.log_dir or workdir

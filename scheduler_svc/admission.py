@@ -12,16 +12,13 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from common.request_limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
 from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
 from common.sampling_wire import read
 from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
 from common.tokenizer import CHAT_ROLES, Tokenizer
 from protos import llmserve_pb2 as pb
 from scheduler_svc.request import Request
-
-MAX_STOP_STRINGS = 16
-MAX_N = 16
-MAX_STOP_BYTES = 256
 
 
 class AdmissionError(Exception):
