@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from scheduler_svc import leadership
+from scheduler_svc import failover, leadership
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import FINISH_REJECTED, SchedulerCore
 from scheduler_svc.frontend import AddRequest, Frontend
@@ -67,6 +67,7 @@ class Driver(Frontend):
         self.core: SchedulerCore | None = None  # while leading
         self.step_id = 0
         self.in_flight: StepRecord | None = None  # pipelined: the step sent last, whose result is not applied yet
+        self.last_committed: int | None = None  # the last step id this process committed (failover.py compares)
         self.timings = StepTimes()
         self.step_stats = self.timings.stats
         self.tracer = TracingObserver()
@@ -141,13 +142,16 @@ class Driver(Frontend):
         led = leadership.take_pool(self.ledger, self.lease, self.worker, self.cfg, self.metrics, self.stopping)
         if led is None:
             return
-        self.core, self.step_id = led
+        self.core, self.step_id, ledger_step = led
+        failover.report_behind(self.last_committed, ledger_step, self.ledger.prefix, self.metrics)
         self.tracer.model_name = self.worker.info.model.name
         self.tracer.token_budget = self.core.policy.max_num_batched_tokens
+        # The fence step: the ledger's step id matches the worker's. Committed (and, with --redis-durability, made
+        # durable) before anything read back from Redis is shown to clients.
+        self._commit(self._record(SchedulerOutput()))
         with self.lock:
             for req in list(self.core.requests.values()):
                 self.outbox.published[req.request_id] = Published.of_stored(req, False)
-        self._commit(self._record(SchedulerOutput()))  # the fence step: the ledger's step id matches the worker's
         log.info("leading pool %s with token %d: %d running, %d waiting requests resumed", self.ledger.prefix,
                  self.lease.token, len(self.core.running), len(self.core.waiting))
         self._set_ready(True)
@@ -257,6 +261,7 @@ class Driver(Frontend):
         except Exception:
             self._notify("step_failed", record)
             raise
+        self.last_committed = record.step_id
         record.end = time.perf_counter()
         record.commit_seconds = record.end - t0
         record.finished = commit.finished

@@ -1,0 +1,135 @@
+"""Redis high availability at the scheduler's edge: finding the primary through Sentinel, and waiting until a commit
+is durable before its tokens are published.
+
+Sentinel: redis-py's `Sentinel.master_for` asks the Sentinels for the primary's address on every new connection,
+and turns a READONLY reply (the primary it was talking to was demoted) into a ConnectionError after dropping that
+connection. The driver treats both like any Redis failure: it stands down, then takes the pool again from whichever
+node the Sentinels now name.
+
+Durability (`--redis-durability`): the commit script and the wait go in one pipeline on one connection, because
+WAIT and WAITAOF count the replication offset of the connection that wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+from redis.connection import SSLConnection, parse_url
+from redis.sentinel import MasterNotFoundError, Sentinel
+
+from common.validation import ConfigError
+
+# A Sentinel answers in milliseconds; a data node may be a primary that stopped (SIGSTOP, a partition): without a
+# socket timeout a commit would wait for it forever instead of failing over to the node the Sentinels promote.
+SENTINEL_SOCKET_TIMEOUT_S = 2.0
+DATA_SOCKET_TIMEOUT_S = 5.0
+# The longest a commit waits for WAIT / WAITAOF (shorter than the socket timeout, so the reply comes back).
+MAX_DURABILITY_WAIT_MS = 2000
+
+
+class DurabilityError(Exception):
+    """The durability wait did not confirm a commit in time: the step fails like a failed commit."""
+
+
+def parse_sentinels(spec: str) -> list[tuple[str, int]]:
+    """'host:port,host:port' -> [(host, port), ...]; ValueError naming the bad entry."""
+    out = []
+    for part in spec.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{part.strip()!r} is not HOST:PORT")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def check_sentinels(spec: str) -> None:
+    try:
+        parse_sentinels(spec)
+    except ValueError as e:
+        raise ConfigError(f"--redis-sentinel {spec!r}: {e} (expected HOST:PORT[,HOST:PORT...])") from None
+
+
+def url_options(url: str | None) -> dict:
+    """The password, TLS options and database of `url` (its host and port are ignored), as redis-py keywords."""
+    if not url:
+        return {}
+    opts = parse_url(url)
+    for k in ("host", "port", "path", "unix_socket_path"):
+        opts.pop(k, None)
+    if opts.pop("connection_class", None) is SSLConnection:
+        opts["ssl"] = True
+    return opts
+
+
+def connect_sentinel(sentinels: str, master: str, url: str | None) -> redis.Redis:
+    """A client whose connections go to the primary the Sentinels name, after one PING went through it; SystemExit
+    naming the flags when no Sentinel knows `master` or the primary refuses us."""
+    opts = url_options(url)
+    node_opts = {k: v for k, v in opts.items() if k != "db"}
+    timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
+    sentinel = Sentinel(parse_sentinels(sentinels), sentinel_kwargs={**node_opts, **timeouts},
+                        **{**timeouts, "socket_timeout": DATA_SOCKET_TIMEOUT_S, **opts})
+    client = sentinel.master_for(master)
+    try:
+        client.ping()
+    except MasterNotFoundError as e:
+        raise SystemExit(f"--redis-sentinel {sentinels}: no Sentinel there names a primary for "
+                         f"--redis-sentinel-master {master!r} ({e}); is the name right and are the Sentinels up?"
+                         ) from None
+    except redis.AuthenticationError as e:
+        raise SystemExit(f"--redis-sentinel {sentinels}: Redis refused the credentials ({e}); put the password in "
+                         "--redis-url redis://:PASSWORD@sentinel/0 (used for Sentinels and data nodes)") from None
+    except redis.RedisError as e:
+        raise SystemExit(f"--redis-sentinel {sentinels} (master {master!r}): cannot use Redis: {e}") from None
+    return client
+
+
+@dataclass
+class Durability:
+    """What a commit waits for before its step may be published (`--redis-durability`)."""
+
+    mode: str = "none"  # none | local | replica
+    min_replicas: int = 1
+    timeout_ms: int = 1000
+    waitaof: bool = False  # the primary has WAITAOF (Redis 7.2+); set by `check`
+
+    def check(self, client: redis.Redis) -> None:
+        """On every primary we lead on (the first, and each one a fail-over promotes): can it give what the mode
+        promises? ConfigError naming the flag and the server setting otherwise."""
+        if self.mode == "none":
+            return
+        info = client.execute_command("COMMAND", "INFO", "WAITAOF")
+        self.waitaof = bool(info and info[0])
+        if self.mode != "local":
+            return
+        conf = {_text(k): _text(v) for k, v in client.config_get("append*").items()}
+        if conf.get("appendonly") != "yes":
+            raise ConfigError("--redis-durability local needs `appendonly yes` on the Redis primary (it has "
+                              f"appendonly {conf.get('appendonly')}); set it in redis.conf or use --redis-durability "
+                              "none")
+        if not self.waitaof and conf.get("appendfsync") != "always":
+            raise ConfigError("--redis-durability local needs `appendfsync always` on a Redis primary without "
+                              f"WAITAOF (before 7.2; it has appendfsync {conf.get('appendfsync')}): only then is a "
+                              "write on disk before Redis answers. Set it, or use --redis-durability none")
+
+    def command(self) -> tuple | None:
+        """The wait to pipeline after the commit script, or None (nothing to wait for)."""
+        if self.mode == "replica":
+            return ("WAIT", self.min_replicas, self.timeout_ms)
+        if self.mode == "local" and self.waitaof:
+            return ("WAITAOF", 1, 0, self.timeout_ms)
+        return None  # none; or local on Redis 7.0 with appendfsync always: the reply already follows the fsync
+
+    def verify(self, reply) -> None:
+        """Raise DurabilityError unless the wait's reply confirms the commit (WAIT and WAITAOF also answer on a
+        timeout, with the count they reached)."""
+        if self.mode == "replica" and int(reply) < self.min_replicas:
+            raise DurabilityError(f"only {int(reply)} of --redis-min-replicas {self.min_replicas} replicas "
+                                  f"acknowledged the commit within {self.timeout_ms} ms")
+        if self.mode == "local" and self.waitaof and int(reply[0]) < 1:
+            raise DurabilityError(f"the primary did not fsync the commit within {self.timeout_ms} ms")
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
