@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from scheduler_svc import failover, leadership
+from scheduler_svc import failover, leadership, redis_ha
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import FINISH_REJECTED, SchedulerCore
 from scheduler_svc.frontend import AddRequest, Frontend
@@ -113,8 +113,12 @@ class Driver(Frontend):
             except (LeaseLost, WorkerFenced) as e:
                 log.warning("lost the lease on the pool (%s: %s); standing by", type(e).__name__, e)
                 self._step_down()
-            except Exception:
-                log.exception("scheduler iteration failed; standing by and retrying")
+            except Exception as e:
+                if redis_ha.redis_unavailable(e):
+                    log.warning("Redis cannot take writes (%s: %s); standing by, then taking the pool again from "
+                                "the primary", type(e).__name__, e)
+                else:
+                    log.exception("scheduler iteration failed; standing by and retrying")
                 self._step_down()
                 time.sleep(0.5)
         if self.in_flight is not None and self.core is not None:  # stopping: finish the step sent last

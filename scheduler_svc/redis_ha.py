@@ -32,6 +32,18 @@ class DurabilityError(Exception):
     """The durability wait did not confirm a commit in time: the step fails like a failed commit."""
 
 
+# Replies of a primary that cannot take writes now (no good replicas, demoted, still loading, no quorum behind it).
+_UNAVAILABLE_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN")
+
+
+def redis_unavailable(e: BaseException) -> bool:
+    """Whether `e` says that Redis cannot take a commit at the moment (a fail-over, a lost replica) rather than
+    that something is wrong with it: the driver then logs one line, not a traceback, and retries."""
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, DurabilityError)):
+        return True
+    return isinstance(e, redis.ResponseError) and any(r in str(e) for r in _UNAVAILABLE_REPLIES)
+
+
 def parse_sentinels(spec: str) -> list[tuple[str, int]]:
     """'host:port,host:port' -> [(host, port), ...]; ValueError naming the bad entry."""
     out = []
@@ -99,8 +111,8 @@ class Durability:
         promises? ConfigError naming the flag and the server setting otherwise."""
         if self.mode == "none":
             return
-        info = client.execute_command("COMMAND", "INFO", "WAITAOF")
-        self.waitaof = bool(info and info[0])
+        version = _text(client.info("server").get("redis_version", "0"))  # Valkey reports the Redis it matches
+        self.waitaof = tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= (7, 2)
         if self.mode != "local":
             return
         conf = {_text(k): _text(v) for k, v in client.config_get("append*").items()}

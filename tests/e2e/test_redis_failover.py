@@ -15,15 +15,17 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 import redis
 
 from common.client import Client
+from llmserve.processes import start_redis
 from protos import llmserve_pb2 as pb
 from scheduler_svc.store import RedisLedger
 from tests.support import cluster
-from tests.support.redis_ha import RedisHA
+from tests.support.redis_ha import RedisHA, restart_redis
 
 MAX_TOKENS = 64
 MIN_PROGRESS = 4
@@ -200,5 +202,42 @@ def test_stalled_old_primary_gets_no_commit_from_the_new_leader(group, worker, r
                  lambda: old_ledger.client.hget(old_ledger.k_meta, "step_id")
                  == new_ledger.client.hget(new_ledger.k_meta, "step_id"), timeout=30)
         assert old_ledger.check_ledger() == new_ledger.check_ledger()
+    finally:
+        cluster.stop(sched)
+
+
+def scrape(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_new_primary_behind_the_scheduler_is_detected_and_recomputed(tmp_path, worker, reference):
+    """What a fail-over to a lagging replica looks like to the scheduler, made deterministic: the replica is cut
+    from the primary mid-generation, the primary commits a few more steps, dies, and the replica's copy comes back
+    on the primary's address. Requests the copy lacks entirely are submitted again by the re-attaching clients."""
+    port = cluster.free_port()
+    primary = start_redis(str(tmp_path / "primary"), port=port)
+    replica = start_redis(str(tmp_path / "replica"), extra_args=["--replicaof", "127.0.0.1", port])
+    metrics_port = cluster.free_port()
+    sched = cluster.start_scheduler(primary.url, worker, [*SCHEDULER_ARGS, "--metrics-port", metrics_port])
+    try:
+        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
+        copy = redis.Redis(port=replica.port)
+        wait_for("the replica in sync", lambda: copy.info("replication").get("master_link_status") == "up")
+        streams = Streams(sched.address, "behind")
+        ledger = ledger_on(port, sched.namespace)
+        wait_mid_generation(ledger, streams)
+        copy.replicaof("NO", "ONE")
+        frozen = int(copy.hget(ledger.k_meta, "step_id"))
+        wait_for("more commits on the primary", lambda: int(ledger.client.hget(ledger.k_meta, "step_id")) > frozen + 2)
+        copy.save()
+        cluster.kill(primary)
+        cluster.stop(replica)
+        restart_redis(replica.data_dir, port)  # the lagging copy, where the scheduler looks for its primary
+        assert_equal_reference(streams.join(), reference)
+        assert_clean(ledger_on(port, sched.namespace))
+        assert scrape(metrics_port, "llmserve:redis_ledger_behind_total") >= 1
+        assert scrape(metrics_port, "llmserve:redis_ledger_lost_steps_total") >= 3
+        assert "a fail-over promoted a replica that had not received" in sched.log_text()[sched.log_start:]
     finally:
         cluster.stop(sched)

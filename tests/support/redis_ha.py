@@ -18,7 +18,7 @@ import time
 
 import redis
 
-from llmserve.processes import Proc, RedisServer, free_port, spawn, start_redis, stop
+from llmserve.processes import Proc, ProcError, RedisServer, free_port, spawn, start_redis, stop
 
 MASTER = "llmserve-ha"
 DOWN_AFTER_MS = 1000
@@ -37,6 +37,19 @@ def _wait(what: str, cond, timeout: float = 60.0, interval: float = 0.1):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def restart_redis(data_dir: str, port: int, extra_args=()) -> RedisServer:
+    """redis-server on `port` and the files in `data_dir` again, right after the previous one there was killed: the
+    port may take a moment to be free."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return start_redis(data_dir, port=port, extra_args=extra_args)
+        except ProcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 class RedisHA:
@@ -91,7 +104,7 @@ class RedisHA:
         return self._restart(port, old.data_dir)
 
     def _restart(self, port: int, data_dir: str) -> RedisServer:
-        node = start_redis(data_dir, port=port, extra_args=[*self.data_args, "--replica-announce-ip", "127.0.0.1"])
+        node = restart_redis(data_dir, port, [*self.data_args, "--replica-announce-ip", "127.0.0.1"])
         self.nodes[port] = node
         return node
 
