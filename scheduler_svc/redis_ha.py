@@ -39,7 +39,7 @@ _UNAVAILABLE_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "TRYA
 def redis_unavailable(e: BaseException) -> bool:
     """Whether `e` says that Redis cannot take a commit at the moment (a fail-over, a lost replica) rather than
     that something is wrong with it: the driver then logs one line, not a traceback, and retries."""
-    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, DurabilityError)):
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, DurabilityError)):
         return True
     return isinstance(e, redis.ResponseError) and any(r in str(e) for r in _UNAVAILABLE_REPLIES)
 
