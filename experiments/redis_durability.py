@@ -13,9 +13,9 @@ Runs alternate modes within each repeat so that load drifting on a shared machin
     .venv/bin/python -m experiments.redis_durability                          # N = 16 and 256, 2 repeats
     .venv/bin/python -m experiments.redis_durability --running 16 --repeats 1 --max-tokens 32   # smoke
 
-Note that `appendfsync always` on the primary is in place for every mode (the modes differ only in what the
-scheduler waits for): `none` here is not free of the fsync, which the primary does before answering anyway. The
-`none (everysec)` column comes from a second primary with the default `appendfsync everysec`.
+Two groups run side by side: one whose primary has Redis's default `appendfsync everysec`, one with `appendfsync
+always` (which `local` requires before Redis 7.2). Rows are labelled "MODE, FSYNC": on the `always` primary every
+mode pays the fsync, which the primary does before answering whatever the scheduler waits for.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from llmserve.processes import start_redis, start_worker, stop
 from tests.support.stack import start_scheduler_in_process
 
 # (label, durability flag, which primary)
-MODES = [("none (everysec)", "none", "everysec"), ("none", "none", "always"), ("local", "local", "always"),
-         ("replica", "replica", "always")]
+MODES = [("none, everysec", "none", "everysec"), ("replica, everysec", "replica", "everysec"),
+         ("none, always", "none", "always"), ("local, always", "local", "always"),
+         ("replica, always", "replica", "always")]
 
 
 def primary_with_replica(root: str, fsync: str) -> tuple:
@@ -89,7 +90,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for n in args.running:
                 for label, mode, fsync in MODES:
-                    row = run_one(urls[fsync], worker, mode, n, args, workdir, f"{rep}-{n}-{label.split()[0]}-{fsync}")
+                    row = run_one(urls[fsync], worker, mode, n, args, workdir, f"{rep}-{n}-{mode}-{fsync}")
                     row["label"] = label
                     rows.append(row)
                     print(json.dumps(row), flush=True)
