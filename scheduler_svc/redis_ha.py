@@ -12,11 +12,13 @@ WAIT and WAITAOF count the replication offset of the connection that wrote.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import redis
 from redis.connection import SSLConnection, parse_url
-from redis.sentinel import MasterNotFoundError, Sentinel
+from redis.sentinel import Sentinel
 
 from common.validation import ConfigError
 
@@ -26,6 +28,9 @@ SENTINEL_SOCKET_TIMEOUT_S = 2.0
 DATA_SOCKET_TIMEOUT_S = 5.0
 # The longest a commit waits for WAIT / WAITAOF (shorter than the socket timeout, so the reply comes back).
 MAX_DURABILITY_WAIT_MS = 2000
+START_WAIT_S = 60.0  # at start, how long to wait for a primary while the Sentinels say a fail-over is under way
+
+log = logging.getLogger("llmserve.scheduler")
 
 
 class DurabilityError(Exception):
@@ -83,18 +88,43 @@ def connect_sentinel(sentinels: str, master: str, url: str | None) -> redis.Redi
     sentinel = Sentinel(parse_sentinels(sentinels), sentinel_kwargs={**node_opts, **timeouts},
                         **{**timeouts, "socket_timeout": DATA_SOCKET_TIMEOUT_S, **opts})
     client = sentinel.master_for(master)
-    try:
-        client.ping()
-    except MasterNotFoundError as e:
-        raise SystemExit(f"--redis-sentinel {sentinels}: no Sentinel there names a primary for "
-                         f"--redis-sentinel-master {master!r} ({e}); is the name right and are the Sentinels up?"
-                         ) from None
-    except redis.AuthenticationError as e:
-        raise SystemExit(f"--redis-sentinel {sentinels}: Redis refused the credentials ({e}); put the password in "
-                         "--redis-url redis://:PASSWORD@sentinel/0 (used for Sentinels and data nodes)") from None
-    except redis.RedisError as e:
-        raise SystemExit(f"--redis-sentinel {sentinels} (master {master!r}): cannot use Redis: {e}") from None
-    return client
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.AuthenticationError as e:
+            raise SystemExit(f"--redis-sentinel {sentinels}: Redis refused the credentials ({e}); put the password "
+                             "in --redis-url redis://:PASSWORD@sentinel/0 (used for Sentinels and data nodes)"
+                             ) from None
+        except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError) as e:
+            known = _known_master(sentinel, master)
+            if known is not None:
+                raise SystemExit(f"--redis-sentinel {sentinels}: {known} (--redis-sentinel-master {master!r}; "
+                                 f"{type(e).__name__}: {e})") from None
+            if time.monotonic() > deadline:  # the Sentinels know the group, but no primary answers
+                raise SystemExit(f"--redis-sentinel {sentinels} (master {master!r}): no primary answered within "
+                                 f"{START_WAIT_S:.0f} s: {e}") from None
+            log.info("waiting for the Sentinels to name a primary for %s (%s)", master, e)  # a fail-over under way
+            time.sleep(0.5)
+        except redis.RedisError as e:
+            raise SystemExit(f"--redis-sentinel {sentinels} (master {master!r}): cannot use Redis: {e}") from None
+
+
+def _known_master(sentinel: Sentinel, master: str) -> str | None:
+    """None when a Sentinel answers and monitors `master`; otherwise what is wrong (a fatal start-up error)."""
+    errors = []
+    for s in sentinel.sentinels:
+        try:
+            s.sentinel_master(master)
+            return None
+        except redis.ResponseError as e:
+            errors.append(str(e))
+        except redis.RedisError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    if any("No such master" in e for e in errors):
+        return "the Sentinels monitor no primary of that name; is --redis-sentinel-master right?"
+    return f"no Sentinel answered ({'; '.join(errors)}); are they up and is the password right?"
 
 
 @dataclass

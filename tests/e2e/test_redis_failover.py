@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -241,3 +243,34 @@ def test_new_primary_behind_the_scheduler_is_detected_and_recomputed(tmp_path, w
         assert "a fail-over promoted a replica that had not received" in sched.log_text()[sched.log_start:]
     finally:
         cluster.stop(sched)
+
+
+def test_scheduler_sigkill_during_a_failover(group, worker, reference):
+    """The primary and the scheduler die together; a scheduler started on the same address while the Sentinels
+    are still electing waits for the new primary, takes the pool and every re-attaching stream completes."""
+    sched = ha_scheduler(group, worker)
+    port = sched.port
+    try:
+        old = group.master_port()
+        streams = Streams(sched.address, "both")
+        wait_mid_generation(ledger_on(old, sched.namespace), streams)
+        group.nodes[old].popen.send_signal(signal.SIGKILL)
+        cluster.kill(sched)
+        sched = cluster.start_scheduler("", worker, [*SCHEDULER_ARGS, "--redis-sentinel", group.sentinel_spec,
+                                                     "--redis-sentinel-master", group.master_name, "--port", port],
+                                        namespace=sched.namespace)
+        new = group.wait_failover(old)
+        group.restart(old)
+        assert_equal_reference(streams.join(), reference)
+        assert_clean(ledger_on(new, sched.namespace))
+        assert "16 waiting requests resumed" in sched.log_text()[sched.log_start:]  # from Redis, not resubmitted
+    finally:
+        cluster.stop(sched)
+
+
+def test_unknown_sentinel_master_is_refused_at_start(group):
+    proc = subprocess.run([sys.executable, "-m", "llmserve.cli", "scheduler", "--port", "0", "--redis-sentinel",
+                           group.sentinel_spec, "--redis-sentinel-master", "no-such-group"],
+                          capture_output=True, text=True, timeout=60, cwd=cluster.ROOT)
+    assert proc.returncode != 0
+    assert "monitor no primary of that name; is --redis-sentinel-master right?" in proc.stderr
