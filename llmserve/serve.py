@@ -1,4 +1,5 @@
-"""`llmserve serve`: a private redis-server (unless --redis-url), a worker process and the scheduler in this process.
+"""`llmserve serve`: a private redis-server (unless --redis-url or --redis-sentinel), a worker process and the scheduler
+in this process.
 
 The supervisor restarts a redis-server or worker that dies on the same port (redis-server on the same append-only
 file) and the scheduler in this process resumes; a child that exits MAX_RESTARTS + 1 times within RESTART_WINDOW_S
