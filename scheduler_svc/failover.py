@@ -3,8 +3,10 @@
 Replication is asynchronous (unless --redis-durability replica), so the replica that Sentinel promotes may lack the
 last steps the old primary acknowledged, and whose tokens this scheduler published. The ledger's `step_id` says
 how far it got. Nothing is rewritten from memory: every running request resumes from what the ledger holds and
-the lost tokens are computed again. Greedy and seeded sampling give the same tokens again (the seeded generator
-depends on the seed and the token's position only); unseeded sampling may not, and a client that re-attaches
+the lost tokens are computed again; a request the ledger lacks entirely is submitted again by its re-attaching
+client. Greedy and seeded sampling give the same tokens again (the sampler's draw depends on the seed and the
+token's position only). An unseeded request got its seed at admission, stored with it: the same tokens too, unless
+its admission was among the lost steps (a new seed is drawn when it is submitted again). The re-attaching client
 compares what it is sent again with what it saw (common/client.py raises StreamDiverged instead of accepting it).
 """
 
