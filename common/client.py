@@ -2,8 +2,10 @@
 and the load generator.
 
 A request lives on in Redis when the scheduler in front of it restarts or fails over: a Generate stream that ends
-with UNAVAILABLE is re-opened by its request id, from the tokens already received (`resume_from_token`), so the
-caller sees every token once and in order, as if the stream had never broken.
+with UNAVAILABLE is re-opened by its request id and replayed from its first token, so the caller sees every token
+once and in order, as if the stream had never broken. The replayed tokens are compared with those already seen: a
+Redis fail-over that lost the last commits makes the scheduler compute them again, identically for greedy and seeded
+sampling, but not for a request whose admission (and drawn seed) was lost; that raises StreamDiverged.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +33,10 @@ CHANNEL_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 class IncompleteStream(Exception):
     """The server ended a Generate stream normally before every sequence had its final message."""
+
+
+class StreamDiverged(Exception):
+    """After a re-attach the server sent a token that differs from one the caller already received."""
 
 
 def bearer(api_key: str | None) -> list[tuple[str, str]] | None:
@@ -98,6 +104,7 @@ class _Seen:
     tokens: int = 0
     chars: int = 0
     done: bool = False
+    ids: list[int] = field(default_factory=list)  # the tokens given, to check a replay against
 
 
 class Stream:
@@ -146,10 +153,10 @@ class Stream:
         client, req, seen = self.client, self.req, self.seen
         deadline = None  # while UNAVAILABLE lasts: when to give up
         while not self.finished:
-            # One sequence: the server resumes at the next token, its text exactly where ours ends. Several: it
-            # resumes every sequence at the same index, so they restart at 0 and what was seen is cut off.
-            req.resume_from_token = seen[0].tokens if self.n == 1 else 0
-            server_chars = [s.chars for s in seen] if self.n == 1 else [0] * self.n
+            # Replay from the first token (the server resumes every sequence at one index) and cut off what was
+            # seen, after checking that it is what was seen.
+            req.resume_from_token = 0
+            server_chars = [0] * self.n
             self._call = client.stub.Generate(req, metadata=client.metadata)
             try:
                 async for msg in self._call:
@@ -158,6 +165,13 @@ class Stream:
                     if s.done:
                         continue
                     skip = max(0, s.tokens - msg.first_token_index)
+                    replayed = list(msg.token_ids[:skip])
+                    if replayed != s.ids[msg.first_token_index:msg.first_token_index + len(replayed)]:
+                        raise StreamDiverged(
+                            f"request {req.request_id} (sequence {i}) was sent tokens {replayed} at position "
+                            f"{msg.first_token_index} after a re-attach, but had received "
+                            f"{s.ids[msg.first_token_index:msg.first_token_index + len(replayed)]} there (the server "
+                            "lost them and sampled them again)")
                     cut = max(0, s.chars - server_chars[i])
                     server_chars[i] += len(msg.text)
                     if skip:
@@ -167,6 +181,7 @@ class Stream:
                     if cut:
                         msg.text = msg.text[cut:]
                     s.tokens += len(msg.token_ids)
+                    s.ids.extend(msg.token_ids)
                     s.chars += len(msg.text)
                     s.done = bool(msg.finish_reason)
                     if msg.token_ids or msg.text or s.done:

@@ -1,4 +1,5 @@
-"""`llmserve serve`: a private redis-server (unless --redis-url), a worker process and the scheduler in this process.
+"""`llmserve serve`: a private redis-server (unless --redis-url or --redis-sentinel), a worker process and the scheduler
+in this process.
 
 The supervisor restarts a redis-server or worker that dies on the same port (redis-server on the same append-only
 file) and the scheduler in this process resumes; a child that exits MAX_RESTARTS + 1 times within RESTART_WINDOW_S
@@ -211,7 +212,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         children = []
         redis_url = sched_cfg.redis_url
-        if not redis_url:
+        if not redis_url and not sched_cfg.redis_sentinel:
             redis_dir, redis_port = os.path.join(workdir, "redis"), free_port()
             redis_log = os.path.join(log_dir, "redis.log")
             children.append(sup.add("redis-server", lambda: start_redis(
@@ -250,7 +251,8 @@ def serve(args: argparse.Namespace) -> None:
         info = sched.driver.worker_info
         print(SERVE_READY_LINE.format(host=own.host, port=sched.port, details=(
             f"{info.model.name} on {info.device} ({info.dtype}), {info.num_blocks} KV blocks of {info.block_size}, "
-            f"redis {redact_url(redis_url)}{http}; logs in {log_dir}")), flush=True)
+            f"redis {redact_url(redis_url) if redis_url else 'via Sentinels ' + sched_cfg.redis_sentinel}{http}; "
+            f"logs in {log_dir}")), flush=True)
         while not sup.stopping.wait(0.5):
             if trouble():
                 raise SystemExit(trouble())

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from common import config as c
 from common.config import setting
 from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
+from scheduler_svc.redis_ha import check_sentinels
 from scheduler_svc.speculative import SpeculativeConfig, parse_speculative_config
 
 SCHEDULING_MODES = ("continuous", "static", "naive")
@@ -18,6 +19,17 @@ class SchedulerConfig:
     port: int = setting(50051, "port of the public gRPC API (0 picks a free one)")
     redis_url: str | None = setting(None, "Redis holding the scheduling state")
     namespace: str = setting("llmserve", "prefix of every Redis key")
+    redis_sentinel: str | None = setting(
+        None, "find the Redis primary through these Sentinels and follow its fail-overs (--redis-url then only "
+        "gives the password, TLS options and database, used for Sentinels and data nodes alike)",
+        metavar="HOST:PORT[,HOST:PORT...]")
+    redis_sentinel_master: str = setting("mymaster", "the Sentinels' name of the Redis primary")
+    redis_durability: str = setting(
+        "none", "when a step's tokens may be published: none: once the primary applied the commit; local: once it "
+        "is in the primary's append-only file on disk (WAITAOF, or appendfsync always before Redis 7.2); replica: "
+        "once --redis-min-replicas replicas acknowledged it (WAIT)", choices=("none", "local", "replica"))
+    redis_min_replicas: int = setting(1, "replicas that must acknowledge each commit with --redis-durability replica",
+                                      check=c.at_least(1))
     worker_address: str = setting("127.0.0.1:50061", "HOST:PORT of the worker's gRPC server")
     max_num_batched_tokens: int | None = c.max_num_batched_tokens()
     max_num_seqs: int | None = setting(None, "running requests cap", device_default={"cpu": 64, "cuda": 256},
@@ -84,6 +96,8 @@ class SchedulerConfig:
                               "drop one of them")
         check_limits(block_size=block_size, budget=self.max_num_batched_tokens, max_model_len=max_model_len,
                      chunked=self.enable_chunked_prefill or self.scheduling_mode != "continuous")
+        if self.redis_sentinel is not None:
+            check_sentinels(self.redis_sentinel)
         check_server_tls(cert=self.tls_cert, key=self.tls_key, client_ca=self.tls_client_ca)
         check_channel_tls(ca=self.worker_tls_ca, cert=self.worker_tls_cert, key=self.worker_tls_key,
                           server_name=self.worker_tls_server_name)

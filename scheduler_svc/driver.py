@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from scheduler_svc import leadership
+from scheduler_svc import failover, leadership, redis_ha
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import FINISH_REJECTED, SchedulerCore
 from scheduler_svc.frontend import AddRequest, Frontend
@@ -67,6 +67,7 @@ class Driver(Frontend):
         self.core: SchedulerCore | None = None  # while leading
         self.step_id = 0
         self.in_flight: StepRecord | None = None  # pipelined: the step sent last, whose result is not applied yet
+        self.last_committed: int | None = None  # the last step id this process committed (failover.py compares)
         self.timings = StepTimes()
         self.step_stats = self.timings.stats
         self.tracer = TracingObserver()
@@ -112,8 +113,12 @@ class Driver(Frontend):
             except (LeaseLost, WorkerFenced) as e:
                 log.warning("lost the lease on the pool (%s: %s); standing by", type(e).__name__, e)
                 self._step_down()
-            except Exception:
-                log.exception("scheduler iteration failed; standing by and retrying")
+            except Exception as e:
+                if redis_ha.redis_unavailable(e):
+                    log.warning("Redis cannot take writes (%s: %s); standing by, then taking the pool again from "
+                                "the primary", type(e).__name__, e)
+                else:
+                    log.exception("scheduler iteration failed; standing by and retrying")
                 self._step_down()
                 time.sleep(0.5)
         if self.in_flight is not None and self.core is not None:  # stopping: finish the step sent last
@@ -141,13 +146,16 @@ class Driver(Frontend):
         led = leadership.take_pool(self.ledger, self.lease, self.worker, self.cfg, self.metrics, self.stopping)
         if led is None:
             return
-        self.core, self.step_id = led
+        self.core, self.step_id, ledger_step = led
+        failover.report_behind(self.last_committed, ledger_step, self.ledger.prefix, self.metrics)
         self.tracer.model_name = self.worker.info.model.name
         self.tracer.token_budget = self.core.policy.max_num_batched_tokens
+        # The fence step: the ledger's step id matches the worker's. Committed (and, with --redis-durability, made
+        # durable) before anything read back from Redis is shown to clients.
+        self._commit(self._record(SchedulerOutput()))
         with self.lock:
             for req in list(self.core.requests.values()):
                 self.outbox.published[req.request_id] = Published.of_stored(req, False)
-        self._commit(self._record(SchedulerOutput()))  # the fence step: the ledger's step id matches the worker's
         log.info("leading pool %s with token %d: %d running, %d waiting requests resumed", self.ledger.prefix,
                  self.lease.token, len(self.core.running), len(self.core.waiting))
         self._set_ready(True)
@@ -257,6 +265,7 @@ class Driver(Frontend):
         except Exception:
             self._notify("step_failed", record)
             raise
+        self.last_committed = record.step_id
         record.end = time.perf_counter()
         record.commit_seconds = record.end - t0
         record.finished = commit.finished

@@ -107,9 +107,9 @@ def connect(ledger: RedisLedger, lease: Lease, worker: WorkerClient, stopping: t
 
 
 def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metrics: Metrics,
-              stopping: threading.Event) -> tuple[SchedulerCore, int] | None:
-    """Become the pool's leader: lease, worker, state from Redis. Returns the core and the fence step's id, or None
-    (another scheduler leads; or stopping)."""
+              stopping: threading.Event) -> tuple[SchedulerCore, int, int] | None:
+    """Become the pool's leader: lease, worker, state from Redis. Returns the core, the fence step's id and the
+    last step id the ledger holds; or None (another scheduler leads; or stopping)."""
     token = lease.acquire()
     if token is None:
         stopping.wait(lease.ttl_ms / 3000)
@@ -127,6 +127,7 @@ def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metr
         # (Redis lost its data, the pool was flushed, or the worker drove another namespace): without a newer token
         # every plan would be rejected as fenced, and we would step down and retry forever.
         lease.token = ledger.advance_fence(lease.holder, token, info.fencing_token, lease.ttl_ms)
+    ledger.durability.check(ledger.client)  # on every primary: a fail-over may promote one configured otherwise
     ledger.init_pool(info.num_blocks, info.block_size)
     cfg.policy = sized_policy(cfg.policy, info)
     metrics.set_config(cfg.policy, num_gpu_blocks=info.num_blocks, kv_bytes_per_block=info.kv_bytes_per_block,
@@ -145,7 +146,7 @@ def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metr
     if previous != state.step_id or worker.previous_epoch != info.epoch:
         core.pool.drop_all_hashes()
     core.resume(state.requests)
-    return core, step_id
+    return core, step_id, state.step_id
 
 
 def sized_policy(policy, info: wpb.WorkerInfo):

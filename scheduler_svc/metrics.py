@@ -72,6 +72,11 @@ class Metrics:
         self.redis_commit_seconds = Histogram("llmserve:redis_commit_seconds", "A step's Redis commit: encoding "
                                               "and the one script call, round trip included", L,
                                               buckets=_COMMIT_BUCKETS, registry=r)
+        self.ledger_behind = Counter("llmserve:redis_ledger_behind", "Take-overs that found the ledger behind "
+                                     "the last step this scheduler committed (a fail-over promoted a replica that "
+                                     "had not received it): the lost steps are recomputed", L, registry=r)
+        self.ledger_lost_steps = Counter("llmserve:redis_ledger_lost_steps", "Committed steps a promoted replica "
+                                         "did not have", L, registry=r)
         # Not in vLLM: structured outputs (grammars compile on the worker; it reports each compile and each step).
         self.grammar_compile = Histogram("llmserve:structured_output_compile_seconds", "Grammar compile time of a "
                                          "constraint missing from the worker's cache", L,
@@ -179,6 +184,10 @@ class Metrics:
                                                             position=str(len(self.c_spec_pos))))
         for counter, n in zip(self.c_spec_pos, spec.accepted_per_pos, strict=False):
             counter.inc(n)
+
+    def ledger_rolled_back(self, steps: int) -> None:
+        self.ledger_behind.labels(model_name=self.model_name).inc()
+        self.ledger_lost_steps.labels(model_name=self.model_name).inc(steps)
 
     def redis_commit(self, seconds: float) -> None:
         self.c_commit.observe(seconds)

@@ -26,6 +26,7 @@ from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2_grpc as vpb_grpc
+from scheduler_svc import redis_ha
 from scheduler_svc.admission import (
     AdmissionError,
     Limits,
@@ -319,9 +320,16 @@ def connect_redis(url: str) -> redis.Redis:
 
 def build_driver(cfg: SchedulerConfig) -> tuple[Driver, RedisLedger]:
     """The driver (not started) and its ledger, from validated settings."""
-    if not cfg.redis_url:
-        raise SystemExit("--redis-url is required (or use `llmserve serve`, which starts a private redis-server)")
-    ledger = RedisLedger(connect_redis(cfg.redis_url), namespace=cfg.namespace)
+    if cfg.redis_sentinel:
+        client = redis_ha.connect_sentinel(cfg.redis_sentinel, cfg.redis_sentinel_master, cfg.redis_url)
+    elif cfg.redis_url:
+        client = connect_redis(cfg.redis_url)
+    else:
+        raise SystemExit("--redis-url or --redis-sentinel is required (or use `llmserve serve`, which starts a "
+                         "private redis-server)")
+    durability = redis_ha.Durability(cfg.redis_durability, cfg.redis_min_replicas,
+                                      timeout_ms=min(cfg.lease_ttl_ms // 2, redis_ha.MAX_DURABILITY_WAIT_MS))
+    ledger = RedisLedger(client, namespace=cfg.namespace, durability=durability)
     worker_credentials = None
     if cfg.worker_tls_ca is not None:
         worker_credentials = tls.channel_credentials(cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key)
@@ -477,7 +485,8 @@ def serve(args: argparse.Namespace) -> None:
     sched = Scheduler(cfg).start()
     log.info("scheduler listening on %s:%d (%s; worker %s over %s; redis %s)", cfg.host, sched.port,
              "plaintext" if cfg.tls_cert is None else "mutual TLS" if cfg.tls_client_ca else "TLS",
-             cfg.worker_address, "plaintext" if cfg.worker_tls_ca is None else "TLS", redact_url(cfg.redis_url))
+             cfg.worker_address, "plaintext" if cfg.worker_tls_ca is None else "TLS",
+             f"via Sentinels {cfg.redis_sentinel}" if cfg.redis_sentinel else redact_url(cfg.redis_url))
     print(LISTENING_LINE.format(port=sched.port), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

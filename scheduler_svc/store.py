@@ -59,6 +59,7 @@ from scheduler_svc import ledger_scripts as scripts
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.ledger_codec import CommitEncoder, unpack_cached_block, unpack_ids
 from scheduler_svc.outputs import StepCommit
+from scheduler_svc.redis_ha import Durability
 from scheduler_svc.request import Request, Status
 from scheduler_svc.sampling import SamplingParams
 
@@ -163,10 +164,12 @@ def _script_error(e: redis.ResponseError) -> Exception:
 
 
 class RedisLedger:
-    def __init__(self, client: redis.Redis, namespace: str = "llmserve", pool: str = "0"):
+    def __init__(self, client: redis.Redis, namespace: str = "llmserve", pool: str = "0",
+                 durability: Durability | None = None):
         if any(c in namespace + pool for c in "{}"):
             raise ValueError(f"namespace {namespace!r} and pool {pool!r} must not contain '{{' or '}}'")
         self.client = _binary_client(client)
+        self.durability = durability or Durability()
         self.namespace = namespace
         self.pool_name = pool
         self.prefix = f"{namespace}:{{{pool}}}:"
@@ -251,8 +254,16 @@ class RedisLedger:
             self._encoder_token = token
         payload = self._encoder.encode(commit)
         keys = [self.k_lease, self.k_meta, self.k_free, self.k_refs, self.k_active]
+        args = [f"{holder}:{token}", ttl_ms, self.prefix, payload]
+        wait = self.durability.command()
         try:
-            self._commit(keys=keys, args=[f"{holder}:{token}", ttl_ms, self.prefix, payload])
+            if wait is None:
+                self._commit(keys=keys, args=args)
+            else:  # one connection: WAIT / WAITAOF count what this connection wrote
+                pipe = self.client.pipeline(transaction=False)
+                self._commit(keys=keys, args=args, client=pipe)
+                pipe.execute_command(*wait)
+                self.durability.verify(pipe.execute()[1])
         except Exception as e:
             self._encoder.forget()  # outcome unknown: the next commit writes each request's whole state
             if isinstance(e, redis.ResponseError):
