@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api_svc import errors
+from api_svc import errors, tools
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
 from api_svc.errors import APIError
@@ -168,10 +168,11 @@ def create_app(cfg: APIConfig) -> FastAPI:
         if not body.messages:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
+        tool_plan = tools.plan(body, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
-                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
-        gens = [bridge.generation(chat_request(body, rid), chat=True)]
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids, tools=tool_plan)
+        gens = [bridge.generation(chat_request(body, rid, tool_plan), chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
 
     @v1.post("/tokenize")

@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from api_svc.tool_parsers import PARSERS
 from common import config as c
-from common.config import setting
+from common.config import ConfigError, setting
+
+
+def enable_auto_tool_choice() -> Any:
+    return setting(False, "tool_choice \"auto\": parse tool calls out of the model's text with --tool-call-parser")
+
+
+def tool_call_parser() -> Any:
+    return setting(None, "how --enable-auto-tool-choice finds tool calls in the text (api_svc/tool_parsers.py)",
+                   choices=tuple(PARSERS))
+
+
+def check_tool_flags(enable: bool, parser: str | None) -> None:
+    """vLLM's start-up rule: auto tool choice needs a parser."""
+    if enable and parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of " + ", ".join(PARSERS) + ")")
 
 
 @dataclass(frozen=True)
@@ -22,3 +39,8 @@ class APIConfig:
         60.0, "seconds a stream keeps re-attaching while the scheduler is unavailable (fail-over)",
         check=c.at_least(0))
     log_level: str = setting("warning", "uvicorn's log level (access logs at info)")
+    enable_auto_tool_choice: bool = enable_auto_tool_choice()
+    tool_call_parser: str | None = tool_call_parser()
+
+    def __post_init__(self):
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from api_svc.config import APIConfig
+from api_svc.config import APIConfig, check_tool_flags, enable_auto_tool_choice, tool_call_parser
 from common import config as c
 from common.config import ConfigError, from_namespace, setting, to_argv
 from llmserve.processes import (
@@ -57,6 +57,11 @@ class ServeConfig:
     served_model_name: str | None = c.served_model_name()
     log_dir: str | None = setting(None, "the worker's and redis-server's logs (default: a temporary directory, "
                                   "removed at exit)")
+    enable_auto_tool_choice: bool = enable_auto_tool_choice()
+    tool_call_parser: str | None = tool_call_parser()
+
+    def __post_init__(self):
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
