@@ -206,7 +206,7 @@ def llama3_json(text: str, final: bool) -> Parsed:
     elif not final and PYTHON_TAG.startswith(body):
         return Parsed("")  # maybe the tag, still arriving
     if not body.startswith("{"):
-        return Parsed(text)
+        return Parsed(text if body or final else "")
     out = Parsed("")
     j = 0
     while j < len(body) and body[j] == "{":
