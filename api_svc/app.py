@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
-(/health, /version, /tokenize, /detokenize, /metrics)."""
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models; /v1/responses in
+api_svc/responses_api.py) and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api_svc import errors, tools
+from api_svc import errors, responses_api, tools
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
 from api_svc.errors import APIError
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api_svc.response_store import ResponseStore
 from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
 from api_svc.streaming import events, merged
 from common.tokenizer import CHAT_ROLES
@@ -43,12 +44,16 @@ def create_app(cfg: APIConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         bridge = Bridge(cfg.scheduler, cfg.scheduler_api_key, cfg.reattach_timeout, cfg.tokenizer)
         app.state.bridge = bridge
+        store = app.state.response_store = \
+            ResponseStore(cfg.redis_url, cfg.namespace, cfg.responses_store_ttl) if cfg.redis_url else None
         stop = asyncio.Event()
         waiter = asyncio.create_task(bridge.wait_info(stop))  # the model info and tokenizer before the first call
         yield
         stop.set()
         waiter.cancel()
         await bridge.close()
+        if store is not None:
+            await store.close()
 
     app = FastAPI(title="llmserve OpenAI-compatible API", version=VERSION, lifespan=lifespan)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -203,6 +208,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
             raise errors.bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": (await bridge.get_tokenizer()).decode(body.tokens)}
 
+    responses_api.add_routes(v1, cfg, bridge_of, check_model, request_id)  # /v1/responses
     app.include_router(v1)
 
     @app.get("/health")

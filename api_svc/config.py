@@ -19,6 +19,11 @@ def tool_call_parser() -> Any:
                    choices=tuple(PARSERS))
 
 
+def responses_store_ttl() -> Any:
+    return setting(86400.0, "seconds a stored /v1/responses response (store: true) stays in Redis for GET, cancel and "
+                   "previous_response_id", check=c.at_least(1))
+
+
 def check_tool_flags(enable: bool, parser: str | None) -> None:
     """vLLM's start-up rule: auto tool choice needs a parser."""
     if enable and parser is None:
@@ -39,6 +44,9 @@ class APIConfig:
         60.0, "seconds a stream keeps re-attaching while the scheduler is unavailable (fail-over)",
         check=c.at_least(0))
     log_level: str = setting("warning", "uvicorn's log level (access logs at info)")
+    redis_url: str | None = c.redis_url()
+    namespace: str = c.namespace()
+    responses_store_ttl: float = responses_store_ttl()
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
 

@@ -16,8 +16,8 @@ SCHEDULING_MODES = ("continuous", "static", "naive")
 class SchedulerConfig:
     host: str = setting("0.0.0.0", "address of the public gRPC API")
     port: int = setting(50051, "port of the public gRPC API (0 picks a free one)")
-    redis_url: str | None = setting(None, "Redis holding the scheduling state")
-    namespace: str = setting("llmserve", "prefix of every Redis key")
+    redis_url: str | None = c.redis_url()
+    namespace: str = c.namespace()
     worker_address: str = setting("127.0.0.1:50061", "HOST:PORT of the worker's gRPC server")
     max_num_batched_tokens: int | None = c.max_num_batched_tokens()
     max_num_seqs: int | None = setting(None, "running requests cap", device_default={"cpu": 64, "cuda": 256},
