@@ -263,6 +263,7 @@ class Draft:
         self.state = plan.choice() if plan is not None else None
         self.finish: str | None = None
         self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.error: dict | None = None  # a background response that failed
 
     def feed(self, text: str, finish: str | None, usage) -> list[tuple[str, dict]]:
         final = finish is not None
@@ -297,7 +298,7 @@ class Draft:
                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-            "output": self.output.items if self.finish is not None else [], "error": None,
+            "output": self.output.items if self.finish is not None else [], "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
             "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": b.previous_response_id,
@@ -394,8 +395,12 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
 
         if body.background:
             async def finish_in_background() -> None:
-                async for _ in run(draft, gen, store):
-                    pass
+                try:
+                    async for _ in run(draft, gen, store):
+                        pass
+                except APIError as e:  # nobody waits for this answer: the stored response says what failed
+                    draft.error = {"code": str(e.code), "message": e.message}
+                    await store.finish(draft.id, draft.record("failed"))
 
             task = asyncio.create_task(finish_in_background())
             background.add(task)

@@ -171,6 +171,23 @@ def test_auto_parses_hermes_calls_and_passes_plain_text(st):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_auto_parses_a_hermes_call_out_of_generated_text(st):
+    """A model that writes Hermes' format (forced here with a regex constraint, as the bundled model does not): the
+    parser turns the real generated text into a call, whole and streamed."""
+    said = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in said)
+    kw = {"model": st.model, "messages": ASK, "tools": TOOLS, "max_tokens": 160, "temperature": 0,
+          "extra_body": {"structured_outputs": {"regex": regex}}}
+    whole = st.auto_client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    calls, finish, content = reassemble(list(st.auto_client.chat.completions.create(stream=True, **kw)))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+
+
 def test_auto_without_the_flags_is_400(st):
     for kw in ({}, {"tool_choice": "auto"}):
         with pytest.raises(openai.BadRequestError) as e:
