@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from llmserve.bench.metrics import metric_sum, scrape
 from tests.support import cluster
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -23,8 +24,9 @@ QUESTION = "What is the capital of France?"
 class Stack:
     def __init__(self, redis_url: str):
         self.worker = cluster.start_worker(["--num-gpu-blocks-override", "256", "--max-model-len", "2048"])
-        port = cluster.free_port()
-        self.scheduler = cluster.start_scheduler(redis_url, self.worker, ["--port", port])
+        port, self.metrics_port = cluster.free_port(), cluster.free_port()
+        self.scheduler = cluster.start_scheduler(redis_url, self.worker,
+                                                 ["--port", port, "--metrics-port", self.metrics_port])
         addr = f"127.0.0.1:{port}"
         cluster.wait_healthy(addr, proc=self.scheduler)
         shared = ["--redis-url", redis_url, "--namespace", self.scheduler.namespace]
@@ -41,6 +43,9 @@ class Stack:
             assert time.monotonic() < deadline, api.log_tail()
             time.sleep(0.2)
         return openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
+
+    def kv_usage(self) -> float:
+        return metric_sum(scrape(f"http://127.0.0.1:{self.metrics_port}/metrics"), "vllm:kv_cache_usage_perc")
 
     def post(self, body: dict) -> httpx.Response:
         return httpx.post(f"http://127.0.0.1:{self.a.port}/v1/responses", json={"model": self.model, **body},
@@ -167,8 +172,11 @@ def test_cancel_from_another_process(st):
         time.sleep(0.2)
     with pytest.raises(openai.BadRequestError):  # only what still runs can be cancelled
         st.cb.responses.cancel(st.ca.responses.create(model=st.model, input="Hi", **greedy()).id)
-    # The generation was aborted in the scheduler: a new request is served at once, the aborted one is gone.
-    assert st.ca.responses.create(model=st.model, input="Hi", **greedy()).output_text
+    # The generation was aborted in the scheduler: its KV blocks are free again.
+    deadline = time.monotonic() + 30
+    while st.kv_usage() > 0:
+        assert time.monotonic() < deadline, "the cancelled response still holds KV blocks"
+        time.sleep(0.2)
 
 
 def test_store_false_and_no_redis(st):
