@@ -16,6 +16,7 @@ nothing is stored (`store` comes back false).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -349,11 +350,24 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
                            f"--responses-store-ttl {cfg.responses_store_ttl:g}s)", "NotFoundError", "response_id")
         return record
 
+    def spawn(coro) -> None:
+        task = asyncio.create_task(coro)
+        background.add(task)
+        task.add_done_callback(background.discard)
+
     async def run(draft: Draft, gen: Generation, store: ResponseStore | None) -> AsyncIterator[tuple[str, dict]]:
-        """The generation's events; the finished response is stored (a cancel stored meanwhile stays)."""
-        async for delta in gen:
-            for ev in draft.feed(delta.text, delta.finish_reason, delta.usage):
-                yield ev
+        """The generation's events; the finished response is stored (a cancel stored meanwhile stays). One that
+        ends early is stored as failed (an error) or cancelled (its client went away)."""
+        try:
+            async for delta in gen:
+                for ev in draft.feed(delta.text, delta.finish_reason, delta.usage):
+                    yield ev
+        except BaseException as e:
+            if isinstance(e, APIError):
+                draft.error = {"code": str(e.code), "message": e.message}
+            if store is not None and draft.finish is None:  # not awaited here: the task may be cancelled
+                spawn(store.finish(draft.id, draft.record("failed" if draft.error else "cancelled")))
+            raise
         if store is not None:
             kept = await store.finish(draft.id, draft.record())
             if kept["response"]["status"] == "cancelled" and draft.status != "cancelled":
@@ -395,16 +409,11 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
 
         if body.background:
             async def finish_in_background() -> None:
-                try:
+                with contextlib.suppress(APIError):  # nobody waits for it: the stored response says what failed
                     async for _ in run(draft, gen, store):
                         pass
-                except APIError as e:  # nobody waits for this answer: the stored response says what failed
-                    draft.error = {"code": str(e.code), "message": e.message}
-                    await store.finish(draft.id, draft.record("failed"))
 
-            task = asyncio.create_task(finish_in_background())
-            background.add(task)
-            task.add_done_callback(background.discard)
+            spawn(finish_in_background())
             return JSONResponse(draft.response("in_progress"))
 
         if body.stream:

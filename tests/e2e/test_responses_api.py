@@ -179,6 +179,22 @@ def test_cancel_from_another_process(st):
         time.sleep(0.2)
 
 
+def test_a_stream_left_early_is_stored_cancelled_and_freed(st):
+    stream = st.ca.responses.create(model=st.model, input="Tell me a long story.", max_output_tokens=1500,
+                                    stream=True, extra_body={"ignore_eos": True})
+    events = []
+    for e in stream:
+        events.append(e)
+        if e.type == "response.output_text.delta":
+            break
+    stream.close()
+    rid = events[0].response.id
+    deadline = time.monotonic() + 30
+    while st.cb.responses.retrieve(rid).status != "cancelled" or st.kv_usage() > 0:
+        assert time.monotonic() < deadline, (st.cb.responses.retrieve(rid).status, st.kv_usage())
+        time.sleep(0.2)
+
+
 def test_store_false_and_no_redis(st):
     r = st.ca.responses.create(model=st.model, input="Hi", store=False, **greedy())
     assert r.store is False
