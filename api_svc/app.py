@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
-(/health, /version, /tokenize, /detokenize, /metrics)."""
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models; /v1/responses in
+api_svc/responses_api.py) and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from api_svc import errors, openapi
+from api_svc import errors, openapi, responses_api, tools
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
 from api_svc.errors import APIError
 from api_svc.limits import BodyLimit, check_prompts
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api_svc.response_store import ResponseStore
 from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
 from api_svc.streaming import events, merged
 from common.tokenizer import CHAT_ROLES
@@ -61,12 +62,16 @@ def create_app(cfg: APIConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         bridge = Bridge(cfg.scheduler, cfg.scheduler_api_key, cfg.reattach_timeout, cfg.tokenizer)
         app.state.bridge = bridge
+        store = app.state.response_store = \
+            ResponseStore(cfg.redis_url, cfg.namespace, cfg.responses_store_ttl) if cfg.redis_url else None
         stop = asyncio.Event()
         waiter = asyncio.create_task(bridge.wait_info(stop))  # the model info and tokenizer before the first call
         yield
         stop.set()
         waiter.cancel()
         await bridge.close()
+        if store is not None:
+            await store.close()
 
     app = FastAPI(title="llmserve OpenAI-compatible API", version=VERSION, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_request_body_bytes)
@@ -198,10 +203,11 @@ def create_app(cfg: APIConfig) -> FastAPI:
         if not body.messages:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
+        tool_plan = tools.plan(body, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
-                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
-        gens = [bridge.generation(await asyncio.to_thread(chat_request, body, rid), chat=True)]
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids, tools=tool_plan)
+        gens = [bridge.generation(await asyncio.to_thread(chat_request, body, rid, tool_plan), chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
 
     @v1.post("/tokenize", responses=openapi.json_route(openapi.Tokens, *openapi.BODY))
@@ -237,6 +243,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         tok = await bridge.get_tokenizer()
         return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
+    responses_api.add_routes(v1, cfg, bridge_of, check_model, request_id)  # /v1/responses
     app.include_router(v1)
 
     @app.get("/health", responses=openapi.HEALTH, response_class=PlainTextResponse)

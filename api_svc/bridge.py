@@ -18,6 +18,7 @@ import grpc
 
 from api_svc.errors import APIError, bad_request, from_grpc, unavailable
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from api_svc.tools import ToolPlan, history_fields
 from common.client import Client, IncompleteStream
 from common.sampling_wire import public_fields
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -98,9 +99,9 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.Gen
     return reqs
 
 
-def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
-    """The messages go to the scheduler as they are, which renders them with the model's chat template exactly as
-    for `llmserve generate --chat`."""
+def chat_request(body: ChatCompletionRequest, request_id: str, tools: ToolPlan | None = None) -> pb.GenerateRequest:
+    """The messages (and tools) go to the scheduler as they are, which renders them with the model's chat template
+    exactly as for `llmserve generate --chat`; `tools` enforces or parses tool calls (api_svc/tools.py)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -109,6 +110,11 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
                              priority=body.priority, cache_salt=body.cache_salt or "")
     for m in body.messages:
         req.chat.messages.add(role=m.role, content=m.text())
+    history_fields(req.chat, body.messages)
+    if body.tools:
+        req.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools], ensure_ascii=False)
+    if tools is not None:
+        tools.apply(req)
     return req
 
 

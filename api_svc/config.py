@@ -3,10 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from api_svc import limits
+from api_svc.tool_parsers import PARSERS
 from common import config as c
-from common.config import setting
+from common.config import ConfigError, setting
+
+
+def enable_auto_tool_choice() -> Any:
+    return setting(False, "tool_choice \"auto\": parse tool calls out of the model's text with --tool-call-parser")
+
+
+def tool_call_parser() -> Any:
+    return setting(None, "how --enable-auto-tool-choice finds tool calls in the text (api_svc/tool_parsers.py)",
+                   choices=tuple(PARSERS))
+
+
+def responses_store_ttl() -> Any:
+    return setting(86400.0, "seconds a stored /v1/responses response (store: true) stays in Redis for GET, cancel and "
+                   "previous_response_id", check=c.at_least(1))
+
+
+def check_tool_flags(enable: bool, parser: str | None) -> None:
+    """vLLM's start-up rule: auto tool choice needs a parser."""
+    if enable and parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of " + ", ".join(PARSERS) + ")")
 
 
 @dataclass(frozen=True)
@@ -29,3 +51,11 @@ class APIConfig:
     max_prompts_per_request: int = setting(
         limits.DEFAULT_MAX_PROMPTS, "most prompts one /v1/completions request may batch (400 beyond)",
         check=c.at_least(1))
+    redis_url: str | None = c.redis_url()
+    namespace: str = c.namespace()
+    responses_store_ttl: float = responses_store_ttl()
+    enable_auto_tool_choice: bool = enable_auto_tool_choice()
+    tool_call_parser: str | None = tool_call_parser()
+
+    def __post_init__(self):
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)

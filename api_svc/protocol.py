@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI API (vLLM's field names and defaults). Unknown fields are accepted and ignored,
-as OpenAI clients send many (tools, ...) that this server does not act on.
+as OpenAI clients send many that this server does not act on.
 
 Ranges that depend on the model or the scheduler (max_model_len, n, top_p, penalties, ...) are checked by the
 scheduler, whose messages name the field and the limit; here only what the wire types need (unsigned, int32). The
@@ -14,6 +14,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from api_svc.limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
+from api_svc.tools import NamedToolChoice, Tool, ToolCallIn
 from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS
 from protos import llmserve_pb2 as pb
 
@@ -125,6 +126,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls (api_svc/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -139,6 +142,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    tools: list[Tool] | None = None  # tool calling: api_svc/tools.py
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):

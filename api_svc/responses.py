@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from api_svc.bridge import Delta
+from api_svc.tools import ChoiceTools, ToolPlan
 from common.tokenizer import Tokenizer
 from protos import llmserve_pb2 as pb
 
@@ -40,6 +41,8 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt number -> its length
     completion_tokens: int = 0
+    tools: ToolPlan | None = None  # chat: tool calls enforced or parsed (api_svc/tools.py)
+    tool_streams: dict[int, ChoiceTools] = field(default_factory=dict)  # choice index -> its state
 
     @property
     def object(self) -> str:
@@ -80,12 +83,19 @@ class Reply:
 
     # ---- stream chunks
     def chunk(self, index: int, delta: Delta | None, *, text: str | None = None, first: bool = False,
-              want_logprobs: bool = False, text_offset: int = 0) -> dict:
+              want_logprobs: bool = False, text_offset: int = 0) -> dict | None:
+        """A stream chunk; None when it would carry nothing (tool-call text still being parsed)."""
         body = delta.text if text is None else text
         finish = delta.finish_reason if delta is not None else None
         lps = delta.logprobs if delta is not None and want_logprobs else []
         if self.chat:
-            choice = {"index": index, "delta": {"role": "assistant", "content": body} if first else {"content": body},
+            moved = {"role": "assistant", "content": body} if first else {"content": body}
+            if self.tools is not None and not first:
+                state = self.tool_streams.setdefault(index, self.tools.choice())
+                moved, finish = state.feed(body, finish is not None), state.finish_reason(finish)
+                if not moved and finish is None and not lps:
+                    return None
+            choice = {"index": index, "delta": moved,
                       "logprobs": self.chat_logprobs(lps) if lps else None, "finish_reason": finish}
         else:
             logprobs = self.completion_logprobs(delta.token_ids, lps, text_offset) if lps else None
@@ -124,9 +134,12 @@ def whole(reply: Reply, choices: list[ChoiceText], want_logprobs: bool) -> dict:
     out = []
     for i, c in enumerate(choices):
         if reply.chat:
-            out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if reply.tools is not None:
+                message, finish = reply.tools.message(c.text, finish)
+            out.append({"index": i, "message": message,
                         "logprobs": reply.chat_logprobs(c.logprobs) if want_logprobs else None,
-                        "finish_reason": c.finish_reason})
+                        "finish_reason": finish})
         else:
             logprobs = reply.completion_logprobs(c.token_ids, c.logprobs, len(c.prefix)) if want_logprobs else None
             out.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,

@@ -70,7 +70,9 @@ async def events(reply: Reply, gens: list[Generation], *, want_logprobs: bool,
             reply.count(k, delta)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(delta.text)
-            yield sse(reply.chunk(index, delta, want_logprobs=want_logprobs, text_offset=offset))
+            chunk = reply.chunk(index, delta, want_logprobs=want_logprobs, text_offset=offset)
+            if chunk is not None:
+                yield sse(chunk)
         if reply.include_usage:
             yield sse(reply.usage_chunk())
     except APIError as e:  # after the first byte the status is sent: the error goes into the stream

@@ -75,6 +75,15 @@ def max_num_batched_tokens() -> Any:
                    check=at_least(1))
 
 
+def redis_url() -> Any:
+    return setting(None, "Redis (redis://[:PASSWORD@]HOST:PORT/DB; rediss://...?ssl_ca_certs=PATH for TLS): the "
+                   "scheduler's state; the HTTP API's stored responses (/v1/responses)")
+
+
+def namespace() -> Any:
+    return setting("llmserve", "prefix of every Redis key")
+
+
 def tokenizer() -> Any:
     return setting(None, "GGUF file or HF directory for the tokenizer (default: the model)")
 
@@ -108,7 +117,7 @@ def api_key() -> Any:
 
 
 def served_model_name() -> Any:
-    return setting(None, "the model name HTTP clients use (default: the model's)")
+    return setting(None, "the model name HTTP clients use (default: the model's file or directory name)")
 
 
 # ---- derived views ----------------------------------------------------------------------------------------------

@@ -23,7 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from api_svc.config import APIConfig
+from api_svc.config import (
+    APIConfig,
+    check_tool_flags,
+    enable_auto_tool_choice,
+    responses_store_ttl,
+    tool_call_parser,
+)
 from common import config as c
 from common.config import ConfigError, from_namespace, setting, to_argv
 from llmserve.processes import (
@@ -59,6 +65,12 @@ class ServeConfig:
     served_model_name: str | None = c.served_model_name()
     log_dir: str | None = setting(None, "the worker's and redis-server's logs (default: a temporary directory, "
                                   "removed at exit)")
+    enable_auto_tool_choice: bool = enable_auto_tool_choice()
+    tool_call_parser: str | None = tool_call_parser()
+    responses_store_ttl: float = responses_store_ttl()
+
+    def __post_init__(self):
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -72,12 +84,15 @@ def worker_argv(cfg: WorkerConfig, port: int) -> list[str]:
                     *to_argv(cfg, exclude=SERVE_ONLY | {"host", "port"}))
 
 
-def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int) -> list[str]:
+def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int, redis_url: str | None = None
+             ) -> list[str]:
     """The `llmserve api` command line of `serve`: on --host and --http-port, in front of its scheduler, with every
     API setting `serve` shares (the scheduler's --api-key: clients use one key for both; --tokenizer;
-    --served-model-name)."""
+    --served-model-name; the scheduler's Redis and --namespace, for stored responses)."""
     host = "127.0.0.1" if own.host in ("0.0.0.0", "::") else own.host
     where = {"host": own.host, "port": own.http_port, "scheduler": f"{host}:{scheduler_port}"}
+    if redis_url:
+        where["redis_url"] = redis_url
     api = from_namespace(APIConfig, args, **where)
     return cli_argv("api", *[w for k, v in where.items() for w in (c.flag(k), v)], *to_argv(api, exclude=where))
 
@@ -230,7 +245,7 @@ def serve(args: argparse.Namespace) -> None:
             return
         sched = Scheduler(sched_cfg).start()
         if own.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
-            api_cmd, api_log = api_argv(args, own, sched.port), os.path.join(log_dir, "api.log")
+            api_cmd, api_log = api_argv(args, own, sched.port, redis_url), os.path.join(log_dir, "api.log")
             api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log, die_with_parent=True))
         deadline = time.monotonic() + 120
         while not sched.driver.ready.wait(0.5) and not sup.stopping.is_set():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/llmserve.proto\x12\x0bllmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xeb\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x15\n\x0bjson_schema\x18( \x01(\tH\x00\x12\x0f\n\x05regex\x18) \x01(\tH\x00\x12\x11\n\x07grammar\x18* \x01(\tH\x00\x12\x15\n\x0bjson_object\x18+ \x01(\x08H\x00\x12/\n\x06\x63hoice\x18, \x01(\x0b\x32\x1d.llmserve.v1.ChoiceConstraintH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.llmserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x19\n\x11resume_from_token\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x19\n\x11\x66irst_token_index\x18\x08 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf9\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cworker_epoch\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r2\xe7\x01\n\x08LLMServe\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12P\n\x0cGetModelInfo\x12 .llmserve.v1.GetModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/llmserve.proto\x12\x0bllmserve.v1\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x8c\x01 \x03(\x0b\x32\x15.llmserve.v1.ToolCall\x12\x15\n\x0ctool_call_id\x18\x8d\x01 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"O\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x13\n\ntools_json\x18\x8c\x01 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xeb\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x15\n\x0bjson_schema\x18( \x01(\tH\x00\x12\x0f\n\x05regex\x18) \x01(\tH\x00\x12\x11\n\x07grammar\x18* \x01(\tH\x00\x12\x15\n\x0bjson_object\x18+ \x01(\x08H\x00\x12/\n\x06\x63hoice\x18, \x01(\x0b\x32\x1d.llmserve.v1.ChoiceConstraintH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.llmserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x19\n\x11resume_from_token\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x19\n\x11\x66irst_token_index\x18\x08 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf9\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cworker_epoch\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r2\xe7\x01\n\x08LLMServe\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12P\n\x0cGetModelInfo\x12 .llmserve.v1.GetModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=38
-  _globals['_CHATMESSAGE']._serialized_end=82
-  _globals['_CHATMESSAGES']._serialized_start=84
-  _globals['_CHATMESSAGES']._serialized_end=142
-  _globals['_TOKENIDS']._serialized_start=144
-  _globals['_TOKENIDS']._serialized_end=167
-  _globals['_SAMPLINGPARAMS']._serialized_start=170
-  _globals['_SAMPLINGPARAMS']._serialized_end=1045
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=810
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=858
-  _globals['_CHOICECONSTRAINT']._serialized_start=1047
-  _globals['_CHOICECONSTRAINT']._serialized_end=1082
-  _globals['_GENERATEREQUEST']._serialized_start=1085
-  _globals['_GENERATEREQUEST']._serialized_end=1347
-  _globals['_TOKENLOGPROB']._serialized_start=1349
-  _globals['_TOKENLOGPROB']._serialized_end=1398
-  _globals['_TOKENLOGPROBS']._serialized_start=1400
-  _globals['_TOKENLOGPROBS']._serialized_end=1490
-  _globals['_USAGE']._serialized_start=1492
-  _globals['_USAGE']._serialized_end=1549
-  _globals['_GENERATERESPONSE']._serialized_start=1552
-  _globals['_GENERATERESPONSE']._serialized_end=1769
-  _globals['_ABORTREQUEST']._serialized_start=1771
-  _globals['_ABORTREQUEST']._serialized_end=1805
-  _globals['_ABORTRESPONSE']._serialized_start=1807
-  _globals['_ABORTRESPONSE']._serialized_end=1837
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1839
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1860
-  _globals['_MODELINFORESPONSE']._serialized_start=1863
-  _globals['_MODELINFORESPONSE']._serialized_end=2112
-  _globals['_LLMSERVE']._serialized_start=2115
-  _globals['_LLMSERVE']._serialized_end=2346
+  _globals['_CHATMESSAGE']._serialized_end=149
+  _globals['_TOOLCALL']._serialized_start=151
+  _globals['_TOOLCALL']._serialized_end=206
+  _globals['_CHATMESSAGES']._serialized_start=208
+  _globals['_CHATMESSAGES']._serialized_end=287
+  _globals['_TOKENIDS']._serialized_start=289
+  _globals['_TOKENIDS']._serialized_end=312
+  _globals['_SAMPLINGPARAMS']._serialized_start=315
+  _globals['_SAMPLINGPARAMS']._serialized_end=1190
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=955
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1003
+  _globals['_CHOICECONSTRAINT']._serialized_start=1192
+  _globals['_CHOICECONSTRAINT']._serialized_end=1227
+  _globals['_GENERATEREQUEST']._serialized_start=1230
+  _globals['_GENERATEREQUEST']._serialized_end=1492
+  _globals['_TOKENLOGPROB']._serialized_start=1494
+  _globals['_TOKENLOGPROB']._serialized_end=1543
+  _globals['_TOKENLOGPROBS']._serialized_start=1545
+  _globals['_TOKENLOGPROBS']._serialized_end=1635
+  _globals['_USAGE']._serialized_start=1637
+  _globals['_USAGE']._serialized_end=1694
+  _globals['_GENERATERESPONSE']._serialized_start=1697
+  _globals['_GENERATERESPONSE']._serialized_end=1914
+  _globals['_ABORTREQUEST']._serialized_start=1916
+  _globals['_ABORTREQUEST']._serialized_end=1950
+  _globals['_ABORTRESPONSE']._serialized_start=1952
+  _globals['_ABORTRESPONSE']._serialized_end=1982
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1984
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2005
+  _globals['_MODELINFORESPONSE']._serialized_start=2008
+  _globals['_MODELINFORESPONSE']._serialized_end=2257
+  _globals['_LLMSERVE']._serialized_start=2260
+  _globals['_LLMSERVE']._serialized_end=2491
 # @@protoc_insertion_point(module_scope)

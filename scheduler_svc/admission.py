@@ -11,8 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
+import jinja2
 
 from common.request_limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
+from common.chat_messages import template_messages, template_tools
 from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
 from common.sampling_wire import read
 from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
@@ -91,15 +93,21 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) ->
         if bad is not None:
             raise _invalid(f"prompt token_ids contains {bad}, outside the vocabulary [0, {limits.vocab_size})")
     elif kind == "chat":
-        messages = []
         for i, m in enumerate(req.chat.messages):
             if m.role not in CHAT_ROLES:
                 raise _invalid(f"chat.messages[{i}].role {m.role!r} is unknown; allowed: {', '.join(CHAT_ROLES)}")
-            messages.append({"role": m.role, "content": m.content})
-        if not messages:
+        if not req.chat.messages:
             raise _invalid("chat.messages is empty")
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                               add_special_tokens=False)
+        try:
+            messages, tools = template_messages(req.chat), template_tools(req.chat)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+        extra = {"tools": tools} if tools is not None else {}
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:  # the model's own template refused the history
+            raise _invalid(f"chat.messages: the chat template failed: {e}") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         raise _invalid("prompt is missing: set text, token_ids or chat")
     if not ids:

@@ -17,8 +17,8 @@ SCHEDULING_MODES = ("continuous", "static", "naive")
 class SchedulerConfig:
     host: str = setting("0.0.0.0", "address of the public gRPC API")
     port: int = setting(50051, "port of the public gRPC API (0 picks a free one)")
-    redis_url: str | None = setting(None, "Redis holding the scheduling state")
-    namespace: str = setting("llmserve", "prefix of every Redis key")
+    redis_url: str | None = c.redis_url()
+    namespace: str = c.namespace()
     redis_sentinel: str | None = setting(
         None, "find the Redis primary through these Sentinels and follow its fail-overs (--redis-url then only "
         "gives the password, TLS options and database, used for Sentinels and data nodes alike)",

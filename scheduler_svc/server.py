@@ -9,7 +9,6 @@ import re
 import signal
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from common import tls, tracing
 from common.auth import api_key_interceptor
 from common.config import MAX_MESSAGE_BYTES, ConfigError, add_arguments, from_namespace
+from common.redis_url import probe_redis, redact_url
 from common.structured_outputs import Constraint
 from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
@@ -279,41 +279,10 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     return cfg
 
 
-def redact_url(url: str) -> str:
-    """`url` with its password (and any *password* query value) replaced by ***, for messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
-    query = "&".join(f"{k}=***" if "password" in k.lower() else f"{k}={v}"
-                     for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
 def connect_redis(url: str) -> redis.Redis:
-    """The scheduler's Redis client, after one PING went through: a wrong password, a TLS mismatch or an unreachable
-    server ends the process at start with a message naming --redis-url (password redacted) instead of an driver
-    that retries the same failure forever."""
-    shown = redact_url(url)
-    try:
-        with redis.Redis.from_url(url, socket_connect_timeout=10, socket_timeout=10) as probe:
-            probe.ping()
-    except redis.AuthenticationError as e:
-        raise SystemExit(f"--redis-url {shown}: Redis refused the credentials ({e}); put the right password in the "
-                         "URL: redis://:PASSWORD@host:port/db") from None
-    except redis.ResponseError as e:
-        raise SystemExit(f"--redis-url {shown}: Redis answered PING with an error: {e}") from None
-    except redis.RedisError as e:
-        if isinstance(e.__context__, ConnectionRefusedError):
-            hint = "is Redis running there?"
-        elif url.startswith("rediss://"):
-            hint = ("with rediss:// the port must serve TLS and its certificate must be signed by the CA named by "
-                    "?ssl_ca_certs=PATH (or the system's)")
-        else:
-            hint = "a Redis that serves TLS only drops plaintext connections: use rediss://...?ssl_ca_certs=PATH"
-        raise SystemExit(f"--redis-url {shown}: cannot use Redis: {e} ({hint})") from None
-    except (OSError, ValueError, TypeError) as e:  # a malformed URL, an unknown query option, an unreadable file
-        raise SystemExit(f"--redis-url {shown}: {e}") from None
+    """The scheduler's Redis client, after one PING went through (common/redis_url.py: a bad URL, password or TLS
+    setting ends the process at start naming --redis-url)."""
+    probe_redis(url)
     # Blocking pool: a burst of Generate calls that look up request ids waits for a connection instead of failing.
     return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30))
 

@@ -62,6 +62,18 @@ def load_model_weights(path: str, shard: Shard = FULL,
     weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load.
 
     quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.quant.QuantizedWeight)."""
+    config, weights = _load_weights(path, shard, quantization)
+    config.name = model_name(path)
+    return config, weights
+
+
+def model_name(path: str) -> str:
+    """The model's default served name: the file or directory name it was given (as vLLM names a model after
+    its path), not a GGUF's `general.name` title."""
+    return os.path.basename(os.path.normpath(path))
+
+
+def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[ModelConfig, dict]:
     is_gguf = os.path.isfile(path) and path.endswith(".gguf")
     if quantization not in (None, "gguf"):
         raise ValueError(f"--quantization must be gguf or unset; got {quantization!r}")
@@ -345,7 +357,7 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in names,
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
-        name=cfg.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
+        name=model_name(path),
     ), **extra})
     check_shardable(config, shard.size)
     weights: dict[str, torch.Tensor] = {}

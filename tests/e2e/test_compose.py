@@ -181,10 +181,11 @@ def test_api_command_and_healthcheck(stack, bundled_model_path):
 
     hport = cluster.free_port()
     cmd = [_sub(unescape(a), {"8000": str(hport), "scheduler:50051": f"127.0.0.1:{stack['scheduler_port']}",
-                              "0.0.0.0": "127.0.0.1", TOKENIZER: bundled_model_path})
+                              "0.0.0.0": "127.0.0.1", TOKENIZER: bundled_model_path,
+                              "@redis:6379": f"@127.0.0.1:{stack['redis_port']}"})
            for a in COMPOSE["services"]["api"]["command"]]
-    assert cmd[0] == "api"
-    api = subprocess.Popen([sys.executable, "-m", "llmserve.cli", *cmd], env=env(), cwd=ROOT,
+    assert cmd[:2] == ["sh", "-c"] and cmd[2].startswith("exec llmserve api ")  # the Redis URL built in its shell
+    api = subprocess.Popen(cmd, env=env(), cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -193,6 +194,10 @@ def test_api_command_and_healthcheck(stack, bundled_model_path):
             time.sleep(0.5)
         models = httpx.get(f"http://127.0.0.1:{hport}/v1/models", timeout=60).json()
         assert models["data"][0]["max_model_len"] == 512
+        # It reached the password-protected Redis: a stored response can be fetched back.
+        made = httpx.post(f"http://127.0.0.1:{hport}/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
+                          timeout=120).json()
+        assert httpx.get(f"http://127.0.0.1:{hport}/v1/responses/{made['id']}", timeout=60).json()["id"] == made["id"]
     finally:
         api.terminate()
         api.wait(timeout=15)

@@ -1,0 +1,147 @@
+"""The tool-call parsers (api_svc/tool_parsers.py) and the stream of deltas built on them (api_svc/tools.py), on
+outputs as tool-calling models write them: whole, and streamed a few characters at a time, where the deltas must
+reassemble to the whole parse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api_svc.tool_parsers import PARSERS, Call, hermes, llama3_json, mistral, pythonic, value_end
+from api_svc.tools import ToolPlan, required_schema
+
+# Outputs in each model family's own format (Hermes 2 Pro / Qwen2.5, Llama 3.1, Mistral 7B v0.3, Mistral v11
+# tokenizer, Llama 3.2 pythonic), each with the calls it holds and its content.
+RECORDED = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+         "", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+        ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Oslo"}}\n</tool_call>',
+         "I will look both up.\n", [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "Europe/Oslo"})]),
+        ("The capital of France is Paris.", "The capital of France is Paris.", []),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '<tool_call>\n{"name": "get_weather", '
+         '"arguments": {"city": "Pa', []),  # cut off: not a call, the text is the content
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "San Francisco, CA", "unit": "fahrenheit"}}', "",
+         [("get_weather", {"city": "San Francisco, CA", "unit": "fahrenheit"})]),
+        ('<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}; {"name": "add", "parameters": {"a": 4, '
+         '"b": 5}}', "", [("add", {"a": 2, "b": 3}), ("add", {"a": 4, "b": 5})]),
+        ("Hello! How can I help you today?", "Hello! How can I help you today?", []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", "format": '
+         '"celsius"}}]', "", [("get_current_weather", {"location": "Paris, France", "format": "celsius"})]),
+        ('Sure.[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, 2]}}]', "Sure.",
+         [("a", {}), ("b", {"x": [1, 2]})]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}', "",
+         [("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})]),
+        ("Bonjour !", "Bonjour !", []),
+    ],
+    "pythonic": [
+        ('[get_weather(city="San Francisco", metric="celsius"), get_time(tz="PST")]', "",
+         [("get_weather", {"city": "San Francisco", "metric": "celsius"}), ("get_time", {"tz": "PST"})]),
+        ("[search(query='llm serving', limit=3, exact=False, tags=['a', 'b'])]", "",
+         [("search", {"query": "llm serving", "limit": 3, "exact": False, "tags": ["a", "b"]})]),
+        ("I cannot call a tool for that.", "I cannot call a tool for that.", []),
+        ("[1, 2, 3]", "[1, 2, 3]", []),
+    ],
+}
+CASES = [pytest.param(name, *case, id=f"{name}-{k}") for name, cases in RECORDED.items()
+         for k, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_parser_on_recorded_outputs(parser, text, content, calls):
+    parsed = PARSERS[parser].parse(text, True)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
+    assert all(c.done for c in parsed.calls)
+
+
+def stream(plan: ToolPlan, text: str, step: int) -> list[dict]:
+    state = plan.choice()
+    deltas = [state.feed(text[i:i + step], False) for i in range(0, len(text), step)]
+    return [d for d in [*deltas, state.feed("", True)] if d]
+
+
+def join(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for tc in d.get("tool_calls", ()):
+            if tc["index"] not in calls:
+                assert set(tc) == {"index", "id", "type", "function"} and tc["function"]["name"]
+                calls[tc["index"]] = [tc["function"]["name"], ""]
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+            calls[tc["index"]][1] += tc["function"]["arguments"]
+    return content, [tuple(calls[k]) for k in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+@pytest.mark.parametrize("parser,text,content,calls", [c for c in CASES if c.values[3]])
+def test_streamed_deltas_reassemble_to_the_whole_parse(parser, text, content, calls, step):
+    p = PARSERS[parser]
+    plan = ToolPlan(p.parse, parallel=True, short_ids=p.short_ids)
+    message, finish = plan.message(text, "stop")
+    assert finish == "tool_calls" and (message["content"] or "") == content
+    got_content, got_calls = join(stream(plan, text, step))
+    assert got_content == content
+    assert got_calls == [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def test_content_is_streamed_before_the_call_and_markers_are_held_back():
+    deltas = stream(ToolPlan(hermes, True), 'Let me see. <tool_call>{"name": "f", "arguments": {}}</tool_call>', 2)
+    text = "".join(d.get("content", "") for d in deltas)
+    assert text == "Let me see. " and "<" not in text
+    assert hermes("Sure <tool_", False).content == "Sure "  # may be the marker: not sent yet
+    assert hermes("Sure <tool_", True).content == "Sure <tool_"
+
+
+def test_mistral_ids_are_nine_alphanumerics():
+    message, _ = ToolPlan(mistral, True, short_ids=True).message('[TOOL_CALLS][{"name": "f", "arguments": {}}]',
+                                                                "stop")
+    call_id = message["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and call_id.isalnum()
+
+
+def test_parallel_false_keeps_the_first_call_and_length_stays_length():
+    text = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'
+    message, finish = ToolPlan(llama3_json, False).message(text, "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"] and finish == "tool_calls"
+    _, finish = ToolPlan(llama3_json, True).message(text, "length")
+    assert finish == "length"
+
+
+def test_partial_arguments_grow_and_strings_wait():
+    assert llama3_json('{"name": "f", "parameters": {"x": [1, 2', False).calls == [Call("f", '{"x": [1, 2', False)]
+    assert llama3_json('{"name": "f", "arguments": "{\\"x\\": 1', False).calls == [Call("f", "", False)]
+    assert llama3_json('{"name": "f", "arguments": "{\\"x\\": 1}"}', True).calls == [Call("f", '{"x": 1}', True)]
+    assert pythonic('[f(x="a', False).calls == [] and pythonic('[f(x="a', False).content == ""
+
+
+def test_value_end():
+    assert value_end('{"a": "}"} tail', 0) == 10
+    assert value_end('"a\\"b" x', 0) == 6
+    assert value_end("123", 0) is None and value_end("123,", 0) == 3
+    assert value_end('[1, {"a": [2]}', 0) is None
+
+
+def test_required_schema():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    from api_svc.tools import Tool
+
+    parsed = [Tool.model_validate(t) for t in tools]
+    one = required_schema(parsed, parallel=False)
+    assert [a["properties"]["name"] for a in one["anyOf"]] == [{"const": "f"}, {"const": "g"}]
+    assert one["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    many = required_schema(parsed, parallel=True)
+    assert many["type"] == "array" and many["minItems"] == 1 and many["items"] == one
+
+
+def test_every_registered_parser_has_a_recorded_case():
+    assert set(PARSERS) == set(RECORDED)
