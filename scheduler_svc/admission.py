@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import grpc
 import jinja2
 
-from common.request_limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
 from common.chat_messages import template_messages, template_tools
+from common.request_limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
 from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
 from common.sampling_wire import read
 from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
