@@ -24,7 +24,9 @@ import json
 import os
 import sys
 import tempfile
+import time
 
+import httpx
 import psutil
 
 from llmserve.bench import loadgen, workloads
@@ -51,8 +53,24 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-async def measure(transport: loadgen.Transport, specs, concurrency: int, pids: dict[str, int]) -> dict:
+async def settle(http_url: str, pids: dict[str, int], quiet: float = 0.05, timeout: float = 120.0) -> dict[str, float]:
+    """Wait until the stack is idle (each API and scheduler loads its tokenizer in the background after start-up:
+    seconds of CPU that must not land in the first run); returns each process's idle CPU share over the last second."""
+    async with httpx.AsyncClient(base_url=http_url, timeout=timeout) as client:
+        await client.post("/tokenize", json={"prompt": "hello"})  # answers once the API's tokenizer is loaded
+    deadline = time.monotonic() + timeout
+    while True:
+        a = cpu_seconds(pids)
+        await asyncio.sleep(1.0)
+        b = cpu_seconds(pids)
+        idle = {r: b[r] - a[r] for r in pids}
+        if max(idle.values()) < quiet or time.monotonic() > deadline:
+            return idle
+
+
+async def measure(transport: loadgen.Transport, specs, concurrency: int, pids: dict[str, int], http_url: str) -> dict:
     await loadgen.warm_up(transport, 2)
+    idle = await settle(http_url, pids)
     before = cpu_seconds(pids)
     results, _ = await loadgen.run(transport, specs, max_concurrency=concurrency, progress=False)
     after = cpu_seconds(pids)
@@ -63,6 +81,8 @@ async def measure(transport: loadgen.Transport, specs, concurrency: int, pids: d
     duration = max(r.end_s for r in results)
     row = {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
            "tokens_per_s": tokens / duration}
+    for role in idle:
+        row[f"{role}_idle_cpu_share"] = idle[role]  # CPU seconds per second while idle, just before the run
     for role in after:
         row[f"{role}_cpu_s"] = after[role] - before[role]
         row[f"{role}_us_per_token"] = 1e6 * (after[role] - before[role]) / tokens
@@ -92,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             specs = workloads.generate("chat", params)
             transport = (loadgen.HttpTransport(server.http_url) if args.transport == "http"
                          else loadgen.GrpcTransport(server.address))
-            row = asyncio.run(measure(transport, specs, c, pids))
+            row = asyncio.run(measure(transport, specs, c, pids, server.http_url))
             row["transport"] = args.transport
             rows.append(row)
             print(f"concurrency {c:>3} ({args.transport}): {row['output_tokens']} tokens, "

@@ -39,6 +39,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
                          "--max-prompt", "16", *_JSON],
     "speculative": ["--batches", "1", "--batch1-requests", "1", "--repetitive-tokens", "12", "--repeats", "1", *_JSON],
     "step_profile": ["--smoke"],
+    "stream_cpu": ["--concurrency", "2", "--num-requests", "2", "--output-len", "4", *_JSON],
     "structured_outputs": ["--num-requests", "2", "--max-tokens", "8", "--rows", "4", "--repeats", "2", *_JSON],
     "tensor_parallel": ["--batch-sizes", "1,4", "--steps", "2", "--warmup", "1", "--layers", "2", *_JSON],
     "tracing_overhead": ["--running", "2", "--repeats", "1", "--warmup", "2", "--measure", "5", "--tail-tokens", "16",
