@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from api_svc.bridge import Delta, Generation
 from api_svc.errors import APIError
 from api_svc.responses import Reply
+from api_svc.sse import ChunkBytes
 
 DONE = "data: [DONE]\n\n"
 
@@ -53,9 +54,10 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
 
 
 async def events(reply: Reply, gens: list[Generation], *, want_logprobs: bool,
-                 echo: list[str] | None = None) -> AsyncIterator[str]:
+                 echo: list[str] | None = None) -> AsyncIterator[str | bytes]:
     """The SSE body of a streamed completion or chat completion."""
     offsets: dict[int, int] = {}  # choice -> characters sent (completions' text_offset)
+    fast = ChunkBytes(reply)
     try:
         for k in range(len(gens)):
             for i in range(reply.n):
@@ -70,9 +72,12 @@ async def events(reply: Reply, gens: list[Generation], *, want_logprobs: bool,
             reply.count(k, delta)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(delta.text)
-            chunk = reply.chunk(index, delta, want_logprobs=want_logprobs, text_offset=offset)
-            if chunk is not None:
-                yield sse(chunk)
+            if (want_logprobs and delta.logprobs) or reply.tools is not None:
+                chunk = reply.chunk(index, delta, want_logprobs=want_logprobs, text_offset=offset)
+                if chunk is not None:  # None: a tool call's text still being parsed
+                    yield sse(chunk)
+            else:
+                yield fast.delta(index, delta)
         if reply.include_usage:
             yield sse(reply.usage_chunk())
     except APIError as e:  # after the first byte the status is sent: the error goes into the stream

@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-if ! .venv/bin/python -c "import torch, llmserve, transformers, triton, matplotlib, tqdm, psutil, cryptography, fastapi, uvicorn, httpx, openai, msgpack, smg, xgrammar, jsonschema, schemathesis, hypothesis" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, llmserve, transformers, triton, matplotlib, tqdm, psutil, cryptography, fastapi, uvicorn, httptools, httpx, openai, msgpack, smg, xgrammar, jsonschema, schemathesis, hypothesis" >/dev/null 2>&1; then
   echo "== installing Python packages"
   $PIP install -q --upgrade pip
   # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
