@@ -180,6 +180,7 @@ def _build_group(ids: list[int], tables: Tensor, starts: list[int], query_lens: 
         real_pos=None if real_pos is None else real_pos.to(device),
         rows=rows.to(device),
         span=span,
+        q_pos=q_pos.numpy(),
     )
     return group, empty_rows
 

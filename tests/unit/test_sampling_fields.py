@@ -129,6 +129,8 @@ def test_out_of_range_is_refused_naming_the_field(name):
     req = pb.GenerateRequest(sampling=pb.SamplingParams())
     if name == "max_tokens":  # the OpenAI body refuses 0 itself (>= 1)
         req.sampling.max_tokens = BAD[name]
+    elif name == "bad_words":  # the OpenAI body refuses a list over the limit itself (api_svc/limits.py)
+        req.sampling.bad_words.extend(BAD[name])
     else:
         (req,) = completion_requests(_openai_body(name, BAD[name]), "r")
     with pytest.raises(AdmissionError) as e:
