@@ -145,7 +145,11 @@ class Durability:
         self.waitaof = tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= (7, 2)
         if self.mode != "local":
             return
-        conf = {_text(k): _text(v) for k, v in client.config_get("append*").items()}
+        try:
+            conf = {_text(k): _text(v) for k, v in client.config_get("append*").items()}
+        except redis.ResponseError as e:  # CONFIG renamed or forbidden (managed Redis): the promise cannot be checked
+            raise ConfigError(f"--redis-durability local: cannot read the primary's appendonly / appendfsync ({e}); "
+                              "allow CONFIG GET for this user, or use --redis-durability none or replica") from None
         if conf.get("appendonly") != "yes":
             raise ConfigError("--redis-durability local needs `appendonly yes` on the Redis primary (it has "
                               f"appendonly {conf.get('appendonly')}); set it in redis.conf or use --redis-durability "

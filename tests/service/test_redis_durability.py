@@ -61,7 +61,9 @@ def test_replica_durability_fails_a_commit_no_replica_acknowledged(node):
     while replica.info("replication").get("master_link_status") != "up":
         assert time.monotonic() < deadline, "the replica did not sync"
         time.sleep(0.05)
-    ledger.commit_step(HOLDER, token, TTL_MS, StepCommit(step_id=2, arrival_seq=0))
+    patient = RedisLedger(redis.Redis(port=primary.port), namespace="dur",  # a loaded box may take a while to ack
+                          durability=Durability("replica", min_replicas=1, timeout_ms=10_000))
+    patient.commit_step(HOLDER, token, TTL_MS, StepCommit(step_id=2, arrival_seq=0))
     assert replica.hget(ledger.k_meta, "step_id") == b"2"  # acknowledged: on the replica before the call returned
     two = RedisLedger(redis.Redis(port=primary.port), namespace="dur",
                       durability=Durability("replica", min_replicas=2, timeout_ms=100))
