@@ -6,7 +6,7 @@ with the experts (and the dense layer) sharded over two tensor-parallel ranks.""
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -24,7 +24,7 @@ SCHEDULER_ARGS = ["--max-num-batched-tokens", 32, "--debug-invariants"]
 TIMEOUT_S = 300
 
 
-def _generate(address: str, ids: list[int], rid: str, out: dict) -> None:
+def _generate(address: str, ids: list[int], rid: str) -> tuple[list[int], str]:
     req = pb.GenerateRequest(request_id=rid, sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True,
                                                                         max_tokens=MAX_TOKENS))
     req.token_ids.ids.extend(ids)
@@ -36,7 +36,7 @@ def _generate(address: str, ids: list[int], rid: str, out: dict) -> None:
                 finish = finish or msg.finish_reason
     except grpc.RpcError as e:
         finish = f"{e.code().name}: {e.details()}"
-    out[rid] = (tokens, finish)
+    return tokens, finish
 
 
 @pytest.mark.parametrize("family,tp", [("mixtral", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)])
@@ -56,15 +56,10 @@ def test_greedy_tokens_match_transformers(redis_server, tmp_path, family, tp):
     try:
         sched = cluster.start_scheduler(redis_server, worker, SCHEDULER_ARGS)
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        results: dict[str, tuple[list[int], str]] = {}
-        calls = [threading.Thread(target=_generate, args=(sched.address, ids, f"{family}-{i}", results))
-                 for i, ids in enumerate(prompts)]
-        for t in calls:
-            t.start()
-        for t in calls:
-            t.join(TIMEOUT_S)
-        for i, want in enumerate(expected):
-            tokens, finish = results[f"{family}-{i}"]
+        with ThreadPoolExecutor(len(prompts)) as pool:  # all six at once
+            results = list(pool.map(_generate, [sched.address] * len(prompts), prompts,
+                                    [f"{family}-{i}" for i in range(len(prompts))]))
+        for i, (want, (tokens, finish)) in enumerate(zip(expected, results, strict=True)):
             assert finish == "length", (i, finish)
             assert len(tokens) == MAX_TOKENS
             assert tokens[:len(want)] == want, f"request {i}: greedy tokens differ from transformers'"
