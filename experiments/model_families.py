@@ -12,6 +12,7 @@ The table shows medians of decode tokens/s and the ratio (transformers' time / o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -80,13 +81,15 @@ def hf_step(model, batch: int, context: int):
     return step
 
 
-def median_seconds(fn, reps: int) -> float:
-    times = []
+def median_seconds(fns, reps: int) -> list[float]:
+    """Median seconds of each function, timed alternately (a shared machine's load hits both alike)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, t in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -97,11 +100,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"decode tokens/s, context {args.context}, {args.dtype}, {args.threads} threads, median of {args.reps}")
     print(f"{'family':8} {'batch':>5} {'ours':>9} {'transformers':>12} {'ratio':>6}")
+    rows = []
     for name in args.families.split(","):
         with tempfile.TemporaryDirectory() as path:
             hf, ours = build(name, dtype, path)
@@ -109,10 +114,14 @@ def main() -> None:
                 mine = ours_step(ours, batch, args.context, dtype)
                 theirs = hf_step(hf, batch, args.context)
                 mine(), theirs()  # warm-up
-                t_ours = median_seconds(mine, args.reps)
-                t_hf = median_seconds(theirs, args.reps)
+                t_ours, t_hf = median_seconds([mine, theirs], args.reps)
                 print(f"{name:8} {batch:5d} {batch / t_ours:9.1f} {batch / t_hf:12.1f} {t_hf / t_ours:6.2f}x",
                       flush=True)
+                rows.append({"family": name, "batch": batch, "ours_tokens_per_s": batch / t_ours,
+                             "transformers_tokens_per_s": batch / t_hf})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"context": args.context, "dtype": args.dtype, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

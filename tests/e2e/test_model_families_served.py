@@ -16,6 +16,7 @@ import torch
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from tests.e2e.test_prefix_cache import metrics
 from tests.support import cluster
 
 MAX_TOKENS = 12
@@ -63,12 +64,13 @@ def generate(address: str, ids: list[int], rid: str, out: dict) -> None:
     out[rid] = tokens
 
 
-def test_gemma2_served_with_chunked_prefill_and_preemption_matches_hf(redis_server, gemma2):  # noqa: F811
+def test_gemma2_served_with_chunked_prefill_and_preemption_matches_hf(redis_server, gemma2):
     path, ids, reference = gemma2
     worker = cluster.start_worker(["--model", path, *WORKER_ARGS])
     sched = None
     try:
-        sched = cluster.start_scheduler(redis_server, worker, SCHEDULER_ARGS)
+        metrics_port = cluster.free_port()
+        sched = cluster.start_scheduler(redis_server, worker, [*SCHEDULER_ARGS, "--metrics-port", metrics_port])
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
         results: dict[str, list[int]] = {}
         threads = [threading.Thread(target=generate, args=(sched.address, p, f"g{i}", results))
@@ -77,6 +79,7 @@ def test_gemma2_served_with_chunked_prefill_and_preemption_matches_hf(redis_serv
             t.start()
         for t in threads:
             t.join(TIMEOUT_S)
+        assert metrics(metrics_port).get("vllm:num_preemptions_total", 0) > 0, "the pool was meant to run dry"
         for i, (expected, margins) in enumerate(reference):
             got = results[f"g{i}"]
             assert len(got) == MAX_TOKENS
