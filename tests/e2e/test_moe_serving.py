@@ -14,6 +14,7 @@ import torch
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from tests.e2e.test_prefix_cache import metrics
 from tests.support import cluster
 from tests.support import moe_checkpoints as mc
 
@@ -54,11 +55,13 @@ def test_greedy_tokens_match_transformers(redis_server, tmp_path, family, tp):
     worker = cluster.start_worker(["--model", tmp_path, *WORKER_ARGS, "--tensor-parallel-size", tp])
     sched = None
     try:
-        sched = cluster.start_scheduler(redis_server, worker, SCHEDULER_ARGS)
+        metrics_port = cluster.free_port()
+        sched = cluster.start_scheduler(redis_server, worker, [*SCHEDULER_ARGS, "--metrics-port", metrics_port])
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
         with ThreadPoolExecutor(len(prompts)) as pool:  # all six at once
             results = list(pool.map(_generate, [sched.address] * len(prompts), prompts,
                                     [f"{family}-{i}" for i in range(len(prompts))]))
+        assert metrics(metrics_port).get("vllm:num_preemptions_total", 0) > 0, "the pool was meant to run dry"
         for i, (want, (tokens, finish)) in enumerate(zip(expected, results, strict=True)):
             assert finish == "length", (i, finish)
             assert len(tokens) == MAX_TOKENS
