@@ -9,8 +9,8 @@ intermediate 512, top-2, vocabulary 8192; every layer sparse), then loaded by ou
   - HF: `model(input_ids[B, 1], cache=DynamicCache of C tokens)` (transformers' eager experts loop), cropped back
     to C after each step, outside the timer.
   - routing: `moe.route` (router matmul, softmax, top-k, renormalisation) and the grouping of the pairs by expert
-    (`moe.sort_by_expert`; on CUDA the fused kernel's `align_by_expert`), timed alone at the same [B, hidden]
-    input, times the sparse layers, as a share of our step.
+    (`moe.sort_by_expert`; on CUDA the fused kernel's `align_by_expert`), timed inside our step (RoutingTimer), as
+    a share of that step.
 Runs alternate and the order rotates each repetition; the table shows medians. tokens/s = B / median seconds.
 
     .venv/bin/python -m experiments.moe_forward                                 # both families, B = 1 and 32
@@ -140,28 +140,49 @@ class Ours:
         return self.model.forward(ids, positions, self.kv, meta, rows).argmax(-1)
 
 
-def routing_seconds(model, batch: int, repeats: int) -> float:
-    """Median seconds of one sparse layer's routing at [batch, hidden], times the sparse layers."""
-    sparse = [layer.moe for layer in model.layers if layer.moe is not None]
-    w = sparse[0]
-    x = torch.randn(batch, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(
-        device=model.device, dtype=model.dtype)
-    if model.device.type == "cuda":
-        from kernels.fused_moe import _block_sizes, align_by_expert
+class RoutingTimer:
+    """Inside our forward, the wall time of routing: `moe.route` (router matmul, softmax, top-k, renormalisation)
+    and the grouping of the pairs by expert (`moe.sort_by_expert`, or the fused kernel's `align_by_expert` on
+    CUDA), by wrapping those module functions while `with` is active (synchronising around them on CUDA)."""
 
-        def group(ids):
-            return align_by_expert(ids, w.num_experts, _block_sizes(ids.numel())[0])
-    else:
-        def group(ids):
-            return moe.sort_by_expert(ids, w.num_experts)
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, 0.0
+        from kernels import fused_moe
 
-    def once():
-        _, ids = moe.route(x, w.router, w.top_k, w.norm_topk_prob, w.float32_weights)
-        return group(ids)
+        self.targets = [(moe, "route"), (moe, "sort_by_expert"), (fused_moe, "align_by_expert")]
+        self.saved: list = []
 
-    for _ in range(3):
-        once()
-    return statistics.median(timed(once, model.device) for _ in range(repeats * 5)) * len(sparse)
+    def __enter__(self) -> RoutingTimer:
+        for module, name in self.targets:
+            fn = getattr(module, name)
+            self.saved.append((module, name, fn))
+
+            def wrapped(*args, _fn=fn, **kwargs):
+                sync(self.device)
+                t0 = time.perf_counter()
+                out = _fn(*args, **kwargs)
+                sync(self.device)
+                self.seconds += time.perf_counter() - t0
+                return out
+
+            setattr(module, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, fn in self.saved:
+            setattr(module, name, fn)
+        self.saved.clear()
+
+
+def routing_share(ours: Ours, inputs, repeats: int) -> tuple[float, float]:
+    """(routing seconds per step, their share of the step), medians over `repeats` instrumented steps."""
+    per_step, shares = [], []
+    for _ in range(repeats):
+        with RoutingTimer(ours.device) as timer:
+            step = timed(lambda: ours.decode(inputs), ours.device)
+        per_step.append(timer.seconds)
+        shares.append(timer.seconds / step)
+    return statistics.median(per_step), statistics.median(shares)
 
 
 def bench_batch(family: str, b: int, ours: Ours, hf, prompts: torch.Tensor, first: torch.Tensor,
@@ -191,10 +212,10 @@ def bench_batch(family: str, b: int, ours: Ours, hf, prompts: torch.Tensor, firs
             if r >= a.warmup:
                 times[name].append(t)
     ours_s, hf_s = statistics.median(times["ours"]), statistics.median(times["hf"])
-    route_s = routing_seconds(ours.model, b, a.repeats)
+    route_s, route_share = routing_share(ours, inputs, a.repeats)
     row = {"family": family, "batch": b, "context": a.context, "ours_tokens_per_s": b / ours_s,
            "hf_tokens_per_s": b / hf_s, "speedup": hf_s / ours_s, "ours_step_ms": 1e3 * ours_s,
-           "hf_step_ms": 1e3 * hf_s, "routing_ms": 1e3 * route_s, "routing_share": route_s / ours_s,
+           "hf_step_ms": 1e3 * hf_s, "routing_ms": 1e3 * route_s, "routing_share": route_share,
            "first_tokens_agree": bool(torch.equal(hf_first.cpu(), first[:b].cpu())),
            "same_argmax": float((results["ours"].cpu() == results["hf"].cpu()).float().mean())}
     log(f"{family} B={b}: ours {row['ours_tokens_per_s']:.0f} tok/s, HF {row['hf_tokens_per_s']:.0f} tok/s, "

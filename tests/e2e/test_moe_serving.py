@@ -6,7 +6,7 @@ with the experts (and the dense layer) sharded over two tensor-parallel ranks.""
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -14,6 +14,7 @@ import torch
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
+from tests.e2e.test_prefix_cache import metrics
 from tests.support import cluster
 from tests.support import moe_checkpoints as mc
 
@@ -24,7 +25,7 @@ SCHEDULER_ARGS = ["--max-num-batched-tokens", 32, "--debug-invariants"]
 TIMEOUT_S = 300
 
 
-def _generate(address: str, ids: list[int], rid: str, out: dict) -> None:
+def _generate(address: str, ids: list[int], rid: str) -> tuple[list[int], str]:
     req = pb.GenerateRequest(request_id=rid, sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True,
                                                                         max_tokens=MAX_TOKENS))
     req.token_ids.ids.extend(ids)
@@ -36,7 +37,7 @@ def _generate(address: str, ids: list[int], rid: str, out: dict) -> None:
                 finish = finish or msg.finish_reason
     except grpc.RpcError as e:
         finish = f"{e.code().name}: {e.details()}"
-    out[rid] = (tokens, finish)
+    return tokens, finish
 
 
 @pytest.mark.parametrize("family,tp", [("mixtral", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)])
@@ -54,17 +55,14 @@ def test_greedy_tokens_match_transformers(redis_server, tmp_path, family, tp):
     worker = cluster.start_worker(["--model", tmp_path, *WORKER_ARGS, "--tensor-parallel-size", tp])
     sched = None
     try:
-        sched = cluster.start_scheduler(redis_server, worker, SCHEDULER_ARGS)
+        metrics_port = cluster.free_port()
+        sched = cluster.start_scheduler(redis_server, worker, [*SCHEDULER_ARGS, "--metrics-port", metrics_port])
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        results: dict[str, tuple[list[int], str]] = {}
-        calls = [threading.Thread(target=_generate, args=(sched.address, ids, f"{family}-{i}", results))
-                 for i, ids in enumerate(prompts)]
-        for t in calls:
-            t.start()
-        for t in calls:
-            t.join(TIMEOUT_S)
-        for i, want in enumerate(expected):
-            tokens, finish = results[f"{family}-{i}"]
+        with ThreadPoolExecutor(len(prompts)) as pool:  # all six at once
+            results = list(pool.map(_generate, [sched.address] * len(prompts), prompts,
+                                    [f"{family}-{i}" for i in range(len(prompts))]))
+        assert metrics(metrics_port).get("vllm:num_preemptions_total", 0) > 0, "the pool was meant to run dry"
+        for i, (want, (tokens, finish)) in enumerate(zip(expected, results, strict=True)):
             assert finish == "length", (i, finish)
             assert len(tokens) == MAX_TOKENS
             assert tokens[:len(want)] == want, f"request {i}: greedy tokens differ from transformers'"
