@@ -220,7 +220,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens only adds what the post-processor says (BOS iff the model asks for it);
         # special tokens written in the text are always matched whole.
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same tokens, but it releases the GIL while it works, so a long prompt
+        # tokenized in a worker thread does not stall the event loop of the API or the scheduler.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
