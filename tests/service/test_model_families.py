@@ -133,3 +133,16 @@ def test_greedy_tokens_match_hf(family):
                 break
             agreed += 1
         assert agreed >= steps // 2, f"{name} prompt {i}: only {agreed} steps compared"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_compiled_forward_refuses_other_decoders(name, tmp_path):
+    """-O1+ compiles the Llama-shaped layer only: a family with other layers is refused at start, by name."""
+    from worker_svc.compiled import CompiledForward
+    from worker_svc.config import CompilationConfig
+
+    make_checkpoint(name, tmp_path)
+    config, weights = load_hf_dir(str(tmp_path))
+    model = models.by_name(config.architecture)(config, weights, torch.float32, "cpu", prepack=False)
+    with pytest.raises(ValueError, match=f"Llama-shaped decoder only, not {name}"):
+        CompiledForward(model, CompilationConfig())
