@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api_svc import errors
+from api_svc import errors, lora
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
 from api_svc.errors import APIError
@@ -92,9 +92,12 @@ def create_app(cfg: APIConfig) -> FastAPI:
         return cfg.served_model_name or info.model_name
 
     async def check_model(bridge: Bridge, model: str | None) -> str:
+        """The name replies carry: the served model's, or the registered LoRA adapter's that `model` names."""
         name = await served_name(bridge)
         if model is not None and model != name:
-            raise errors.model_not_found(model, name)
+            if model not in await lora.adapters(bridge):
+                raise errors.model_not_found(model, name)
+            return model
         return name
 
     def request_id(request: Request) -> str:
@@ -109,7 +112,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
         name = await served_name(bridge)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "llmserve", "root": info.model_path, "parent": None,
-                                            "max_model_len": info.max_model_len}]}
+                                            "max_model_len": info.max_model_len},
+                                           *lora.model_cards(name, await lora.adapters(bridge), int(time.time()))]}
 
     async def run(request: Request, gens: list[Generation], reply: Reply, want_logprobs: bool, stream: bool,
                   echo: list[str] | None):
@@ -147,6 +151,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         name = await check_model(bridge, body.model)
         rid = request_id(request)
         reqs = completion_requests(body, rid)
+        lora.set_adapter(reqs, name, await served_name(bridge))
         echo = None
         if body.echo:
             tok = await bridge.get_tokenizer()
@@ -171,7 +176,9 @@ def create_app(cfg: APIConfig) -> FastAPI:
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids)
-        gens = [bridge.generation(chat_request(body, rid), chat=True)]
+        chat = chat_request(body, rid)
+        lora.set_adapter([chat], name, await served_name(bridge))
+        gens = [bridge.generation(chat, chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
 
     @v1.post("/tokenize")
@@ -203,6 +210,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         return {"prompt": (await bridge.get_tokenizer()).decode(body.tokens)}
 
     app.include_router(v1)
+    app.include_router(lora.lora_router(bridge_of, [Depends(require_key)]))
 
     @app.get("/health")
     async def health(request: Request):

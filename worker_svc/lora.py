@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.lora import parse_lora_modules
 from common.validation import ConfigError
 from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.errors import InvalidPlan
@@ -59,19 +60,6 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         cfg.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-
-def parse_lora_modules(text: str | None) -> list[tuple[str, str]]:
-    """--lora-modules: `name=path` pairs separated by spaces or commas (vLLM's form). ValueError naming the entry."""
-    out: list[tuple[str, str]] = []
-    for item in (text or "").replace(",", " ").split():
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules entry {item!r} must be NAME=PATH")
-        if any(name == n for n, _ in out):
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        out.append((name, path))
-    return out
 
 
 def load_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
