@@ -191,10 +191,12 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
 
     # 2. Waiting requests, only when nothing was preempted (their blocks must go to running ones).
     max_seqs = 1 if cfg.scheduling_mode == "naive" else cfg.max_num_seqs
-    adapters = {r.lora_name for r in running if r.lora_name} if cfg.max_loras else set()
+    # By name and directory, as the worker's pool holds them (a name reloaded from elsewhere is another adapter).
+    adapters = {(r.lora_name, r.lora_path) for r in running if r.lora_name} if cfg.max_loras else set()
     while admit and not out.preempted and waiting and (budget > 0 or not continuous) and len(running) < max_seqs:
         req = waiting[0]
-        if req.lora_name and cfg.max_loras and req.lora_name not in adapters and len(adapters) >= cfg.max_loras:
+        lora = (req.lora_name, req.lora_path)
+        if req.lora_name and cfg.max_loras and lora not in adapters and len(adapters) >= cfg.max_loras:
             out.admission_stopped_by = outputs.STOP_MAX_LORAS  # FCFS: it waits for an adapter's requests to end
             break
         remaining = req.num_tokens - req.num_computed_tokens
@@ -222,7 +224,7 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         req.status = Status.RUNNING
         running.append(req)
         if req.lora_name:
-            adapters.add(req.lora_name)
+            adapters.add(lora)
         out.admitted.append(req)
         out.scheduled.append(req)
         out.num_tokens[req.request_id] = n

@@ -141,7 +141,9 @@ class LoraPool:
         self.a = {g: torch.zeros(L, S, r, i, dtype=dtype, device=device) for g, (i, o, r) in dims.items()}
         self.b = {g: torch.zeros(L, S, o, r, dtype=dtype, device=device) for g, (i, o, r) in dims.items()}
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU: the last is the most recent
-        self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapters on the device, LRU
+        # Adapters on the device, LRU, by (name, directory): a name loaded again from another directory while
+        # requests still run with the old weights gets a slot of its own.
+        self.slot_of: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.row_slot = np.full(64, -1, dtype=np.int64)  # batch row -> pool slot (-1: base model)
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step: (slot, token rows or None = all)
         self.token_slots: torch.Tensor | None = None  # this step, for the CUDA kernels
@@ -158,8 +160,6 @@ class LoraPool:
         self.host[name] = a
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
-        if name in self.slot_of:  # the same name now points at other weights: its device copy is stale
-            self._write(self.slot_of[name], a)
         return a
 
     def forget(self, name: str) -> None:
@@ -169,25 +169,24 @@ class LoraPool:
     def activate(self, name: str, path: str, pinned: set[int]) -> int:
         """The adapter's device slot, writing it into the least recently used slot outside `pinned` (the slots
         live rows use) when it is not on the device. LoraError when every slot is pinned."""
-        slot = self.slot_of.get(name)
-        if slot is not None and self.host.get(name) is not None and self.host[name].path == path:
-            self.slot_of.move_to_end(name)
+        key = (name, path)
+        slot = self.slot_of.get(key)
+        if slot is not None:  # on the device already (even if gone from the host cache)
+            self.slot_of.move_to_end(key)
             return slot
         adapter = self.load(name, path)
-        if slot is None:
-            used = set(self.slot_of.values())
-            free = [s for s in range(self.max_loras) if s not in used]
-            if free:
-                slot = free[0]
-            else:
-                victim = next((n for n, s in self.slot_of.items() if s not in pinned), None)
-                if victim is None:
-                    raise LoraError(f"adapter {name!r}: all --max-loras {self.max_loras} slots hold adapters of "
-                                    "requests in the batch")
-                slot = self.slot_of.pop(victim)
-            self._write(slot, adapter)
-        self.slot_of[name] = slot
-        self.slot_of.move_to_end(name)
+        used = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((k for k, s in self.slot_of.items() if s not in pinned), None)
+            if victim is None:
+                raise LoraError(f"adapter {name!r}: all --max-loras {self.max_loras} slots hold adapters of "
+                                "requests in the batch")
+            slot = self.slot_of.pop(victim)
+        self._write(slot, adapter)
+        self.slot_of[key] = slot
         return slot
 
     def _write(self, slot: int, a: LoraAdapter) -> None:

@@ -14,7 +14,7 @@ import transformers
 
 from protos import worker_pb2 as pb
 from tests.support.driver import DriverRequest, run_requests
-from tests.support.lora_adapters import ALL, merged, write_adapter
+from tests.support.lora_adapters import merged, write_adapter
 from tests.support.random_weights import randomize
 from worker_svc.config import WorkerConfig
 from worker_svc.lora import LoraError, load_peft_adapter
@@ -108,7 +108,7 @@ def test_device_pool_evicts_least_recently_used(small, tmp_path):
         out = drive(runner, [DriverRequest(f"lru-{name}", prompts[0], greedy(4), lora_name=name,
                                            lora_path=adapters[name])])[0]
         assert out == hf_greedy(merged(hf, adapters[name]), prompts[0], 4)
-    assert list(runner.lora.slot_of) == ["all"]
+    assert list(runner.lora.slot_of) == [("all", adapters["all"])]
     # Two adapters in one batch with one slot: the plan is refused, naming the request.
     reqs = [DriverRequest(f"two-{n}", prompts[0], greedy(2), lora_name=n, lora_path=adapters[n]) for n in adapters]
     with pytest.raises(Exception, match="max-loras"):
@@ -161,7 +161,7 @@ def test_refuses_unknown_module(small, tmp_path, model_cfg):
 def test_refuses_shape_mismatch(small, tmp_path, model_cfg):
     other = transformers.LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2)
-    path = write_adapter(str(tmp_path / "wide"), other, rank=4, alpha=4, modules=ALL)
+    path = write_adapter(str(tmp_path / "wide"), other, rank=4, alpha=4, modules=("q_proj",))
     with pytest.raises(LoraError, match=r"adapter_model.safetensors: .*q_proj.* \(q_proj, layer 0\) has shape "
                                         r"\[4, 96\]; the model needs \[4, 64\]"):
         load_peft_adapter("wide", path, model_cfg, 16)
