@@ -99,6 +99,22 @@ def test_one_step_mixing_base_and_three_adapters_equals_each_alone(small):
         assert out == alone[r.lora_name], r.request_id
 
 
+def test_speculative_drafts_verify_under_each_adapter(small):
+    """n-gram drafts are verified by the forward with the request's adapter: the same tokens as plain decoding."""
+    _, adapters, runner, prompts = small
+    prompt = prompts[0] * 3  # repetitive: the proposer finds drafts
+    for name in ["", *adapters]:
+        path = adapters.get(name, "")
+        plain = drive(runner, [DriverRequest(f"plain-{name}", prompt, greedy(), lora_name=name, lora_path=path)])
+        spec_results: list[pb.StepResult] = []
+        req = DriverRequest(f"spec-{name}", prompt, greedy(), lora_name=name, lora_path=path)
+        run_requests(partial(execute_step, runner), [req], chunk=64, num_blocks=runner.num_blocks,
+                     block_size=runner.block_size, first_step_id=runner.batch.last_step_id + 1, num_draft_slots=3,
+                     spec_results=spec_results)
+        assert req.output == plain[0], name
+        assert sum(sum(r.spec_num_draft_tokens) for r in spec_results) > 0, "no drafts were verified"
+
+
 def test_device_pool_evicts_least_recently_used(small, tmp_path):
     hf, adapters, _, prompts = small
     runner = ModelRunner(WorkerConfig(model=os.path.dirname(adapters["all"]) + "/model", dtype="float32",
