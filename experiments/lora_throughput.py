@@ -4,7 +4,8 @@ at rank 8 and 64, against the base model without --enable-lora, all in one run (
 Each case runs C streams (prompt P tokens, T output tokens, ignore_eos) through `ModelRunner.execute` as the
 scheduler would plan them: one step admits all C (their prompts prefilled whole), then one decode step per token.
 Stream i uses adapter i mod A (A = 0: none). Cases alternate and the order rotates each repetition (a shared box is
-noisy); the table shows medians of tok/s = C * T / the whole run's seconds, and each case's ratio to base-only.
+noisy); the table shows medians of tok/s = C * T / the whole run's seconds and each case's ratio to base-only, and
+the same from the process's CPU time (less sensitive to other processes on a shared machine).
 
     .venv/bin/python -m experiments.lora_throughput                          # ~5-10 min on 2 loaded cores
     .venv/bin/python -m experiments.lora_throughput --ranks 8 --repeats 1 --output-tokens 4 --json /tmp/l.json
@@ -73,8 +74,9 @@ def write_adapter(path: str, runner: ModelRunner, rank: int, seed: int) -> str:
     return path
 
 
-def run_case(runner: ModelRunner, adapters: list[tuple[str, str]], args: argparse.Namespace, prompts) -> float:
-    """Seconds for C streams of T tokens: one admitting step, then T - 1 decode steps."""
+def run_case(runner: ModelRunner, adapters: list[tuple[str, str]], args: argparse.Namespace,
+             prompts) -> tuple[float, float]:
+    """Wall and CPU seconds for C streams of T tokens: one admitting step, then T - 1 decode steps."""
     c, t = args.concurrency, args.output_tokens
     per = -(-(args.prompt_tokens + t) // runner.block_size)
     greedy = pb.SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True)
@@ -85,14 +87,14 @@ def run_case(runner: ModelRunner, adapters: list[tuple[str, str]], args: argpars
         new.append(pb.NewRequest(slot=i, request_id=f"s{step}-{i}", prompt_token_ids=prompts[i], sampling=greedy,
                                  block_ids=list(range(i * per, (i + 1) * per)),
                                  num_scheduled_tokens=args.prompt_tokens, lora_name=name, lora_path=path))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     execute_step(runner, pb.StepPlan(step_id=step, new_requests=new))
     for k in range(1, t):
         execute_step(runner, pb.StepPlan(step_id=step + k, cached=pb.CachedRequests(
             slots=range(c), num_scheduled_tokens=[1] * c)))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert not len(runner.batch.inputs), "every stream must have finished"
-    return seconds
+    return seconds, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,21 +116,26 @@ def main(argv: list[str] | None = None) -> None:
                                            for r in args.ranks for a in args.adapters]
     for _, runner, adapters in cases:  # warm-up: first touches, adapters into the pools
         run_case(runners[runner], adapters, args, prompts)
-    times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in cases}
     for rep in range(args.repeats):
         k = rep % len(cases)
         for name, runner, adapters in cases[k:] + cases[:k]:
             times[name].append(run_case(runners[runner], adapters, args, prompts))
-            print(f"rep {rep} {name}: {times[name][-1]:.2f}s", file=sys.stderr)
+            print(f"rep {rep} {name}: {times[name][-1][0]:.2f}s wall, {times[name][-1][1]:.2f}s CPU", file=sys.stderr)
     tokens = args.concurrency * args.output_tokens
-    base = tokens / statistics.median(times["base-only"])
+
+    def rate(name: str, i: int) -> float:
+        return tokens / statistics.median(t[i] for t in times[name])
+
     rows = []
     print(f"| case (concurrency {args.concurrency}, {args.prompt_tokens}-token prompts, {args.output_tokens} output "
-          f"tokens) | output tok/s | vs base-only |\n|---|---:|---:|")
+          "tokens) | output tok/s | vs base-only | tok per CPU-s | vs base-only |\n|---|---:|---:|---:|---:|")
     for name, _, _ in cases:
-        tps = tokens / statistics.median(times[name])
-        rows.append({"case": name, "tok_s": tps, "ratio": tps / base, "seconds": times[name]})
-        print(f"| {name} | {tps:.1f} | {tps / base:.3f} |")
+        tps, cps = rate(name, 0), rate(name, 1)
+        base_tps, base_cps = rate("base-only", 0), rate("base-only", 1)
+        rows.append({"case": name, "tok_s": tps, "ratio": tps / base_tps, "tok_per_cpu_s": cps,
+                     "cpu_ratio": cps / base_cps, "seconds": times[name]})
+        print(f"| {name} | {tps:.1f} | {tps / base_tps:.3f} | {cps:.1f} | {cps / base_cps:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
