@@ -71,12 +71,8 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y: 
     R = b.shape[2]
     if T == 0:
         return
-    assert y.stride(1) == 1 and x_contiguous_rows(b), "expand needs unit-stride rows"
+    assert y.stride(1) == 1 and b.stride(-1) == 1, "expand needs unit-stride rows"
     block_n = 64
     grid = (T, triton.cdiv(N, block_n))
     _expand_kernel[grid](s, b, token_slots, y, N, R, s.stride(0), b.stride(0), b.stride(1), y.stride(0),
                          BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(R))
-
-
-def x_contiguous_rows(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1
