@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from api_svc import errors, openapi, responses_api, tools
+from api_svc import errors, lora, openapi, responses_api, tools
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
 from api_svc.errors import APIError
@@ -122,9 +122,12 @@ def create_app(cfg: APIConfig) -> FastAPI:
         return cfg.served_model_name or info.model_name
 
     async def check_model(bridge: Bridge, model: str | None) -> str:
+        """The name replies carry: the served model's, or the registered LoRA adapter's that `model` names."""
         name = await served_name(bridge)
         if model is not None and model != name:
-            raise errors.model_not_found(model, name)
+            if model not in await lora.adapters(bridge):
+                raise errors.model_not_found(model, name)
+            return model
         return name
 
     def request_id(request: Request) -> str:
@@ -139,7 +142,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
         name = await served_name(bridge)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "llmserve", "root": info.model_path, "parent": None,
-                                            "max_model_len": info.max_model_len}]}
+                                            "max_model_len": info.max_model_len},
+                                           *lora.model_cards(name, await lora.adapters(bridge), int(time.time()))]}
 
     async def run(request: Request, gens: list[Generation], reply: Reply, want_logprobs: bool, stream: bool,
                   echo: list[str] | None):
@@ -179,6 +183,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         rid = request_id(request)
         check_prompts(body.prompt, cfg.max_prompts_per_request, bridge.info.max_model_len)
         reqs = await asyncio.to_thread(completion_requests, body, rid)  # protobuf of up to a whole body
+        lora.set_adapter(reqs, name, await served_name(bridge))
         echo = None
         if body.echo:
             tok = await bridge.get_tokenizer()
@@ -207,7 +212,9 @@ def create_app(cfg: APIConfig) -> FastAPI:
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
                       include_usage=body.include_usage, return_token_ids=body.return_token_ids, tools=tool_plan)
-        gens = [bridge.generation(await asyncio.to_thread(chat_request, body, rid, tool_plan), chat=True)]
+        chat = await asyncio.to_thread(chat_request, body, rid, tool_plan)
+        lora.set_adapter([chat], name, await served_name(bridge))
+        gens = [bridge.generation(chat, chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
 
     @v1.post("/tokenize", responses=openapi.json_route(openapi.Tokens, *openapi.BODY))
@@ -245,6 +252,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     responses_api.add_routes(v1, cfg, bridge_of, check_model, request_id)  # /v1/responses
     app.include_router(v1)
+    app.include_router(lora.lora_router(bridge_of, [Depends(require_key)]))
 
     @app.get("/health", responses=openapi.HEALTH, response_class=PlainTextResponse)
     async def health(request: Request):

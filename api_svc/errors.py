@@ -76,6 +76,8 @@ def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> APIErr
                             {"Retry-After": str(RETRY_AFTER_S)})
         # A request that can never fit the KV pool, even alone: retrying will not help.
         return bad_request(details, _param_of(details, chat))
+    if code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter unloaded since the model check
+        return APIError(404, details, "NotFoundError", "model", "model_not_found")
     if code == grpc.StatusCode.UNAVAILABLE:
         return unavailable(details or "the scheduler is unavailable")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

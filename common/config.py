@@ -84,6 +84,23 @@ def namespace() -> Any:
     return setting("llmserve", "prefix of every Redis key")
 
 
+def enable_lora() -> Any:
+    return setting(False, "serve LoRA adapters of the base model (vLLM's flag): requests pick one by the model name")
+
+
+def lora_modules() -> Any:
+    """The scheduler registers them (in Redis); the worker reads and checks each at start-up."""
+    return setting(None, "LoRA adapters to serve, NAME=PATH pairs (PEFT directories) separated by spaces or commas "
+                   "(needs --enable-lora)", metavar="NAME=PATH ...")
+
+
+def max_loras() -> Any:
+    """The worker's device pool holds this many adapters; the scheduler admits no request whose adapter would be one
+    more in the running batch."""
+    return setting(1, "distinct LoRA adapters in one batch (the worker's device pool of adapters)",
+                   check=at_least(1))
+
+
 def tokenizer() -> Any:
     return setting(None, "GGUF file or HF directory for the tokenizer (default: the model)")
 

@@ -49,6 +49,16 @@ class LLMServeStub:
                 request_serializer=protos_dot_llmserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.LLMServe/LoadLoraAdapter',
+                request_serializer=protos_dot_llmserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.LLMServe/UnloadLoraAdapter',
+                request_serializer=protos_dot_llmserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class LLMServeServicer:
@@ -74,6 +84,19 @@ class LLMServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Register / forget a LoRA adapter at run time (--allow-runtime-lora-updating; FAILED_PRECONDITION without).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LLMServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +114,16 @@ def add_LLMServeServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_llmserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_llmserve__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve__pb2.LoadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +207,60 @@ class LLMServe:
             '/llmserve.v1.LLMServe/GetModelInfo',
             protos_dot_llmserve__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_llmserve__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.LLMServe/LoadLoraAdapter',
+            protos_dot_llmserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.LLMServe/UnloadLoraAdapter',
+            protos_dot_llmserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve__pb2.LoadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,22 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_MAX_TOKENS: FinishReason
 
+class LoraAdapterRef(_message.Message):
+    __slots__ = ("name", "path", "unload")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    unload: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., unload: _Optional[bool] = ...) -> None: ...
+
+class LoadLoraAdapterReply(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
 class Constraint(_message.Message):
     __slots__ = ("kind", "spec")
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -154,7 +170,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("slot", "request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("slot", "request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +178,8 @@ class NewRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     slot: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -169,10 +187,12 @@ class NewRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    lora_path: str
+    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class ResumedRequest(_message.Message):
-    __slots__ = ("slot", "request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("slot", "request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +201,8 @@ class ResumedRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     slot: int
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -189,7 +211,9 @@ class ResumedRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    lora_path: str
+    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_draft_slots")

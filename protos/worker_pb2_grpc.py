@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.Constraint.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.PrepareConstraintReply.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.worker.v2.Worker/LoadLoraAdapter',
+                request_serializer=protos_dot_worker__pb2.LoraAdapterRef.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.LoadLoraAdapterReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -79,6 +84,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Read and check a LoRA adapter against the model and keep it in host memory (before it is registered), or
+        forget it (unload = true). INVALID_ARGUMENT naming the file and the module when it cannot be served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +109,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PrepareConstraint,
                     request_deserializer=protos_dot_worker__pb2.Constraint.FromString,
                     response_serializer=protos_dot_worker__pb2.PrepareConstraintReply.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_worker__pb2.LoraAdapterRef.FromString,
+                    response_serializer=protos_dot_worker__pb2.LoadLoraAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +197,33 @@ class Worker:
             '/llmserve.worker.v2.Worker/PrepareConstraint',
             protos_dot_worker__pb2.Constraint.SerializeToString,
             protos_dot_worker__pb2.PrepareConstraintReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.worker.v2.Worker/LoadLoraAdapter',
+            protos_dot_worker__pb2.LoraAdapterRef.SerializeToString,
+            protos_dot_worker__pb2.LoadLoraAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -153,10 +153,12 @@ def abort_sequences(abort: Callable[[str], bool], request_id: str) -> bool:
 
 
 def build_requests(req: pb.GenerateRequest, ids: list[int], limits: Limits, request_id: str,
-                   tokenizer: Tokenizer | None = None) -> list[Request]:
+                   tokenizer: Tokenizer | None = None, lora_path: str = "") -> list[Request]:
     """One Request per sequence (n > 1: sequence i samples with seed + i and forks from sequence 0).
-    `tokenizer`: for bad_words (a request with them is refused without one)."""
+    `tokenizer`: for bad_words (a request with them is refused without one). `lora_path`: the directory of the
+    registered adapter req.lora_name."""
     first = build_request(req, ids, limits, request_id, tokenizer)
+    first.lora_name, first.lora_path = req.lora_name, lora_path
     n = max(1, req.sampling.n)
     if n == 1:
         return [first]

@@ -50,6 +50,11 @@ class SchedulerConfig:
         None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; the only method)",
         metavar="JSON")
+    enable_lora: bool = c.enable_lora()
+    lora_modules: str | None = c.lora_modules()
+    max_loras: int = c.max_loras()
+    allow_runtime_lora_updating: bool = setting(
+        False, "accept /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     step_log: str | None = setting(None, "append one JSON line per step (scheduled/admitted/preempted/finished ids, "
                                    "queue sizes, KV usage): for benchmarks and tests", metavar="PATH")
     max_num_queued_requests: int = setting(10_000, "waiting requests cap; more are refused with RESOURCE_EXHAUSTED",

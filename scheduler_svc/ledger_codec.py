@@ -61,7 +61,8 @@ def spec_fields(r: Request) -> list[str]:
             "sampling", json.dumps(r.sampling.to_dict(), separators=(",", ":")),
             "priority", str(r.priority), "arrival_time", repr(r.arrival_time), "arrival_seq", str(r.arrival_seq),
             "stop", json.dumps(r.stop), "include_stop", "1" if r.include_stop_str_in_output else "0",
-            "skip_special", "1" if r.skip_special_tokens else "0", "cache_salt", r.cache_salt, "fork_of", r.fork_of]
+            "skip_special", "1" if r.skip_special_tokens else "0", "cache_salt", r.cache_salt, "fork_of", r.fork_of,
+            "lora", r.lora_name, "lora_path", r.lora_path]
 
 
 def final_fields(r: Request) -> list[str]:

@@ -14,7 +14,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Why admission stopped in a step that left requests waiting (`llmserve:admission_blocked_steps_total{limit}`).
-ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache")
+ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache", "max_loras")
 _CONFIG_LABELS = ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
                   "enable_prefix_caching", "scheduling_policy", "scheduling_mode", "block_size", "num_gpu_blocks",
                   "kv_bytes_per_block", "max_model_len", "device", "num_speculative_tokens"]

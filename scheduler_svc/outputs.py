@@ -16,6 +16,7 @@ from scheduler_svc.request import Request
 STOP_MAX_NUM_SEQS = "max_num_seqs"  # --max-num-seqs requests already run
 STOP_TOKEN_BUDGET = "token_budget"  # the step's --max-num-batched-tokens are spent (or a whole prompt does not fit)
 STOP_KV_CACHE = "kv_cache"  # not enough free KV blocks (or this step preempted: blocks go to running requests)
+STOP_MAX_LORAS = "max_loras"  # the next request's LoRA adapter would be one more than --max-loras in the batch
 STOP_BATCH_RUNNING = "batch_running"  # static / naive mode: no admission into a running batch
 
 

@@ -38,6 +38,7 @@ class PolicyConfig:
     enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching
     scheduling_mode: str = _DEFAULTS.scheduling_mode  # continuous | static | naive
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
+    max_loras: int = 0  # distinct LoRA adapters among running requests (the worker's device pool); 0: LoRA off
 
     @staticmethod
     def unsized(cfg: SchedulerConfig) -> PolicyConfig:
@@ -48,7 +49,8 @@ class PolicyConfig:
                             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                             scheduling_policy=cfg.scheduling_policy,
                             enable_prefix_caching=cfg.enable_prefix_caching,
-                            scheduling_mode=cfg.scheduling_mode, speculative=cfg.speculative())
+                            scheduling_mode=cfg.scheduling_mode, speculative=cfg.speculative(),
+                            max_loras=cfg.max_loras if cfg.enable_lora else 0)
 
 
 
@@ -189,8 +191,14 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
 
     # 2. Waiting requests, only when nothing was preempted (their blocks must go to running ones).
     max_seqs = 1 if cfg.scheduling_mode == "naive" else cfg.max_num_seqs
+    # By name and directory, as the worker's pool holds them (a name reloaded from elsewhere is another adapter).
+    adapters = {(r.lora_name, r.lora_path) for r in running if r.lora_name} if cfg.max_loras else set()
     while admit and not out.preempted and waiting and (budget > 0 or not continuous) and len(running) < max_seqs:
         req = waiting[0]
+        lora = (req.lora_name, req.lora_path)
+        if req.lora_name and cfg.max_loras and lora not in adapters and len(adapters) >= cfg.max_loras:
+            out.admission_stopped_by = outputs.STOP_MAX_LORAS  # FCFS: it waits for an adapter's requests to end
+            break
         remaining = req.num_tokens - req.num_computed_tokens
         if continuous and not cfg.enable_chunked_prefill and remaining > budget:
             out.admission_stopped_by = outputs.STOP_TOKEN_BUDGET
@@ -215,6 +223,8 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         req.block_ids.extend(hits + new)
         req.status = Status.RUNNING
         running.append(req)
+        if req.lora_name:
+            adapters.add(lora)
         out.admitted.append(req)
         out.scheduled.append(req)
         out.num_tokens[req.request_id] = n

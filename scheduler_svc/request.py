@@ -43,6 +43,8 @@ class Request:
     first_token_time: float | None = None
     scheduled_time: float | None = field(default=None, compare=False)  # first step (queue-time metric); not persisted
     cache_salt: str = ""  # tenant isolation: requests with different salts never share cached blocks
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model); also salts its prefix-cache hashes
+    lora_path: str = ""  # the adapter's PEFT directory when admitted (the worker loads it from there)
     fork_of: str = ""  # n > 1: the sibling whose prompt blocks this sequence shares once they are computed
     error: str = ""  # why the worker rejected this request (finish reason "rejected"); not persisted
     # Prefix-cache bookkeeping (derived from the tokens, not persisted).
@@ -82,11 +84,16 @@ class Request:
     def finished(self) -> bool:
         return self.status == Status.FINISHED
 
+    @property
+    def prefix_salt(self) -> str:
+        """The cache salt, and the adapter: the same prompt under two adapters (or one and the base) has other KV."""
+        return f"{self.cache_salt}\x00lora:{self.lora_name}" if self.lora_name else self.cache_salt
+
     def full_block_hashes(self, block_size: int) -> list[bytes]:
         """Chained content hashes of every full block of the known tokens (memoized, extended as tokens come)."""
         tokens = self.all_token_ids
         for i in range(len(self.block_hashes), len(tokens) // block_size):
             parent = self.block_hashes[-1] if self.block_hashes else None
             block = tuple(tokens[i * block_size : (i + 1) * block_size])
-            self.block_hashes.append(hash_block(parent, block, self.cache_salt))
+            self.block_hashes.append(hash_block(parent, block, self.prefix_salt))
         return self.block_hashes

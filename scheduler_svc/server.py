@@ -42,6 +42,7 @@ from scheduler_svc.core import FINISH_REJECTED, FINISH_TIMEOUT
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.driver import Driver, DriverConfig
 from scheduler_svc.frontend import SubmitError
+from scheduler_svc.lora_registry import LoraService, lora_service
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.outbox import UNAVAILABLE, Published
 from scheduler_svc.policy import PolicyConfig
@@ -70,8 +71,9 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
     step wakes only the streams whose requests got tokens or finished. Admission (tokenizing, Redis look-ups,
     loading the tokenizer) runs in the loop's thread pool so that it never stalls the streams."""
 
-    def __init__(self, driver: Driver, tokenizer_path: str | None = None):
+    def __init__(self, driver: Driver, tokenizer_path: str | None = None, loras: LoraService | None = None):
         self.driver = driver
+        self.loras = loras  # None: no LoRA adapters (a request naming one gets NOT_FOUND)
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_path = tokenizer_path
         self._tok_lock = threading.Lock()
@@ -96,7 +98,24 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             model_name=info.model.name, model_path=info.model.path, max_model_len=info.max_model_len,
             vocab_size=info.model.vocab_size, block_size=info.block_size, num_blocks=info.num_blocks,
             dtype=info.dtype, device=info.device, worker_epoch=info.epoch, max_num_seqs=pol.max_num_seqs,
-            max_num_batched_tokens=pol.max_num_batched_tokens)
+            max_num_batched_tokens=pol.max_num_batched_tokens,
+            lora_adapters=[pb.LoraAdapter(name=n, path=p)
+                           for n, p in (self.loras.adapters() if self.loras else {}).items()])
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._lora_call(context, "load", request.lora_name, request.lora_path)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._lora_call(context, "unload", request.lora_name)
+
+    async def _lora_call(self, context, op: str, *args):
+        if self.loras is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler serves no LoRA adapters")
+        try:
+            message = await asyncio.get_running_loop().run_in_executor(None, getattr(self.loras, op), *args)
+        except AdmissionError as e:
+            await context.abort(e.code, str(e))
+        return pb.LoadLoraAdapterResponse(message=message)
 
     async def Abort(self, request, context):
         if not request.request_id:
@@ -113,8 +132,15 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         if not pubs:
             limits = self.limits()
             tokenizer = self.tokenizer()
+            lora_path = ""
+            if request.lora_name:
+                if self.loras is None:
+                    raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"lora_name {request.lora_name!r}: this "
+                                         "scheduler serves no LoRA adapters (--enable-lora)")
+                lora_path = self.loras.path_for(request.lora_name)
             ids = prompt_ids(request, tokenizer, limits)
-            reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex, tokenizer)
+            reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex, tokenizer,
+                                  lora_path)
             if structured is not None:  # the request waits here, not in a batch slot, while its grammar compiles
                 self._prepare(*structured)
             if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis
@@ -319,8 +345,9 @@ class PublicServer:
     that `llmserve scheduler` and the in-process stacks of the tests drive it the same way: start(), stop(grace)."""
 
     def __init__(self, driver: Driver, address: str, api_key: str | None, tokenizer_path: str | None,
-                 credentials: grpc.ServerCredentials | None):
+                 credentials: grpc.ServerCredentials | None, loras: LoraService | None = None):
         self.driver = driver
+        self.loras = loras
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self.thread.start()
@@ -341,7 +368,7 @@ class PublicServer:
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        self.servicer = LLMServeServicer(self.driver, tokenizer_path)
+        self.servicer = LLMServeServicer(self.driver, tokenizer_path, self.loras)
         pb_grpc.add_LLMServeServicer_to_server(self.servicer, self.server)
         # vLLM's engine protocol on the same port: what the smg gateway routes to (`--backend vllm`)
         self.vllm_servicer = VllmEngineServicer(self.servicer)
@@ -395,10 +422,11 @@ class PublicServer:
 
 
 def build_server(driver: Driver, address: str, api_key: str | None = None, tokenizer_path: str | None = None,
-                 credentials: grpc.ServerCredentials | None = None) -> tuple[PublicServer, int, object]:
+                 credentials: grpc.ServerCredentials | None = None,
+                 loras: LoraService | None = None) -> tuple[PublicServer, int, object]:
     """The public API server (not started), its port and its health servicer. `credentials` None serves plaintext;
     otherwise TLS (mutual TLS when they require client certificates)."""
-    server = PublicServer(driver, address, api_key, tokenizer_path, credentials)
+    server = PublicServer(driver, address, api_key, tokenizer_path, credentials, loras)
     return server, server.port, server.health
 
 
@@ -410,6 +438,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.driver, self.ledger = build_driver(cfg)
+        self.loras = lora_service(cfg, self.ledger.client, lambda: self.driver.worker.stub)
         self.server: PublicServer | None = None
         self.health = None
         self.host, self.port = cfg.host, 0
@@ -422,7 +451,7 @@ class Scheduler:
         cfg = self.cfg
         self.server, self.port, self.health = build_server(
             self.driver, f"{cfg.host}:{cfg.port}", cfg.api_key, cfg.tokenizer,
-            tls.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
+            tls.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca), self.loras)
         if cfg.metrics_port is not None:
             self.driver.metrics.serve(cfg.metrics_port)
         self.server.start()

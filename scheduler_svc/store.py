@@ -17,7 +17,8 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
                           sampling (JSON object of scheduler_svc.sampling.SamplingParams.to_dict(), e.g.
                           {"temperature": 0.7, ..., "seed": 1234, "logprobs": null}), priority, arrival_time,
                           arrival_seq, stop (JSON list), include_stop, skip_special, cache_salt, fork_of (n > 1:
-                          the sequence it forks from; a new leader queues it on its own) -- and the
+                          the sequence it forks from; a new leader queues it on its own), lora and lora_path (its
+                          LoRA adapter and PEFT directory; absent or "": the base model) -- and the
                           transition fields status, num_preemptions, first_token_time ("" = none), finish_reason
                           ("" = none), each rewritten alone when it changes; num_computed_tokens once finished
     computed      HASH    arrival_seq -> num_computed_tokens of every active request (one HSET per step for all)
@@ -134,6 +135,8 @@ def _decode_request(rid: str, f: dict[str, str], out: bytes, blocks: bytes, comp
         skip_special_tokens=f["skip_special"] == "1",
         cache_salt=f.get("cache_salt", ""),
         fork_of=f.get("fork_of", ""),
+        lora_name=f.get("lora", ""),
+        lora_path=f.get("lora_path", ""),
         output_ids=unpack_ids(out),
         num_computed_tokens=int(computed if computed is not None else f["num_computed_tokens"]),
         block_ids=unpack_ids(blocks),

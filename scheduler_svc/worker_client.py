@@ -242,12 +242,14 @@ def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: 
             plan.resumed_requests.add(
                 slot=slots.join(rid), request_id=rid, token_ids=req.all_token_ids,
                 num_prompt_tokens=req.num_prompt_tokens, sampling=sampling_to_wire(req.sampling),
-                block_ids=req.block_ids, num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
+                block_ids=req.block_ids, num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n,
+                lora_name=req.lora_name, lora_path=req.lora_path)
         else:
             plan.new_requests.add(
                 slot=slots.join(rid), request_id=rid, prompt_token_ids=req.prompt_ids,
                 sampling=sampling_to_wire(req.sampling), block_ids=req.block_ids,
-                num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n)
+                num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n,
+                lora_name=req.lora_name, lora_path=req.lora_path)
         req.on_worker = True
     cached = plan.cached
     cached.slots.extend(cached_slots)

@@ -152,6 +152,13 @@ class WorkerConfig:
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")
+    enable_lora: bool = c.enable_lora()
+    lora_modules: str | None = c.lora_modules()
+    max_loras: int = c.max_loras()
+    max_lora_rank: int = setting(16, "largest LoRA rank served; adapters above it are refused at load",
+                                 check=c.at_least(1))
+    max_cpu_loras: int | None = setting(None, "LoRA adapters kept in host memory, LRU (default: --max-loras)",
+                                        check=c.at_least(1))
     enforce_eager: bool = setting(False, "always run the eager forward (no torch.compile, no CUDA graphs), whatever "
                                   "-O says")
     optimization_level: int | None = setting(

@@ -220,6 +220,8 @@ class LlamaModel:
         if prepack is None:
             prepack = prepack_supported(self.device, dtype)
         self.prepacked = prepack
+        # Multi-LoRA (worker_svc/lora.LoraPool): each projection adds lora.add(layer, group, x, out); None: off.
+        self.lora: Any = None
         # Anything with write_kv_cache / paged_attention (the torch reference or a Triton backend).
         self.attention = attention if attention is not None else kernels
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
@@ -308,6 +310,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
+            if self.lora is not None:
+                self.lora.add(i, "qkv", x, qkv)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Rope on q and k heads together (adjacent in qkv): 4 ops instead of 12. q and k come out as
             # strided views of one tensor, which the attention backends accept.
@@ -331,9 +335,12 @@ class LlamaModel:
                 plan=attn_meta.plan,
                 **self.attn_kwargs[i],
             )
-            h = self._row_parallel_add(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias, h)
+            o = o.reshape(num_tokens, self.q_size)
+            h = self._row_parallel_add(o, layer.o, layer.o_bias, h)
+            if self.lora is not None:  # h is residual + o's output: adding the delta to it is the same
+                self.lora.add(i, "o", o, h)
 
-            h = self._feed_forward(layer, rms_norm(h, layer.post_norm, c.rms_norm_eps), h)
+            h = self._feed_forward(i, layer, rms_norm(h, layer.post_norm, c.rms_norm_eps), h)
 
         # The head is the most expensive matmul per row: run it only where a token is sampled.
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
@@ -349,10 +356,17 @@ class LlamaModel:
         mlp = f"model.layers.{i}.mlp."
         return {x: mat(w(mlp + f"{x}_proj.weight")) for x in ("gate", "up", "down")}
 
-    def _feed_forward(self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the layer's feed-forward of x (the post-attention-normed hidden states)."""
-        gate = F.silu(linear(x, layer.gate), inplace=True)  # in place: two fewer allocations
-        return self._row_parallel_add(gate.mul_(linear(x, layer.up)), layer.down, None, residual)
+    def _feed_forward(self, i: int, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + layer i's feed-forward of x (the post-attention-normed hidden states)."""
+        gate, up = linear(x, layer.gate), linear(x, layer.up)
+        if self.lora is not None:
+            self.lora.add(i, "gate", x, gate)
+            self.lora.add(i, "up", x, up)
+        act = F.silu(gate, inplace=True).mul_(up)  # in place: two fewer allocations
+        h = self._row_parallel_add(act, layer.down, None, residual)
+        if self.lora is not None:  # h is residual + down's output: adding the delta to it is the same
+            self.lora.add(i, "down", act, h)
+        return h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):  # dequantize only the rows looked up

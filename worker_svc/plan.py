@@ -30,6 +30,8 @@ class JoiningRequest:
     block_ids: list[int]
     num_computed_tokens: int = 0  # > 0 when a cached prefix is already in its blocks
     num_scheduled_tokens: int = 0
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    lora_path: str = ""  # its PEFT directory
 
 
 @dataclass

@@ -17,9 +17,9 @@ import torch
 
 import kernels
 from common import tracing
-from common.config import for_device
+from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
-from worker_svc import kv_cache, models, speculative
+from worker_svc import kv_cache, lora, models, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
@@ -95,11 +95,17 @@ class ModelRunner:
         self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL,
                                                   opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
-        compiled = wants_compiled(opts)  # inductor cannot trace oneDNN-prepacked weights: dense ones then
+        # The LoRA hook groups tokens by adapter in Python: it runs the eager forward.
+        compiled = wants_compiled(opts) and not opts.enable_lora  # inductor cannot trace oneDNN-prepacked weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights
+        if opts.enable_lora and self.config.num_experts:
+            raise ConfigError(f"--enable-lora: adapters are not served on {self.config.architecture}'s sparse MoE "
+                              "layers; run without --enable-lora")
+        self.lora = lora.build_pool(opts, self.local_config, self.dtype, self.device, tp_size)
+        self.model.lora = self.lora
         if compiled:
             self.model = compile_model(self.model, opts)
         cfg = self.config
@@ -149,6 +155,15 @@ class ModelRunner:
         del scratch
         torch.cuda.synchronize(self.device)
 
+    def load_lora(self, name: str, path: str, unload: bool = False) -> int:
+        """Read and check an adapter into host memory (or forget it); its rank. LoraError when it cannot be served."""
+        if self.lora is None:
+            raise lora.LoraError(f"adapter {name!r}: this worker runs without --enable-lora")
+        if unload:
+            self.lora.forget(name)
+            return 0
+        return self.lora.load(name, path).rank
+
     @property
     def kv_bytes_per_block(self) -> int:
         """One block of the whole model's KV (every rank's share together)."""
@@ -162,8 +177,11 @@ class ModelRunner:
         """Check (raises PlanError, changes nothing), apply, run, sample."""
         t0 = time.perf_counter()
         cached = self.batch.check_plan(plan, self.epoch)
+        lora_rows = lora.join_plan(self.lora, plan, self.batch.inputs.live)
         previous = self.batch.last_step_id
         sched = self.batch.apply_plan(plan, cached)
+        if self.lora is not None:
+            self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
         if not len(sched):
             if len(copies[0]):
@@ -176,6 +194,8 @@ class ModelRunner:
                                              plan.prompt_lookup_min, plan.prompt_lookup_max)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
+        if self.lora is not None:
+            self.lora.begin_step(sched.rows, sched.lengths if num_drafts is None else sched.lengths + num_drafts)
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
         t2 = time.perf_counter()

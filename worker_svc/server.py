@@ -80,6 +80,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PrepareConstraintReply(compile_seconds=seconds, cached=cached)
 
+    def LoadLoraAdapter(self, request: pb.LoraAdapterRef, context):
+        """Read and check off the step loop (the batch is untouched); the host cache has its own lock."""
+        from worker_svc.lora import LoraError
+
+        try:
+            with self.turn:  # between steps: the pool's host cache is the step's too
+                rank = self.runner.load_lora(request.name, request.path, request.unload)
+        except LoraError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.LoadLoraAdapterReply(rank=rank)
+
     def ExecuteStep(self, plan: pb.StepPlan, context):
         if tracing.enabled:
             return self._traced_execute(plan, context)
@@ -141,10 +152,12 @@ def step_plan(p: pb.StepPlan) -> core.StepPlan:
         reset_batch=p.reset_batch, dropped_slots=ids(p.dropped_slots),
         new_requests=[core.JoiningRequest(r.slot, r.request_id, ids(r.prompt_token_ids), len(r.prompt_token_ids),
                                           from_proto(r.sampling), list(r.block_ids),
-                                          r.num_computed_tokens, r.num_scheduled_tokens) for r in p.new_requests],
+                                          r.num_computed_tokens, r.num_scheduled_tokens, r.lora_name, r.lora_path)
+                      for r in p.new_requests],
         resumed_requests=[core.JoiningRequest(r.slot, r.request_id, ids(r.token_ids), r.num_prompt_tokens,
                                               from_proto(r.sampling), list(r.block_ids),
-                                              r.num_computed_tokens, r.num_scheduled_tokens)
+                                              r.num_computed_tokens, r.num_scheduled_tokens, r.lora_name,
+                                              r.lora_path)
                           for r in p.resumed_requests],
         cached=core.CachedRequests(ids(c.slots), ids(c.num_scheduled_tokens), ids(c.num_new_blocks),
                                    ids(c.new_block_ids), ids(c.num_draft_slots)),

@@ -31,6 +31,8 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "quantized_forward": ["--batch-sizes", "1", "--context", "16", "--repeats", "1", "--prompts", "1", "--tokens", "4",
                           *_JSON],
     "paged_attention_cpu": ["--cases", "1x16", "--repeats", "1", "--dtypes", "float32", *_JSON],
+    "lora_throughput": ["--ranks", "8", "--adapters", "0,1", "--repeats", "1", "--output-tokens", "3", "--concurrency",
+                        "4", "--prompt-tokens", "16", "--threads", "2", *_JSON],
     "prefix_cache": ["--num-requests", "2", "--zero-hit-requests", "2", "--repeats", "1", "--prefix-len", "32",
                      "--question-len", "16", "--max-tokens", "4", "--max-model-len", "256", *_JSON],
     "results": ["--smoke", "--out", "{tmp}/out", "--page", "{tmp}/RESULTS.md"],

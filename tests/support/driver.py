@@ -28,6 +28,8 @@ class DriverRequest:
     computed: int = 0
     sent: bool = False
     finish_reason: int = 0
+    lora_name: str = ""  # a LoRA adapter ("": the base model) and its PEFT directory
+    lora_path: str = ""
 
 
 def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list[DriverRequest], *, chunk: int,
@@ -62,7 +64,8 @@ def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list
             r.blocks += new_blocks
             if not r.sent:
                 new.append(pb.NewRequest(request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
-                                         block_ids=r.blocks, num_scheduled_tokens=n))
+                                         block_ids=r.blocks, num_scheduled_tokens=n, lora_name=r.lora_name,
+                                         lora_path=r.lora_path))
                 r.sent = True
             else:
                 cached.append(Cached(r.request_id, n, new_blocks, num_draft_slots=k))

@@ -88,7 +88,10 @@ class Gemma2(LlamaModel):
         h = self._embed(input_ids) * self.embed_scale
         for i, layer in enumerate(self.layers):
             x = gemma_rms_norm(h, layer.input_norm, eps)
-            qk, v = linear(x, layer.qkv, layer.qkv_bias).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            if self.lora is not None:
+                self.lora.add(i, "qkv", x, qkv)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(n, c.num_heads + c.num_kv_heads, c.head_dim)
             if layer.qk_norm is not None:
                 qk = gemma_rms_norm(qk, layer.qk_norm, eps)
@@ -100,12 +103,22 @@ class Gemma2(LlamaModel):
             o = self.attention.paged_attention(q, key_cache, value_cache, attn_meta.block_tables,
                                                attn_meta.cu_seqlens_q, attn_meta.seq_lens, self.scale,
                                                plan=attn_meta.plan, **self.attn_kwargs[i])
-            o = self._row_parallel(o.reshape(n, self.q_size), layer.o, layer.o_bias)
+            o_in = o.reshape(n, self.q_size)
+            o = self._row_parallel(o_in, layer.o, layer.o_bias)
+            if self.lora is not None:
+                self.lora.add(i, "o", o_in, o)
             h = h + gemma_rms_norm(o, layer.post_norm, eps)
             pre, post = self.mlp_norms[i]
             x = gemma_rms_norm(h, pre, eps)
-            m = F.gelu(linear(x, layer.gate), approximate="tanh").mul_(linear(x, layer.up))
-            h = h + gemma_rms_norm(self._row_parallel(m, layer.down, None), post, eps)
+            gate, up = linear(x, layer.gate), linear(x, layer.up)
+            if self.lora is not None:
+                self.lora.add(i, "gate", x, gate)
+                self.lora.add(i, "up", x, up)
+            m = F.gelu(gate, approximate="tanh").mul_(up)
+            down = self._row_parallel(m, layer.down, None)
+            if self.lora is not None:
+                self.lora.add(i, "down", m, down)
+            h = h + gemma_rms_norm(down, post, eps)
         h = gemma_rms_norm(h[logits_indices], self.norm, eps)
         logits = linear(h, self.lm_head)
         if c.final_logit_softcapping:

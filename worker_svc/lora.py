@@ -1,0 +1,309 @@
+"""LoRA adapters on the worker: PEFT directories read and checked against the model, a host cache of loaded
+adapters (--max-cpu-loras, LRU) and a fixed device pool of --max-loras slots (LRU among the adapters no request in
+the batch uses), and the per-step delta every projection adds to its base output.
+
+The model calls one hook per projection (`LoraPool.add(layer, group, x, y)`): y += scale * (x @ A.T) @ B.T, with
+A and B of the adapter in each token row's slot. q, k and v share one fused matmul, so they share one group:
+A_qkv stacks the three A's ([3R, hidden]) and B_qkv is block-diagonal ([q+k+v out, 3R]), one shrink and one expand
+for the three. The scale is folded into B when an adapter enters the pool. A token row without an adapter has
+slot -1 and gets nothing added. The delta is computed from x, so it works over dense, prepacked and quantized base
+weights alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.lora import parse_lora_modules
+from common.validation import ConfigError
+from worker_svc.config import ModelConfig, WorkerConfig
+from worker_svc.errors import InvalidPlan
+from worker_svc.plan import StepPlan
+
+# PEFT target module -> (the model's projection group, its index in that group)
+MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+    "gate_proj": ("gate", 0), "up_proj": ("up", 0), "down_proj": ("down", 0),
+}
+GROUPS = ("qkv", "o", "gate", "up", "down")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served: the message names the file and the module at fault."""
+
+
+@dataclass
+class LoraAdapter:
+    """A PEFT adapter in host memory: per (layer, PEFT module) its A [r, in] and B [out, r], float32."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float  # lora_alpha / r (rslora: lora_alpha / sqrt(r))
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each PEFT target module of `cfg`."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def load_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Read and check a PEFT directory against the model; LoraError naming the file and the module."""
+    config_file, weights_file = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    try:
+        with open(config_file) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoraError(f"adapter {name!r}: cannot read {config_file}: {e}") from None
+    rank, alpha = int(meta.get("r", 0)), float(meta.get("lora_alpha", meta.get("r", 0)))
+    if rank < 1:
+        raise LoraError(f"adapter {name!r}: {config_file}: r must be >= 1, got {meta.get('r')!r}")
+    if rank > max_rank:
+        raise LoraError(f"adapter {name!r}: {config_file}: r={rank} exceeds --max-lora-rank {max_rank}")
+    targets = meta.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    for t in targets:
+        if t not in MODULES:
+            raise LoraError(f"adapter {name!r}: {config_file}: target module {t!r} is not supported "
+                            f"(supported: {', '.join(MODULES)})")
+    if meta.get("modules_to_save"):
+        raise LoraError(f"adapter {name!r}: {config_file}: modules_to_save {meta['modules_to_save']!r} is not "
+                        "supported (only low-rank deltas of the projections)")
+    if meta.get("bias", "none") != "none":
+        raise LoraError(f"adapter {name!r}: {config_file}: bias {meta['bias']!r} is not supported (only 'none')")
+    scaling = alpha / math.sqrt(rank) if meta.get("use_rslora") else alpha / rank
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(weights_file)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise LoraError(f"adapter {name!r}: cannot read {weights_file}: {e}") from None
+    shapes = module_shapes(cfg)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in MODULES:
+            raise LoraError(f"adapter {name!r}: {weights_file}: tensor {key!r} is not a LoRA A/B of a supported "
+                            f"module ({', '.join(MODULES)})")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= cfg.num_layers:
+            raise LoraError(f"adapter {name!r}: {weights_file}: {key!r} is for layer {layer}; the model has "
+                            f"{cfg.num_layers}")
+        fan_in, fan_out = shapes[module]
+        want = (rank, fan_in) if ab == "A" else (fan_out, rank)
+        if tuple(t.shape) != want:
+            raise LoraError(f"adapter {name!r}: {weights_file}: {key!r} ({module}, layer {layer}) has shape "
+                            f"{list(t.shape)}; the model needs {list(want)} (r={rank})")
+        halves.setdefault((layer, module), {})[ab] = t.float()
+    weights = {}
+    for (layer, module), d in halves.items():
+        if len(d) != 2:
+            raise LoraError(f"adapter {name!r}: {weights_file}: layer {layer} {module} has lora_"
+                            f"{next(iter(d))} without lora_{'B' if 'A' in d else 'A'}")
+        weights[(layer, module)] = (d["A"], d["B"])
+    if not weights:
+        raise LoraError(f"adapter {name!r}: {weights_file} holds no LoRA weights")
+    return LoraAdapter(name, path, rank, scaling, weights)
+
+
+class LoraPool:
+    """Adapters on the device, in `max_loras` slots, and the slot of each batch row.
+
+    Per group g the pool holds A_g [L, S, R_g, in_g] and B_g [L, S, out_g, R_g] (R_g = max_rank, 3 x for qkv),
+    zero where an adapter has no weights (a smaller rank, a module it does not target)."""
+
+    def __init__(self, cfg: ModelConfig, *, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.device, self.dtype = device, dtype
+        shapes = module_shapes(cfg)
+        self.q_out, self.kv_out = shapes["q_proj"][1], shapes["k_proj"][1]
+        dims = {"qkv": (cfg.hidden_size, self.q_out + 2 * self.kv_out, 3 * max_rank),
+                "o": shapes["o_proj"] + (max_rank,), "gate": shapes["gate_proj"] + (max_rank,),
+                "up": shapes["up_proj"] + (max_rank,), "down": shapes["down_proj"] + (max_rank,)}
+        L, S = cfg.num_layers, max_loras
+        self.a = {g: torch.zeros(L, S, r, i, dtype=dtype, device=device) for g, (i, o, r) in dims.items()}
+        self.b = {g: torch.zeros(L, S, o, r, dtype=dtype, device=device) for g, (i, o, r) in dims.items()}
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU: the last is the most recent
+        # Adapters on the device, LRU, by (name, directory): a name loaded again from another directory while
+        # requests still run with the old weights gets a slot of its own.
+        self.slot_of: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.row_slot = np.full(64, -1, dtype=np.int64)  # batch row -> pool slot (-1: base model)
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step: (slot, token rows or None = all)
+        self.token_slots: torch.Tensor | None = None  # this step, for the CUDA kernels
+
+    # -- adapters --------------------------------------------------------------------------------------------
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        """The adapter in host memory (read and checked on first use); LoraError when it cannot be served."""
+        a = self.host.get(name)
+        if a is not None and a.path == path:
+            self.host.move_to_end(name)
+            return a
+        a = load_peft_adapter(name, path, self.cfg, self.max_rank)
+        self.host[name] = a
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        return a
+
+    def forget(self, name: str) -> None:
+        """Drop an unloaded adapter from host memory; its device slot is reused when needed."""
+        self.host.pop(name, None)
+
+    def activate(self, name: str, path: str, pinned: set[int]) -> int:
+        """The adapter's device slot, writing it into the least recently used slot outside `pinned` (the slots
+        live rows use) when it is not on the device. LoraError when every slot is pinned."""
+        key = (name, path)
+        slot = self.slot_of.get(key)
+        if slot is not None:  # on the device already (even if gone from the host cache)
+            self.slot_of.move_to_end(key)
+            return slot
+        adapter = self.load(name, path)
+        used = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((k for k, s in self.slot_of.items() if s not in pinned), None)
+            if victim is None:
+                raise LoraError(f"adapter {name!r}: all --max-loras {self.max_loras} slots hold adapters of "
+                                "requests in the batch")
+            slot = self.slot_of.pop(victim)
+        self._write(slot, adapter)
+        self.slot_of[key] = slot
+        return slot
+
+    def _write(self, slot: int, a: LoraAdapter) -> None:
+        for g in GROUPS:
+            self.a[g][:, slot].zero_()
+            self.b[g][:, slot].zero_()
+        r, R = a.rank, self.max_rank
+        offsets = {"qkv": (0, self.q_out, self.q_out + self.kv_out)}
+        for (layer, module), (A, B) in a.weights.items():
+            g, k = MODULES[module]
+            A = A.to(self.device, self.dtype)
+            B = (B * a.scaling).to(self.device, self.dtype)
+            if g == "qkv":
+                start = offsets["qkv"][k]
+                self.a[g][layer, slot, k * R : k * R + r] = A
+                self.b[g][layer, slot, start : start + B.shape[0], k * R : k * R + r] = B
+            else:
+                self.a[g][layer, slot, :r] = A
+                self.b[g][layer, slot, :, :r] = B
+
+    # -- rows and steps --------------------------------------------------------------------------------------
+
+    def set_rows(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        if len(rows) and rows.max() >= len(self.row_slot):
+            grown = np.full(max(int(rows.max()) + 1, 2 * len(self.row_slot)), -1, dtype=np.int64)
+            grown[: len(self.row_slot)] = self.row_slot
+            self.row_slot = grown
+        self.row_slot[rows] = slots
+
+    def slots_of_rows(self, live: np.ndarray) -> set[int]:
+        """The pool slots the rows marked in `live` use."""
+        n = min(len(live), len(self.row_slot))
+        s = self.row_slot[:n][live[:n]]
+        return set(s[s >= 0].tolist())
+
+    def begin_step(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """The step's token rows: chunk i (batch row rows[i]) has lengths[i] tokens, laid end to end. Groups the
+        tokens by adapter once for all layers (array operations; no loop over requests)."""
+        slots = self.row_slot[rows] if len(rows) else np.zeros(0, np.int64)
+        self.groups, self.token_slots = [], None
+        if not (slots >= 0).any():
+            return
+        token_slots = np.repeat(slots, lengths)
+        if self.device.type == "cuda":
+            self.token_slots = torch.from_numpy(token_slots).to(self.device)
+            return
+        used = np.unique(token_slots)
+        used = used[used >= 0]
+        if len(used) == 1 and (token_slots == used[0]).all():
+            self.groups = [(int(used[0]), None)]  # every token uses one adapter: no gather
+            return
+        order = np.argsort(token_slots, kind="stable")
+        bounds = np.searchsorted(token_slots[order], used)
+        ends = np.append(bounds[1:], len(order))
+        cut = np.searchsorted(token_slots[order], -1, side="right")  # leading -1s: base rows
+        self.groups = [(int(s), torch.from_numpy(order[max(b, cut):e].copy()))
+                       for s, b, e in zip(used.tolist(), bounds.tolist(), ends.tolist(), strict=True)]
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the LoRA delta of projection `group` of `layer` for each token row of x (in place)."""
+        if self.token_slots is not None:
+            from kernels.lora_triton import lora_expand, lora_shrink
+
+            s = lora_shrink(x, self.a[group][layer], self.token_slots)
+            lora_expand(s, self.b[group][layer], self.token_slots, y)
+            return
+        a, b = self.a[group][layer], self.b[group][layer]
+        for slot, idx in self.groups:
+            if idx is None:
+                y.add_((x @ a[slot].T) @ b[slot].T)
+            else:
+                y.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+
+
+def join_plan(pool: LoraPool | None, plan: StepPlan, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Put the adapters of the plan's joining requests on the device (before the plan is applied: a refusal changes
+    no request); returns their rows and pool slots (-1: base) for `LoraPool.set_rows`. InvalidPlan naming the
+    request when its adapter cannot be served."""
+    joining = plan.new_requests + plan.resumed_requests
+    rows = np.array([r.slot for r in joining], dtype=np.int64)
+    slots = np.full(len(joining), -1, dtype=np.int64)
+    if not any(r.lora_name for r in joining):
+        return rows, slots
+    if pool is None:
+        r = next(r for r in joining if r.lora_name)
+        raise InvalidPlan(f"request {r.request_id!r} asks for LoRA adapter {r.lora_name!r}; this worker runs "
+                          "without --enable-lora", slot=r.slot, request_id=r.request_id)
+    if not plan.reset_batch:
+        live = live.copy()
+        dropped = plan.dropped_slots[plan.dropped_slots < len(live)]
+        live[dropped] = False
+    pinned = set() if plan.reset_batch else pool.slots_of_rows(live)
+    for i, r in enumerate(joining):
+        if r.lora_name:
+            try:
+                slots[i] = pool.activate(r.lora_name, r.lora_path, pinned)
+            except LoraError as e:
+                raise InvalidPlan(str(e), slot=r.slot, request_id=r.request_id) from None
+            pinned.add(int(slots[i]))
+    return rows, slots
+
+
+def build_pool(opts: WorkerConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               tp_size: int) -> LoraPool | None:
+    """The device pool for --enable-lora (None without), with --lora-modules read and checked: ConfigError naming
+    the file and the module of the first adapter that cannot be served."""
+    if not opts.enable_lora:
+        if opts.lora_modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return None
+    if tp_size > 1:
+        raise ConfigError(f"--enable-lora runs on one rank; drop it or --tensor-parallel-size {tp_size}")
+    pool = LoraPool(cfg, max_loras=opts.max_loras, max_rank=opts.max_lora_rank,
+                    max_cpu_loras=opts.max_cpu_loras or opts.max_loras, dtype=dtype, device=device)
+    try:
+        for name, path in parse_lora_modules(opts.lora_modules):
+            pool.load(name, path)
+    except ValueError as e:  # LoraError included
+        raise ConfigError(str(e)) from None
+    return pool
