@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
-(/health, /version, /tokenize, /detokenize, /metrics)."""
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models)
+and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api_svc import errors
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
+from api_svc.embeddings import EmbeddingRequest, embeddings
 from api_svc.errors import APIError
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -151,9 +152,12 @@ def create_app(cfg: APIConfig) -> FastAPI:
         if body.echo:
             tok = await bridge.get_tokenizer()
             echo = [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids)) for r in reqs]
-        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None else None)
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None
+                               or body.prompt_logprobs is not None else None)
         reply = Reply(f"cmpl-{rid}", name, body.n, strings, chat=False,
-                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids,
+                      echo_logprobs=body.echo and body.logprobs is not None,
+                      prompt_logprobs=body.prompt_logprobs is not None)
         gens = [bridge.generation(r) for r in reqs]
         return await run(request, gens, reply, body.logprobs is not None, body.stream, echo)
 
@@ -168,11 +172,18 @@ def create_app(cfg: APIConfig) -> FastAPI:
         if not body.messages:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
-        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
-        reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
-                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs or body.prompt_logprobs is not None
+                               else None)
+        reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True, include_usage=body.include_usage,
+                      return_token_ids=body.return_token_ids, prompt_logprobs=body.prompt_logprobs is not None)
         gens = [bridge.generation(chat_request(body, rid), chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
+
+    @v1.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request):
+        bridge = bridge_of(request)
+        name = await check_model(bridge, body.model)
+        return await embeddings(body, bridge, name, request_id(request))
 
     @v1.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/llmserve.proto\x12\x0bllmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xeb\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x15\n\x0bjson_schema\x18( \x01(\tH\x00\x12\x0f\n\x05regex\x18) \x01(\tH\x00\x12\x11\n\x07grammar\x18* \x01(\tH\x00\x12\x15\n\x0bjson_object\x18+ \x01(\x08H\x00\x12/\n\x06\x63hoice\x18, \x01(\x0b\x32\x1d.llmserve.v1.ChoiceConstraintH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.llmserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x19\n\x11resume_from_token\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x19\n\x11\x66irst_token_index\x18\x08 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf9\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cworker_epoch\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r2\xe7\x01\n\x08LLMServe\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12P\n\x0cGetModelInfo\x12 .llmserve.v1.GetModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/llmserve.proto\x12\x0bllmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9d\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x64 \x01(\rH\x0c\x88\x01\x01\x12\x15\n\x0bjson_schema\x18( \x01(\tH\x00\x12\x0f\n\x05regex\x18) \x01(\tH\x00\x12\x11\n\x07grammar\x18* \x01(\tH\x00\x12\x15\n\x0bjson_object\x18+ \x01(\x08H\x00\x12/\n\x06\x63hoice\x18, \x01(\x0b\x32\x1d.llmserve.v1.ChoiceConstraintH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.llmserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x19\n\x11resume_from_token\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x19\n\x11\x66irst_token_index\x18\x08 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x64 \x03(\x05\x12\x33\n\x0fprompt_logprobs\x18\x65 \x03(\x0b\x32\x1a.llmserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x8e\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x64 \x01(\t\x12\x0e\n\x04text\x18\x65 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x66 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12\x10\n\x08priority\x18g \x01(\x05\x12\x12\n\ncache_salt\x18h \x01(\tB\x08\n\x06prompt\"9\n\rEmbedResponse\x12\x11\n\tembedding\x18\x64 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x65 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xf9\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cworker_epoch\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r2\xa7\x02\n\x08LLMServe\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmserve.v1.AbortRequest\x1a\x1a.llmserve.v1.AbortResponse\x12P\n\x0cGetModelInfo\x12 .llmserve.v1.GetModelInfoRequest\x1a\x1e.llmserve.v1.ModelInfoResponse\x12>\n\x05\x45mbed\x12\x19.llmserve.v1.EmbedRequest\x1a\x1a.llmserve.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=144
   _globals['_TOKENIDS']._serialized_end=167
   _globals['_SAMPLINGPARAMS']._serialized_start=170
-  _globals['_SAMPLINGPARAMS']._serialized_end=1045
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=810
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=858
-  _globals['_CHOICECONSTRAINT']._serialized_start=1047
-  _globals['_CHOICECONSTRAINT']._serialized_end=1082
-  _globals['_GENERATEREQUEST']._serialized_start=1085
-  _globals['_GENERATEREQUEST']._serialized_end=1347
-  _globals['_TOKENLOGPROB']._serialized_start=1349
-  _globals['_TOKENLOGPROB']._serialized_end=1398
-  _globals['_TOKENLOGPROBS']._serialized_start=1400
-  _globals['_TOKENLOGPROBS']._serialized_end=1490
-  _globals['_USAGE']._serialized_start=1492
-  _globals['_USAGE']._serialized_end=1549
-  _globals['_GENERATERESPONSE']._serialized_start=1552
-  _globals['_GENERATERESPONSE']._serialized_end=1769
-  _globals['_ABORTREQUEST']._serialized_start=1771
-  _globals['_ABORTREQUEST']._serialized_end=1805
-  _globals['_ABORTRESPONSE']._serialized_start=1807
-  _globals['_ABORTRESPONSE']._serialized_end=1837
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1839
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1860
-  _globals['_MODELINFORESPONSE']._serialized_start=1863
-  _globals['_MODELINFORESPONSE']._serialized_end=2112
-  _globals['_LLMSERVE']._serialized_start=2115
-  _globals['_LLMSERVE']._serialized_end=2346
+  _globals['_SAMPLINGPARAMS']._serialized_end=1095
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=840
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=888
+  _globals['_CHOICECONSTRAINT']._serialized_start=1097
+  _globals['_CHOICECONSTRAINT']._serialized_end=1132
+  _globals['_GENERATEREQUEST']._serialized_start=1135
+  _globals['_GENERATEREQUEST']._serialized_end=1397
+  _globals['_TOKENLOGPROB']._serialized_start=1399
+  _globals['_TOKENLOGPROB']._serialized_end=1448
+  _globals['_TOKENLOGPROBS']._serialized_start=1450
+  _globals['_TOKENLOGPROBS']._serialized_end=1540
+  _globals['_USAGE']._serialized_start=1542
+  _globals['_USAGE']._serialized_end=1599
+  _globals['_GENERATERESPONSE']._serialized_start=1602
+  _globals['_GENERATERESPONSE']._serialized_end=1898
+  _globals['_ABORTREQUEST']._serialized_start=1900
+  _globals['_ABORTREQUEST']._serialized_end=1934
+  _globals['_ABORTRESPONSE']._serialized_start=1936
+  _globals['_ABORTRESPONSE']._serialized_end=1966
+  _globals['_EMBEDREQUEST']._serialized_start=1969
+  _globals['_EMBEDREQUEST']._serialized_end=2111
+  _globals['_EMBEDRESPONSE']._serialized_start=2113
+  _globals['_EMBEDRESPONSE']._serialized_end=2170
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2172
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2193
+  _globals['_MODELINFORESPONSE']._serialized_start=2196
+  _globals['_MODELINFORESPONSE']._serialized_end=2445
+  _globals['_LLMSERVE']._serialized_start=2448
+  _globals['_LLMSERVE']._serialized_end=2743
 # @@protoc_insertion_point(module_scope)
