@@ -179,6 +179,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def Embed(self, request: vpb.EmbedRequest, context):
         self.last_receive = time.time()
+        if not request.tokenized.input_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids is empty: an embedding needs a "
+                                "prompt")
         lreq = pb.EmbedRequest(request_id=request.request_id)
         lreq.token_ids.ids.extend(request.tokenized.input_ids)
         _, streams = await self.public.admit(embed.generate_request(lreq, request.request_id or uuid.uuid4().hex),
