@@ -86,7 +86,7 @@ def check_echo(lp: dict, ids: list[int], ref: torch.Tensor, top: int, text) -> N
         assert sorted(got_top.values(), reverse=True) == pytest.approx(want_top.values.tolist(), abs=TOL)
     offsets = lp["text_offset"]
     assert offsets[0] == 0
-    assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp["tokens"][:-1], strict=True))
+    assert all(b - a == len(t) for a, b, t in zip(offsets[:-1], offsets[1:], lp["tokens"][:-1], strict=True))
     assert len(lp["tokens"]) == n + 1, "the prompt's tokens, then the generated one"
 
 
@@ -113,15 +113,19 @@ def test_echo_logprobs_match_hf(st, hf_model, hf_tokenizer, long_ids, token_text
 
 
 def test_prefix_cache_hit_still_scores_every_token(st, hf_model, long_ids, token_text):
-    metrics = st.driver.metrics
+    def hits() -> float:
+        return sum(s.value for m in st.driver.metrics.prefix_hits.collect() for s in m.samples
+                   if s.name.endswith("_total"))
+
     plain = dict(model=st.model, prompt=long_ids, max_tokens=1, temperature=0)
     st.client.completions.create(**plain)  # its full blocks enter the prefix-cache index
-    hits = metrics.prefix_cache_hits._value.get() if hasattr(metrics, "prefix_cache_hits") else None
+    before = hits()
     st.client.completions.create(**plain)
-    if hits is not None:
-        assert metrics.prefix_cache_hits._value.get() > hits, "a plain repeat is served from the cache"
+    after = hits()
+    assert after > before, "a plain repeat is served from the cache"
     r = st.client.completions.create(**plain, echo=True, logprobs=1)
     check_echo(r.choices[0].logprobs.model_dump(), long_ids, hf_logprobs(hf_model, long_ids), 1, token_text)
+    assert hits() == after, "a prompt-logprobs request computes its whole prompt"
     assert kv_free(st)
 
 
