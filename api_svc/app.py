@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models; /v1/responses in
-api_svc/responses_api.py) and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models;
+/v1/responses in api_svc/responses_api.py) and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from api_svc import errors, lora, openapi, responses_api, tools
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
 from api_svc.config import APIConfig
+from api_svc.embeddings import EmbeddingRequest, embeddings
 from api_svc.errors import APIError
 from api_svc.limits import BodyLimit, check_prompts
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
@@ -190,9 +191,12 @@ def create_app(cfg: APIConfig) -> FastAPI:
             echo = await asyncio.to_thread(
                 lambda: [r.text if r.WhichOneof("prompt") == "text" else tok.decode(list(r.token_ids.ids))
                          for r in reqs])
-        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None else None)
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs is not None
+                               or body.prompt_logprobs is not None else None)
         reply = Reply(f"cmpl-{rid}", name, body.n, strings, chat=False,
-                      include_usage=body.include_usage, return_token_ids=body.return_token_ids)
+                      include_usage=body.include_usage, return_token_ids=body.return_token_ids,
+                      echo_logprobs=body.echo and body.logprobs is not None,
+                      prompt_logprobs=body.prompt_logprobs is not None)
         gens = [bridge.generation(r) for r in reqs]
         return await run(request, gens, reply, body.logprobs is not None, body.stream, echo)
 
@@ -209,13 +213,21 @@ def create_app(cfg: APIConfig) -> FastAPI:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
         tool_plan = tools.plan(body, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
-        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs else None)
-        reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True,
-                      include_usage=body.include_usage, return_token_ids=body.return_token_ids, tools=tool_plan)
+        strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs or body.prompt_logprobs is not None
+                               else None)
+        reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True, include_usage=body.include_usage,
+                      return_token_ids=body.return_token_ids, tools=tool_plan,
+                      prompt_logprobs=body.prompt_logprobs is not None)
         chat = await asyncio.to_thread(chat_request, body, rid, tool_plan)
         lora.set_adapter([chat], name, await served_name(bridge))
         gens = [bridge.generation(chat, chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
+
+    @v1.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request):
+        bridge = bridge_of(request)
+        name = await check_model(bridge, body.model)
+        return await embeddings(body, bridge, name, request_id(request))
 
     @v1.post("/tokenize", responses=openapi.json_route(openapi.Tokens, *openapi.BODY))
     async def tokenize(body: TokenizeRequest, request: Request):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from api_svc.errors import APIError, bad_request, from_grpc, unavailable
+from api_svc.prompt_logprobs import PromptScores
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from api_svc.tools import ToolPlan, history_fields
 from common.client import Client, IncompleteStream
@@ -86,6 +87,8 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.Gen
     if not prompts:
         raise bad_request("prompt is empty: give a string, a list of strings or token ids", "prompt")
     sampling = _sampling(body, body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+        sampling.prompt_logprobs = body.logprobs  # the echoed prompt's tokens get logprobs too (OpenAI)
     reqs = []
     for k, prompt in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{k}"
@@ -128,6 +131,7 @@ class Delta:
     logprobs: list[pb.TokenLogprobs]
     finish_reason: str | None = None
     usage: pb.Usage | None = None
+    prompt: PromptScores | None = None  # with sampling.prompt_logprobs: in a sequence's first delta
 
 
 class Generation:
@@ -175,8 +179,10 @@ class Generation:
         try:
             async for msg in self.stream:
                 finish = msg.finish_reason or None
+                prompt = PromptScores(list(msg.prompt_token_ids), list(msg.prompt_logprobs)) \
+                    if msg.prompt_token_ids else None
                 yield Delta(msg.index, msg.text, list(msg.token_ids), list(msg.logprobs), finish,
-                            msg.usage if finish else None)
+                            msg.usage if finish else None, prompt)
         except IncompleteStream:
             raise APIError(502, "the scheduler ended the stream before every sequence finished",
                            "BadGatewayError") from None

@@ -9,6 +9,7 @@ from functools import lru_cache
 
 from api_svc.bridge import Delta
 from api_svc.tools import ChoiceTools, ToolPlan
+from api_svc.prompt_logprobs import PromptScores, echo_logprobs, joined, vllm_prompt_logprobs
 from common.tokenizer import Tokenizer
 from protos import llmserve_pb2 as pb
 
@@ -43,6 +44,8 @@ class Reply:
     completion_tokens: int = 0
     tools: ToolPlan | None = None  # chat: tool calls enforced or parsed (api_svc/tools.py)
     tool_streams: dict[int, ChoiceTools] = field(default_factory=dict)  # choice index -> its state
+    echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's tokens lead the logprobs
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: each choice carries them
 
     @property
     def object(self) -> str:
@@ -102,7 +105,16 @@ class Reply:
             choice = {"index": index, "text": body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids if delta is not None else []
+        if self.prompt_logprobs and delta is not None and delta.prompt:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.strings.text, delta.prompt)
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    def echo_chunk(self, index: int, text: str, prompt: PromptScores | None) -> dict:
+        """A streamed completion's echoed prompt, with its tokens' logprobs when they were asked."""
+        chunk = self.chunk(index, None, text=text)
+        if prompt:
+            chunk["choices"][0]["logprobs"] = echo_logprobs(self.strings.text, prompt)
+        return chunk
 
     def usage_chunk(self) -> dict:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
@@ -118,8 +130,10 @@ class ChoiceText:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt: PromptScores | None = None
 
     def add(self, delta: Delta) -> None:
+        self.prompt = delta.prompt or self.prompt
         self.parts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -133,6 +147,7 @@ class ChoiceText:
 def whole(reply: Reply, choices: list[ChoiceText], want_logprobs: bool) -> dict:
     out = []
     for i, c in enumerate(choices):
+        prompt = c.prompt or choices[i - i % reply.n].prompt  # n > 1: the first sequence scored the prompt
         if reply.chat:
             message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
             if reply.tools is not None:
@@ -142,8 +157,16 @@ def whole(reply: Reply, choices: list[ChoiceText], want_logprobs: bool) -> dict:
                         "finish_reason": finish})
         else:
             logprobs = reply.completion_logprobs(c.token_ids, c.logprobs, len(c.prefix)) if want_logprobs else None
+            if reply.echo_logprobs and prompt:
+                logprobs = joined(echo_logprobs(reply.strings.text, prompt), logprobs)
             out.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                         "stop_reason": None})
         if reply.return_token_ids:
             out[-1]["token_ids"] = c.token_ids
-    return {**reply.head(reply.object), "choices": out, "usage": reply.usage()}
+        if reply.prompt_logprobs and not reply.chat:
+            out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(reply.strings.text, prompt) if prompt else None
+    body = {**reply.head(reply.object), "choices": out, "usage": reply.usage()}
+    if reply.prompt_logprobs and reply.chat:  # vLLM: chat's are the response's, not a choice's
+        body["prompt_logprobs"] = vllm_prompt_logprobs(reply.strings.text, choices[0].prompt) \
+            if choices[0].prompt else None
+    return body

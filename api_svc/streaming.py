@@ -58,21 +58,28 @@ async def events(reply: Reply, gens: list[Generation], *, want_logprobs: bool,
     """The SSE body of a streamed completion or chat completion."""
     offsets: dict[int, int] = {}  # choice -> characters sent (completions' text_offset)
     fast = ChunkBytes(reply)
+    echo_later: set[int] = set()  # choices whose echo waits for the prompt logprobs (their first delta has them)
     try:
         for k in range(len(gens)):
             for i in range(reply.n):
                 index = k * reply.n + i
                 if reply.chat:  # the first chunk of every choice carries the role
                     yield sse(reply.chunk(index, None, text="", first=True))
+                elif echo is not None and reply.echo_logprobs:
+                    echo_later.add(index)
+                    offsets[index] = len(echo[k])
                 elif echo is not None:
                     yield sse(reply.chunk(index, None, text=echo[k]))
                     offsets[index] = len(echo[k])
         async for k, delta in merged(gens):
             index = k * reply.n + delta.index
+            if index in echo_later:
+                echo_later.discard(index)
+                yield sse(reply.echo_chunk(index, echo[k], delta.prompt))
             reply.count(k, delta)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(delta.text)
-            if (want_logprobs and delta.logprobs) or reply.tools is not None:
+            if (want_logprobs and delta.logprobs) or reply.tools is not None or (reply.prompt_logprobs and delta.prompt):
                 chunk = reply.chunk(index, delta, want_logprobs=want_logprobs, text_offset=offset)
                 if chunk is not None:  # None: a tool call's text still being parsed
                     yield sse(chunk)

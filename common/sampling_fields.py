@@ -116,6 +116,12 @@ FIELDS: tuple[SamplingField, ...] = (
     # vLLM semantics: each word's tokens, with and without a leading space; a sequence's last token is banned
     # where the output ends with the tokens before it.
     SamplingField("bad_words", TOKEN_SEQS, [], max_items=MAX_BAD_WORDS, vllm=_SAME),
+    # None: none; k >= 0: every prompt token's logprob (the first has none) and its k top ones, from the prefill
+    # forward; such a request never reads the prefix cache (worker_svc/prompt_logprobs.py).
+    SamplingField("prompt_logprobs", INT, None, Limit(0, 20), vllm=_SAME, column="int64", column_fill=-1),
+    # An embedding request (the Embed RPC sets it): prefill only, the pooled hidden state comes back
+    # (worker_svc/pooling.py); never reads the prefix cache either.
+    SamplingField("embed", BOOL, False, api=None, openai=False, column="bool"),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 

@@ -59,6 +59,11 @@ class LLMServeStub:
                 request_serializer=protos_dot_llmserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve__pb2.LoadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmserve.v1.LLMServe/Embed',
+                request_serializer=protos_dot_llmserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class LLMServeServicer:
@@ -97,6 +102,13 @@ class LLMServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One prompt's embedding: the final hidden state after the last norm, pooled as --pooler-config says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LLMServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +136,11 @@ def add_LLMServeServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=protos_dot_llmserve__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_llmserve__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_llmserve__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_llmserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +278,33 @@ class LLMServe:
             '/llmserve.v1.LLMServe/UnloadLoraAdapter',
             protos_dot_llmserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
             protos_dot_llmserve__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.LLMServe/Embed',
+            protos_dot_llmserve__pb2.EmbedRequest.SerializeToString,
+            protos_dot_llmserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

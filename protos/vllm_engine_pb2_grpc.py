@@ -39,6 +39,11 @@ class VllmEngineStub:
                 request_serializer=protos_dot_vllm__engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_vllm__engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/vllm.grpc.engine.VllmEngine/Embed',
+                request_serializer=protos_dot_vllm__engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_vllm__engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.HealthCheck = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/HealthCheck',
                 request_serializer=protos_dot_vllm__engine__pb2.HealthCheckRequest.SerializeToString,
@@ -76,6 +81,13 @@ class VllmEngineServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """One prompt's pooled embedding (prefill only; --pooler-config decides the pooling).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -124,6 +136,11 @@ def add_VllmEngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_vllm__engine__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_vllm__engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_vllm__engine__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_vllm__engine__pb2.EmbedResponse.SerializeToString,
             ),
             'HealthCheck': grpc.unary_unary_rpc_method_handler(
                     servicer.HealthCheck,
@@ -183,6 +200,33 @@ class VllmEngine:
             '/vllm.grpc.engine.VllmEngine/Generate',
             protos_dot_vllm__engine__pb2.GenerateRequest.SerializeToString,
             protos_dot_vllm__engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm.grpc.engine.VllmEngine/Embed',
+            protos_dot_vllm__engine__pb2.EmbedRequest.SerializeToString,
+            protos_dot_vllm__engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

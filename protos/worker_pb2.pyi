@@ -121,7 +121,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_num_blocks: _Optional[_Iterable[int]] = ..., rank_kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs", "constraint", "logit_bias", "bad_words")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs", "constraint", "logit_bias", "bad_words", "prompt_logprobs", "embed")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,8 @@ class SamplingParams(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -161,7 +163,9 @@ class SamplingParams(_message.Message):
     constraint: Constraint
     logit_bias: _containers.ScalarMap[int, float]
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: int
+    embed: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., prompt_logprobs: _Optional[int] = ..., embed: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -276,7 +280,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., reset_batch: _Optional[bool] = ..., dropped_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., replaced_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds", "num_constrained", "mask_seconds", "spec_slots", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+    __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds", "num_constrained", "mask_seconds", "spec_slots", "spec_num_draft_tokens", "spec_num_accepted_tokens", "prompt_lp_slots", "prompt_lp_starts", "prompt_lp_counts", "prompt_lp_values", "prompt_lp_top_token_ids", "prompt_lp_top_values", "pooled_slots", "pooled", "embedding_dim", "prompt_lp_num_top")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +301,16 @@ class StepResult(_message.Message):
     SPEC_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_STARTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_TOP_VALUES_FIELD_NUMBER: _ClassVar[int]
+    POOLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LP_NUM_TOP_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     slots: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -317,4 +331,14 @@ class StepResult(_message.Message):
     spec_slots: _containers.RepeatedScalarFieldContainer[int]
     spec_num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     spec_num_accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_logprob_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., num_constrained: _Optional[int] = ..., mask_seconds: _Optional[float] = ..., spec_slots: _Optional[_Iterable[int]] = ..., spec_num_draft_tokens: _Optional[_Iterable[int]] = ..., spec_num_accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_lp_slots: _containers.RepeatedScalarFieldContainer[int]
+    prompt_lp_starts: _containers.RepeatedScalarFieldContainer[int]
+    prompt_lp_counts: _containers.RepeatedScalarFieldContainer[int]
+    prompt_lp_values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_lp_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_lp_top_values: _containers.RepeatedScalarFieldContainer[float]
+    pooled_slots: _containers.RepeatedScalarFieldContainer[int]
+    pooled: _containers.RepeatedScalarFieldContainer[float]
+    embedding_dim: int
+    prompt_lp_num_top: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_logprob_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_scheduled_tokens: _Optional[int] = ..., previous_step_id: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., num_constrained: _Optional[int] = ..., mask_seconds: _Optional[float] = ..., spec_slots: _Optional[_Iterable[int]] = ..., spec_num_draft_tokens: _Optional[_Iterable[int]] = ..., spec_num_accepted_tokens: _Optional[_Iterable[int]] = ..., prompt_lp_slots: _Optional[_Iterable[int]] = ..., prompt_lp_starts: _Optional[_Iterable[int]] = ..., prompt_lp_counts: _Optional[_Iterable[int]] = ..., prompt_lp_values: _Optional[_Iterable[float]] = ..., prompt_lp_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_lp_top_values: _Optional[_Iterable[float]] = ..., pooled_slots: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Iterable[float]] = ..., embedding_dim: _Optional[int] = ..., prompt_lp_num_top: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from scheduler_svc import prompt_results
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.outputs import (
     WORKER_EOS,
@@ -173,6 +174,8 @@ class SchedulerCore:
                 req.scheduled_time = now
                 outcome.newly_scheduled.append(req)
         by_id = {r.request_id: r for r in out.scheduled}
+        if result.prompt_scores or result.embeddings:
+            prompt_results.attach(by_id, result.prompt_scores, result.embeddings)
         appended: dict[str, list] = {}
         for tok in result.tokens:
             req = by_id.get(tok.request_id)

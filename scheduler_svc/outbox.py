@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from scheduler_svc.outputs import Logprobs, SampledToken
+from scheduler_svc.prompt_results import complete_prompt_logprobs
 from scheduler_svc.request import Request
 
 _MAX_FINISHED_KEPT = 10_000
@@ -31,6 +32,17 @@ class Published:
     logprobs: list[Logprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str = ""  # why the request failed, for a finish reason that ends the stream with an error status
+    # Set once, from the committed step that gave the first token (scheduler_svc/prompt_results.py).
+    prompt_logprobs: list[Logprobs | None] | None = None
+    embedding: list[float] | None = None  # an embed request's vector, with its finish
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """Its first message must carry the prompt logprobs, which have not come yet (a sibling of n > 1 shares
+        the first sequence's prompt and never scores it)."""
+        req = self.request
+        return (req.sampling.prompt_logprobs is not None and self.prompt_logprobs is None and not req.fork_of
+                and self.finish_reason is None)
 
     @classmethod
     def of_stored(cls, req: Request, finished: bool) -> Published:
@@ -113,6 +125,8 @@ class Outbox:
             for req, toks in appended:
                 pub = self.published.get(req.request_id)
                 if pub is not None:
+                    if pub.prompt_logprobs is None and req.sampling.prompt_logprobs is not None:
+                        pub.prompt_logprobs = complete_prompt_logprobs(req)
                     pub.token_ids.extend(t.token_id for t in toks)
                     pub.logprobs.extend(t.logprobs for t in toks)
                     news.append(req.request_id)
@@ -120,6 +134,7 @@ class Outbox:
                 pub = self.published.get(req.request_id)
                 if pub is not None:
                     pub.finish_reason = req.finish_reason
+                    pub.embedding = req.embedding
                     pub.error = req.error
                     self.published.move_to_end(req.request_id)
                     news.append(req.request_id)

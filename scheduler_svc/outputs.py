@@ -126,6 +126,9 @@ class WorkerOutput:
     num_constrained: int = 0  # sampled rows masked by a structured-output grammar
     mask_seconds: float = 0.0  # filling and applying those masks, advancing the matchers
     spec: SpecStats | None = None  # speculative decoding, when some request verified drafts this step
+    # Prompt logprobs scored and embeddings pooled this step (scheduler_svc/prompt_results.py).
+    prompt_scores: list = field(default_factory=list)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:

@@ -19,6 +19,7 @@ from scheduler_svc import outputs
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.outputs import SchedulerOutput
+from scheduler_svc.prompt_results import skips_prefix_cache
 from scheduler_svc.request import Request, Status
 from scheduler_svc.speculative import SpeculativeConfig
 
@@ -203,7 +204,8 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         if continuous and not cfg.enable_chunked_prefill and remaining > budget:
             out.admission_stopped_by = outputs.STOP_TOKEN_BUDGET
             break  # without chunking a prompt that does not fit the budget waits whole
-        hits = _cached_prefix(req, pool, cfg) if cfg.enable_prefix_caching and not req.block_ids else []
+        hits = (_cached_prefix(req, pool, cfg) if cfg.enable_prefix_caching and not req.block_ids
+                and not skips_prefix_cache(req) else [])
         req.num_computed_tokens += len(hits) * cfg.block_size
         n = _chunk(req, budget, cfg) if continuous else req.num_tokens - req.num_computed_tokens
         need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) - len(hits)

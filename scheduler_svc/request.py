@@ -59,6 +59,10 @@ class Request:
     # Speculative decoding (not persisted): draft positions granted to steps in flight. Each may have advanced the
     # worker's copy by that many accepted tokens more than this side knows, so the next step's blocks cover them.
     num_draft_slots_in_flight: int = 0
+    # Prompt results (not persisted; recomputed on resume: scheduler_svc/prompt_results.py): the prompt tokens'
+    # logprobs by position (index 0 stays None), and an embed request's pooled vector.
+    prompt_logprobs: list[Any] | None = field(default=None, repr=False)
+    embedding: list[float] | None = field(default=None, repr=False)
     # Tracing (never persisted): the caller's W3C context from Generate, and this request's open span.
     trace_context: Any = field(default=None, repr=False, compare=False)
     span: Any = field(default=None, repr=False, compare=False)

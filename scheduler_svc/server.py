@@ -26,7 +26,7 @@ from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2_grpc as vpb_grpc
-from scheduler_svc import redis_ha
+from scheduler_svc import embed, redis_ha
 from scheduler_svc.admission import (
     AdmissionError,
     Limits,
@@ -122,7 +122,14 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         return pb.AbortResponse(found=abort_sequences(self.driver.abort, request.request_id))
 
-    def _admit(self, request: pb.GenerateRequest, metadata) -> tuple[str, list[_SequenceStream]]:
+    async def Embed(self, request: pb.EmbedRequest, context):
+        if request.WhichOneof("prompt") is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids")
+        _, streams = await self.admit(embed.generate_request(request, request.request_id or uuid.uuid4().hex),
+                                      context, embed=True)
+        return await embed.wait(self.driver, streams[0].pub, context)
+
+    def _admit(self, request: pb.GenerateRequest, metadata, embed: bool = False) -> tuple[str, list[_SequenceStream]]:
         """In the thread pool: find the request (memory, then Redis) or validate, tokenize and submit it."""
         driver = self.driver
         check_sampling(request.sampling)
@@ -141,6 +148,7 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             ids = prompt_ids(request, tokenizer, limits)
             reqs = build_requests(request, ids, limits, request.request_id or uuid.uuid4().hex, tokenizer,
                                   lora_path)
+            reqs[0].sampling.embed = embed
             if structured is not None:  # the request waits here, not in a batch slot, while its grammar compiles
                 self._prepare(*structured)
             if tracing.enabled:  # join the caller's trace (W3C traceparent metadata); never stored in Redis
@@ -163,8 +171,8 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
                                  f"({e.code.name}: {e}); retry shortly") from None
         self.driver.metrics.grammar_prepared(reply.compile_seconds, reply.cached)
 
-    async def admit(self, request: pb.GenerateRequest, context,
-                    rename: Callable[[str], str] = str) -> tuple[str, list[_SequenceStream]]:
+    async def admit(self, request: pb.GenerateRequest, context, rename: Callable[[str], str] = str,
+                    embed: bool = False) -> tuple[str, list[_SequenceStream]]:
         """Admit `request` off the loop, or end the call with the refusal (`rename` spells its field names the
         caller's way: the vLLM engine protocol names them differently)."""
         driver = self.driver
@@ -172,7 +180,7 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
                                 "(or it is a standby, or draining); retry shortly")
         admitted = asyncio.get_running_loop().run_in_executor(None, self._admit, request,
-                                                              context.invocation_metadata())
+                                                              context.invocation_metadata(), embed)
         try:
             return await asyncio.shield(admitted)
         except AdmissionError as e:
@@ -256,6 +264,8 @@ class _SequenceStream:
         self.stopped_by_string = False
 
     def has_news(self) -> bool:  # called under the driver lock
+        if self.sent == 0 and self.resume_from == 0 and self.pub.awaits_prompt_logprobs:
+            return False  # the first message carries them: a recovered request's tokens wait for its recompute
         return len(self.pub.token_ids) > self.sent or self.pub.finish_reason is not None
 
     def take(self):  # called under the driver lock
@@ -264,6 +274,8 @@ class _SequenceStream:
     def advance(self, rid: str, new: list[int], lps: list, finish: str | None):
         """Turn new tokens into one message; returns it and the finish reason (None while running)."""
         msg = pb.GenerateResponse(request_id=rid, index=self.index, first_token_index=max(self.sent, self.resume_from))
+        if self.sent == 0 and self.resume_from == 0 and self.pub.prompt_logprobs is not None:
+            add_prompt_logprobs(msg, self.pub.request.prompt_ids, self.pub.prompt_logprobs)
         for i, tok in enumerate(new):
             delta = self.detok.push([tok])
             index = self.sent + i
@@ -288,6 +300,14 @@ class _SequenceStream:
             msg.usage.prompt_tokens = self.pub.request.num_prompt_tokens
             msg.usage.completion_tokens = self.sent
         return msg, finish
+
+
+def add_prompt_logprobs(msg: pb.GenerateResponse, prompt_ids: list[int], lps: list) -> None:
+    """The prompt's token ids and, from its second token on, each one's logprob and top ones."""
+    msg.prompt_token_ids.extend(prompt_ids)
+    for tok, lp in zip(prompt_ids[1:], lps[1:], strict=True):
+        msg.prompt_logprobs.add(token_id=tok, logprob=lp.logprob,
+                                top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import time
+import uuid
 import zipfile
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from common.sampling_wire import vllm_to_public
 from protos import llmserve_pb2 as pb
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
+from scheduler_svc import embed
 from scheduler_svc.admission import abort_sequences
 
 if TYPE_CHECKING:
@@ -54,8 +56,6 @@ def to_llmserve(req: vpb.GenerateRequest, tokenize) -> pb.GenerateRequest:
     if constraint == "structural_tag":
         raise _Refused("sampling_params.structural_tag: structural tags are not supported by llmserve (json_schema, "
                        "regex, grammar, json_object and choice are)")
-    if s.HasField("prompt_logprobs"):
-        raise _Refused("sampling_params.prompt_logprobs is not supported by llmserve (prompts are not scored)")
     if s.HasField("logprobs") and s.logprobs < 0:
         raise _Refused(f"sampling_params.logprobs must be 0..20, got {s.logprobs} (-1, the whole vocabulary, is "
                        "not supported)")
@@ -113,6 +113,18 @@ def _add_logprobs(dst: vpb.OutputLogProbs, msg: pb.GenerateResponse) -> None:
         dst.top_logprobs.add(values=[t.logprob for t in lp.top], token_ids=[t.token_id for t in lp.top])
 
 
+def input_logprobs(msg: pb.GenerateResponse) -> vpb.InputLogProbs:
+    """llmserve.v1's prompt logprobs as vLLM's InputLogProbs: one entry per prompt token, the first without a
+    value."""
+    out = vpb.InputLogProbs(token_ids=msg.prompt_token_ids)
+    out.token_logprobs.add()
+    out.top_logprobs.add()
+    for lp in msg.prompt_logprobs:
+        out.token_logprobs.add(value=lp.logprob)
+        out.top_logprobs.add(values=[t.logprob for t in lp.top], token_ids=[t.token_id for t in lp.top])
+    return out
+
+
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     def __init__(self, public: LLMServeServicer):
         self.public = public
@@ -129,6 +141,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid, streams = await self.public.admit(lreq, context, _rename)
         want_logprobs = request.sampling_params.HasField("logprobs")
+        prompt_lps = None  # vLLM's InputLogProbs, from the first message (with sampling_params.prompt_logprobs)
         seqs = [_Sequence() for _ in streams]
         async for msg in self.public.stream(rid, streams, context):
             i = msg.index
@@ -137,12 +150,17 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             seq.ids.extend(msg.token_ids)
             if want_logprobs:
                 _add_logprobs(seq.logprobs, msg)
+            first_prompt_lps = None
+            if msg.prompt_token_ids:
+                first_prompt_lps = prompt_lps = input_logprobs(msg)
             if request.stream and msg.token_ids:
                 chunk = vpb.GenerateStreamChunk(token_ids=msg.token_ids, prompt_tokens=req.num_prompt_tokens,
                                                 completion_tokens=len(seq.ids), cached_tokens=req.num_cached_tokens,
                                                 index=i)
                 if want_logprobs:
                     _add_logprobs(chunk.output_logprobs, msg)
+                if first_prompt_lps is not None:
+                    chunk.input_logprobs.CopyFrom(first_prompt_lps)
                 yield vpb.GenerateResponse(chunk=chunk)
             if msg.finish_reason:
                 done = vpb.GenerateComplete(
@@ -150,12 +168,27 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     completion_tokens=msg.usage.completion_tokens, cached_tokens=req.num_cached_tokens, index=i)
                 if want_logprobs:
                     done.output_logprobs.CopyFrom(seq.logprobs)
+                if prompt_lps is not None:
+                    done.input_logprobs.CopyFrom(prompt_lps)
                 if streams[i].stopped_by_string:
                     done.matched_stop_str = streams[i].detok.stopped_by
                 elif msg.finish_reason == "stop" and seq.ids and (seq.ids[-1] in req.sampling.stop_token_ids
                                                                   or seq.ids[-1] in self._eos_ids()):
                     done.matched_token_id = seq.ids[-1]
                 yield vpb.GenerateResponse(complete=done)
+
+    async def Embed(self, request: vpb.EmbedRequest, context):
+        self.last_receive = time.time()
+        if not request.tokenized.input_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids is empty: an embedding needs a "
+                                "prompt")
+        lreq = pb.EmbedRequest(request_id=request.request_id)
+        lreq.token_ids.ids.extend(request.tokenized.input_ids)
+        _, streams = await self.public.admit(embed.generate_request(lreq, request.request_id or uuid.uuid4().hex),
+                                             context, _rename, embed=True)
+        out = await embed.wait(self.driver, streams[0].pub, context)
+        return vpb.EmbedResponse(embedding=out.embedding, prompt_tokens=out.prompt_tokens,
+                                 embedding_dim=len(out.embedding))
 
     def _eos_ids(self) -> set[int]:
         info = self.driver.worker_info

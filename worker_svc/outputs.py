@@ -5,8 +5,13 @@ field by field; the finish codes are the wire's FinishReason values (a unit test
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from worker_svc.pooling import Pooled
+    from worker_svc.prompt_logprobs import PromptLogprobs
 
 FINISH_NONE = 0  # still running
 FINISH_EOS = 1
@@ -48,6 +53,8 @@ class StepOutput:
     spec_num_draft_tokens: np.ndarray = field(default_factory=_ints)
     spec_num_accepted_tokens: np.ndarray = field(default_factory=_ints)
     num_constrained: int = 0  # sampled rows masked by a grammar
+    prompt_logprobs: PromptLogprobs | None = None  # requests with prompt_logprobs whose chunk scored some
+    pooled: Pooled | None = None  # embed requests whose prompt completed
     mask_seconds: float = 0.0
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0

@@ -19,7 +19,7 @@ import kernels
 from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
-from worker_svc import kv_cache, lora, models, speculative
+from worker_svc import kv_cache, lora, models, prompt_logprobs, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
@@ -29,6 +29,8 @@ from worker_svc.model import cpu_has_native_bf16
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.outputs import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
 from worker_svc.plan import StepPlan
+from worker_svc.pooler_config import PoolerConfig
+from worker_svc.pooling import Pooler
 from worker_svc.sampler import greedy_batch, pack_logprobs, sample_batch
 from worker_svc.tensor_parallel import FULL, Shard, local_config
 
@@ -126,6 +128,7 @@ class ModelRunner:
                                      StructuredOutputsConfig.parse(opts.structured_outputs_config),
                                      vocabulary=cfg.vocabulary)
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
+        self.pooler = Pooler(PoolerConfig.parse(opts.pooler_config))
         self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
                                                  cfg.vocab_size), self.grammars)
 
@@ -194,13 +197,28 @@ class ModelRunner:
                                              plan.prompt_lookup_min, plan.prompt_lookup_max)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
+        chunk_rows = sched.lengths if num_drafts is None else sched.lengths + num_drafts
+        scoring = prompt_logprobs.select(sched, chunk_rows)
+        pooling = self.pooler.select(sched, chunk_rows)
+        num_sampled = len(inputs.logits_indices)
+        if scoring is not None:  # prompt rows' logits come after the sampling rows'
+            inputs.logits_indices = torch.cat([inputs.logits_indices,
+                                               torch.from_numpy(scoring.flat).to(inputs.logits_indices.device)])
+        if pooling is not None:
+            inputs.pool_indices = torch.from_numpy(pooling.flat).to(self.device)
         if self.lora is not None:
-            self.lora.begin_step(sched.rows, sched.lengths if num_drafts is None else sched.lengths + num_drafts)
+            self.lora.begin_step(sched.rows, chunk_rows)
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
         t2 = time.perf_counter()
-        self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         out = StepOutput(plan.step_id, previous, sched.num_tokens)
+        if pooling is not None:
+            logits, hidden = logits
+            out.pooled = self.pooler.collect(hidden, pooling, self.batch.inputs.num_prompt_tokens)
+        if scoring is not None:
+            out.prompt_logprobs = prompt_logprobs.score(logits[num_sampled:], scoring)
+            logits = logits[:num_sampled]
+        self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
             self._sample(logits, inputs.sample_rows, inputs.num_drafts, out)
         t3 = time.perf_counter()
@@ -231,7 +249,7 @@ class ModelRunner:
         if inputs is None:
             return None
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv, inputs.attn_metadata,
-                                    inputs.logits_indices)
+                                    inputs.logits_indices, inputs.pool_indices)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits

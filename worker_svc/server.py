@@ -181,6 +181,19 @@ def step_result(out: StepOutput) -> pb.StepResult:
     )
     if out.finish_reasons.any():  # empty: every request still runs
         result.finish_reasons.extend(out.finish_reasons.tolist())
+    if out.prompt_logprobs is not None:
+        pl = out.prompt_logprobs
+        result.prompt_lp_slots.extend(pl.slots.tolist())
+        result.prompt_lp_starts.extend(pl.starts.tolist())
+        result.prompt_lp_counts.extend(pl.counts.tolist())
+        result.prompt_lp_num_top.extend(pl.num_top.tolist())
+        result.prompt_lp_values.extend(pl.values.tolist())
+        result.prompt_lp_top_token_ids.extend(pl.top_token_ids.tolist())
+        result.prompt_lp_top_values.extend(pl.top_values.tolist())
+    if out.pooled is not None and len(out.pooled.slots):
+        result.pooled_slots.extend(out.pooled.slots.tolist())
+        result.pooled.extend(out.pooled.vectors.ravel().tolist())
+        result.embedding_dim = out.pooled.vectors.shape[1]
     return result
 
 

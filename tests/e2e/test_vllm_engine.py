@@ -226,7 +226,7 @@ def _refusal(st: Stack, **kw) -> grpc.RpcError:
     (greedy(grammar="root ::= undefined_rule"), "sampling_params.grammar"),
     (greedy(structural_tag="{}"), "sampling_params.structural_tag"),
     (greedy(choice=vpb.ChoiceConstraint()), "sampling_params.choice"),
-    (greedy(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+    (greedy(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),  # -1 (the whole vocabulary): refused
     (greedy(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
     (greedy(logit_bias={10**7: 1.0}), "sampling_params.logit_bias"),
     (greedy(bad_words=["x" * 257]), "sampling_params.bad_words"),

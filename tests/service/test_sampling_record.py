@@ -27,7 +27,7 @@ FULL = SamplingParams(temperature=0.75, top_k=40, top_p=0.875, min_p=0.0625, rep
                       presence_penalty=-0.5, frequency_penalty=1.5, seed=(1 << 63) - 1, ignore_eos=True, min_tokens=3,
                       max_tokens=17, stop_token_ids=[2, 7, 11], logprobs=5,
                       constraint={"kind": "json_schema", "spec": '{"type": "object"}'},
-                      logit_bias={3: -100.0, 17: 0.5}, bad_words=[[5, 6], [9]])
+                      logit_bias={3: -100.0, 17: 0.5}, bad_words=[[5, 6], [9]], prompt_logprobs=2, embed=True)
 
 
 @pytest.fixture

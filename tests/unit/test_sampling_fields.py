@@ -35,13 +35,13 @@ SAMPLE = {
     "temperature": 0.5, "top_k": 7, "top_p": 0.75, "min_p": 0.125, "repetition_penalty": 1.25,
     "presence_penalty": -0.5, "frequency_penalty": 1.5, "seed": (1 << 31) - 1, "ignore_eos": True, "min_tokens": 3,
     "max_tokens": 9, "stop_token_ids": [4, 9], "logprobs": 2, "constraint": {"kind": "regex", "spec": "a+"},
-    "logit_bias": {5: -100.0, 7: 2.5}, "bad_words": ["hello world", "Paris"],
+    "logit_bias": {5: -100.0, 7: 2.5}, "bad_words": ["hello world", "Paris"], "prompt_logprobs": 4, "embed": True,
 }
 # One refused value per row with a limit.
 BAD = {
     "temperature": -1.0, "top_k": -2, "top_p": 1.5, "min_p": 2.0, "repetition_penalty": 0.0,
     "presence_penalty": 3.0, "frequency_penalty": -2.5, "max_tokens": 0, "logprobs": 21,
-    "logit_bias": {5: 100.5}, "bad_words": ["w"] * 65,
+    "logit_bias": {5: 100.5}, "bad_words": ["w"] * 65, "prompt_logprobs": 21,
 }
 
 
@@ -85,8 +85,11 @@ def test_every_row_has_a_sample_and_a_record_field():
 
 @pytest.mark.parametrize("name", [f.name for f in FIELDS])
 def test_round_trip(name, tokenizer):
-    (req,) = completion_requests(_openai_body(name, SAMPLE[name]), "r")
-    record = _admit(req, tokenizer)
+    if name == "embed":  # no public sampling field: the Embed RPC sets it (scheduler_svc/embed.py)
+        record = SamplingParams(embed=True, seed=1, max_tokens=1)
+    else:
+        (req,) = completion_requests(_openai_body(name, SAMPLE[name]), "r")
+        record = _admit(req, tokenizer)
     want = _record_value(name, tokenizer)
     assert getattr(record, name) == want
     worker = from_proto(wpb.SamplingParams.FromString(sampling_to_wire(record).SerializeToString()))
