@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from api_svc.bridge import Delta
-from api_svc.tools import ChoiceTools, ToolPlan
 from api_svc.prompt_logprobs import PromptScores, echo_logprobs, joined, vllm_prompt_logprobs
+from api_svc.tools import ChoiceTools, ToolPlan
 from common.tokenizer import Tokenizer
 from protos import llmserve_pb2 as pb
 

@@ -79,7 +79,9 @@ async def events(reply: Reply, gens: list[Generation], *, want_logprobs: bool,
             reply.count(k, delta)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(delta.text)
-            if (want_logprobs and delta.logprobs) or reply.tools is not None or (reply.prompt_logprobs and delta.prompt):
+            # The byte path writes plain deltas; logprobs, tool-call parsing and prompt logprobs need the dict.
+            if (want_logprobs and delta.logprobs) or reply.tools is not None \
+                    or (reply.prompt_logprobs and delta.prompt):
                 chunk = reply.chunk(index, delta, want_logprobs=want_logprobs, text_offset=offset)
                 if chunk is not None:  # None: a tool call's text still being parsed
                     yield sse(chunk)
