@@ -66,8 +66,9 @@ from scheduler_svc.sampling import SamplingParams
 
 # The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict(). 3: per-step
 # state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records). 5: the
-# sampling record gains logit_bias and bad_words (common/sampling_fields.py).
-SCHEMA_VERSION = 5
+# sampling record gains logit_bias and bad_words (common/sampling_fields.py). 6: the sampling record gains
+# prompt_logprobs and embed; a request record may carry its LoRA adapter (lora, lora_path); the lora_adapters hash.
+SCHEMA_VERSION = 6
 
 
 class LeaseLost(Exception):
