@@ -223,7 +223,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         gens = [bridge.generation(chat, chat=True)]
         return await run(request, gens, reply, body.logprobs, body.stream, None)
 
-    @v1.post("/v1/embeddings")
+    @v1.post("/v1/embeddings", responses=openapi.json_route(openapi.EmbeddingList, *openapi.GENERATE))
     async def create_embeddings(body: EmbeddingRequest, request: Request):
         bridge = bridge_of(request)
         name = await check_model(bridge, body.model)

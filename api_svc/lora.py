@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from api_svc import errors
+from api_svc import errors, openapi
 from api_svc.bridge import Bridge
 from api_svc.errors import APIError
 from protos import llmserve_pb2 as pb
@@ -62,7 +62,7 @@ def _lora_error(e: grpc.aio.AioRpcError) -> APIError:
 def lora_router(bridge_of: Callable[[Request], Bridge], dependencies: list) -> APIRouter:
     router = APIRouter(dependencies=dependencies)
 
-    @router.post("/v1/load_lora_adapter")
+    @router.post("/v1/load_lora_adapter", responses=openapi.LORA, response_class=PlainTextResponse)
     async def load(body: LoadLoraAdapterRequest, request: Request):
         bridge = bridge_of(request)
         try:
@@ -73,7 +73,7 @@ def lora_router(bridge_of: Callable[[Request], Bridge], dependencies: list) -> A
             raise _lora_error(e) from None
         return PlainTextResponse(resp.message)
 
-    @router.post("/v1/unload_lora_adapter")
+    @router.post("/v1/unload_lora_adapter", responses=openapi.LORA, response_class=PlainTextResponse)
     async def unload(body: UnloadLoraAdapterRequest, request: Request):
         bridge = bridge_of(request)
         try:

@@ -97,6 +97,39 @@ class Version(_Doc):
     version: str
 
 
+class EmbeddingData(_Doc):
+    object: str
+    index: int
+    embedding: list[float] | str  # a string with encoding_format "base64"
+
+
+class EmbeddingUsage(_Doc):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Doc):
+    object: str
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class ResponseObject(_Doc):
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+
+
+class ResponseDeleted(_Doc):
+    id: str
+    object: str
+    deleted: bool
+
+
 # With `stream: true`. OpenAPI 3.1 reads an event stream's schema as the schema of each event.
 _SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "description": "one server-sent event: a chunk, an error, or [DONE]",
@@ -122,10 +155,12 @@ def json_route(model: type[BaseModel], *errors: int, stream: bool = False) -> di
 
 GENERATE = (400, 401, 404, 413, 429, 500, 502, 503, 504)  # completions and chat completions
 BODY = (400, 401, 404, 413, 500, 503)  # tokenize, detokenize
+STORED = (400, 401, 404, 500, 503)  # a stored response by id (400: the API keeps no responses)
 PLAIN = {200: {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 METRICS = {200: {"description": "Prometheus text exposition format",
                  "content": {"text/plain": {"schema": {"type": "string"}}}}}
 HEALTH = {**PLAIN, **_errors(503)}
+LORA = {**PLAIN, **_errors(400, 401, 404, 413, 500, 503)}  # 404: unknown adapter, or runtime updating is off
 
 
 def install(app: FastAPI) -> None:

@@ -25,7 +25,7 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api_svc import tools
+from api_svc import openapi, tools
 from api_svc.bridge import Bridge, Generation, chat_request
 from api_svc.config import APIConfig
 from api_svc.errors import APIError, bad_request
@@ -81,7 +81,7 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
             if kept["response"]["status"] == "cancelled" and draft.status != "cancelled":
                 draft.finish = "abort"
 
-    @router.post("/v1/responses")
+    @router.post("/v1/responses", responses=openapi.json_route(openapi.ResponseObject, *openapi.GENERATE, stream=True))
     async def create(body: ResponsesRequest, request: Request):
         bridge = bridge_of(request)
         model = await check_model(bridge, body.model)
@@ -146,11 +146,12 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
             pass
         return JSONResponse(draft.response())
 
-    @router.get("/v1/responses/{response_id}")
+    @router.get("/v1/responses/{response_id}", responses=openapi.json_route(openapi.ResponseObject, *openapi.STORED))
     async def retrieve(response_id: str, request: Request):
         return (await stored(request, response_id))["response"]
 
-    @router.post("/v1/responses/{response_id}/cancel")
+    @router.post("/v1/responses/{response_id}/cancel",
+                 responses=openapi.json_route(openapi.ResponseObject, *openapi.STORED))
     async def cancel(response_id: str, request: Request):
         record = await need_store(request, "cancel").cancel(response_id)
         if record is None:
@@ -165,7 +166,8 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
             log.info("abort of %s: %s", response_id, e.code().name)
         return record["response"]
 
-    @router.delete("/v1/responses/{response_id}")
+    @router.delete("/v1/responses/{response_id}",
+                   responses=openapi.json_route(openapi.ResponseDeleted, *openapi.STORED))
     async def delete(response_id: str, request: Request):
         await stored(request, response_id)
         await need_store(request, "delete").delete(response_id)
