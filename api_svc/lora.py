@@ -62,7 +62,7 @@ def _lora_error(e: grpc.aio.AioRpcError) -> APIError:
 def lora_router(bridge_of: Callable[[Request], Bridge], dependencies: list) -> APIRouter:
     router = APIRouter(dependencies=dependencies)
 
-    @router.post("/v1/load_lora_adapter", responses=openapi.LORA, response_class=PlainTextResponse)
+    @router.post("/v1/load_lora_adapter", responses=openapi.LORA)
     async def load(body: LoadLoraAdapterRequest, request: Request):
         bridge = bridge_of(request)
         try:
@@ -73,7 +73,7 @@ def lora_router(bridge_of: Callable[[Request], Bridge], dependencies: list) -> A
             raise _lora_error(e) from None
         return PlainTextResponse(resp.message)
 
-    @router.post("/v1/unload_lora_adapter", responses=openapi.LORA, response_class=PlainTextResponse)
+    @router.post("/v1/unload_lora_adapter", responses=openapi.LORA)
     async def unload(body: UnloadLoraAdapterRequest, request: Request):
         bridge = bridge_of(request)
         try:
