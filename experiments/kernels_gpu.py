@@ -389,24 +389,25 @@ def compile_only(arch: int = 90) -> list[dict]:
         ("prefill bf16 32/8 d128", "bf16", 4096, 1, 4, 128, {}),
         ("prefill fp16 6/2 d80 window softcap", "fp16", 4096, 1, 3, 80, {"USE_WINDOW": True, "USE_SOFTCAP": True}),
         ("decode fp32 16/1 d256", "fp32", 8, 8, 16, 256, {}),
+        ("window sinks: decode bf16 8/1 d64", "bf16", 64, 64, 8, 64, {"USE_WINDOW": True, "USE_SINKS": True}),
     ]
     for what, dt, num_tokens, num_seqs, group, dim, extra in configs:
         cfg = tri.kernel_config(num_tokens, num_seqs, group, 1, dim)
         cx = dict(G=group, G_PAD=triton.next_power_of_2(group), BLOCK_Q=cfg["tile_q"], BLOCK_N=cfg["tile_n"],
                   BLOCK_SIZE=16, HEAD_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)), SPLIT=False,
-                  USE_WINDOW=False, USE_SOFTCAP=False, FP32=dt == "fp32",
+                  USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False, FP32=dt == "fp32",
                   PRECISION="ieee" if dt == "fp32" else "tf32", RTNE_BF16=False)
         cx.update(extra)
         ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "Out")}
-        ptrs.update({"P_OUT": "*fp32", "P_LSE": "*fp32", "block_tables": "*i32", "cu_seqlens_q": "*i32",
-                     "seq_lens": "*i32"})
+        ptrs.update({"P_OUT": "*fp32", "P_LSE": "*fp32", "Sinks": "*fp32", "block_tables": "*i32",
+                     "cu_seqlens_q": "*i32", "seq_lens": "*i32"})
         t0 = time.perf_counter()
         k = build(tri._paged_attention_kernel, ptrs, cx, cfg["num_warps"], cfg["num_stages"])
         results.append({"kernel": "paged_attention", "what": what, **cfg, "shared_bytes": k.metadata.shared,
                         "uses_wgmma": "wgmma" in k.asm["ptx"], "pipelined_cp_async": "cp.async" in k.asm["ptx"],
                         **_ptxas_usage(k.asm["ptx"], arch), "compile_s": round(time.perf_counter() - t0, 1)})
-    k = build(tri._merge_kernel, {"Out": "*bf16", "P_OUT": "*fp32", "P_LSE": "*fp32"},
-              dict(BLOCK_H=1, S_PAD=64, HEAD_DIM=128, D_PAD=128, RTNE_BF16=False), 4)
+    k = build(tri._merge_kernel, {"Out": "*bf16", "P_OUT": "*fp32", "P_LSE": "*fp32", "Sinks": "*fp32"},
+              dict(BLOCK_H=1, S_PAD=64, HEAD_DIM=128, D_PAD=128, USE_SINKS=True, RTNE_BF16=False), 4)
     results.append({"kernel": "merge", "what": "64 splits d128", **_ptxas_usage(k.asm["ptx"], arch)})
     k = build(tri._write_kv_kernel, {"key": "*bf16", "value": "*bf16", "key_cache": "*bf16",
                                      "value_cache": "*bf16", "slot_mapping": "*i64"},

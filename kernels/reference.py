@@ -255,7 +255,8 @@ def _to(a: np.ndarray, device: torch.device) -> Tensor:
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, *,
                     plan: ReferencePlan | None = None, out: Tensor | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     query: [num_tokens, Hq, D], the new tokens of all sequences concatenated; sequence i owns rows
@@ -266,9 +267,13 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     rebuilding it; without one it is computed here (a host sync).
     sliding_window: query at position p sees keys in (p - sliding_window, p]; None or <= 0 = off.
     softcap: scores become softcap * tanh(scale * q.k / softcap) (Gemma 2); None or 0 = off.
+    sinks: [Hq] learned logits, one per query head (gpt-oss): each joins its head's softmax denominator as a
+    key with no value, so out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m)), m the max over the
+    visible scores and the sink. None = off.
     """
     window = sliding_window if sliding_window is not None and sliding_window > 0 else None
     cap = softcap if softcap else None
+    check_sinks(sinks, query.shape[1])
     if plan is None:
         cu = cu_seqlens_q.tolist()
         query_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
@@ -278,11 +283,11 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     if (out is None and len(groups) == 1 and plan.empty_rows is None and groups[0].real_pos is None
             and groups[0].span == (0, plan.num_tokens)):
         # One group covering every row in order (a lone prompt, or a few decodes): its result is the output.
-        return _attend(groups[0], query, key_cache, value_cache, scale, plan.scratch, window, cap)
+        return _attend(groups[0], query, key_cache, value_cache, scale, plan.scratch, window, cap, sinks)
     if out is None:
         out = torch.empty_like(query)
     for g in groups:  # slices of decodes, then prefill chunks
-        o = _attend(g, query, key_cache, value_cache, scale, plan.scratch, window, cap)
+        o = _attend(g, query, key_cache, value_cache, scale, plan.scratch, window, cap, sinks)
         if g.span is not None:
             out[g.span[0]:g.span[1]] = o
         else:
@@ -304,24 +309,38 @@ def _window_mask(g: _Group, window: int | None, device: torch.device) -> tuple[T
     return g.masks[window], False
 
 
-def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
-                          cap: float) -> Tensor:
-    """SDPA with scores soft-capped before the mask and softmax, which SDPA cannot do: scores computed whole
-    (softmax in float32, as transformers' eager attention). q [B, Hq, M, D], k/v [B, Hkv, N, D]."""
+def check_sinks(sinks: Tensor | None, num_heads: int) -> None:
+    """ValueError naming `sinks` unless it is None or one logit per query head."""
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape [num_heads] = ({num_heads},), got {tuple(sinks.shape)}")
+
+
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                        cap: float | None, sinks: Tensor | None) -> Tensor:
+    """SDPA with what SDPA cannot do: scores soft-capped before the mask, and sink logits in the softmax
+    denominator. Scores computed whole (softmax in float32, as transformers' eager attention). q [B, Hq, M, D],
+    k/v [B, Hkv, N, D], sinks [Hq]."""
     if k.shape[1] != q.shape[1]:  # GQA: query head h reads KV head h // (Hq // Hkv)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / cap) * cap
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
     if causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    # The sink is one more column of the softmax whose weight is dropped: a row that sees no key gets zeros.
+    sink = sinks.to(torch.float32).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s.float(), sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p.to(q.dtype), v)
 
 
 def _attend(g: _Group, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
-            scratch: list[Tensor | None], window: int | None = None, cap: float | None = None) -> Tensor:
+            scratch: list[Tensor | None], window: int | None = None, cap: float | None = None,
+            sinks: Tensor | None = None) -> Tensor:
     """The group's output rows [len(g.rows), Hq, D], in the order of g.rows (a fresh tensor)."""
     num_heads, head_dim = query.shape[1:]
     if g.span is not None and g.real_pos is None:
@@ -332,9 +351,9 @@ def _attend(g: _Group, query: Tensor, key_cache: Tensor, value_cache: Tensor, sc
     v = _gather(value_cache, g, query.dtype, scratch, 1)
     num_kv_heads = k.shape[1]
     mask, causal = _window_mask(g, window, query.device)
-    if cap is not None:
+    if cap is not None or sinks is not None:
         q = q.view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)
-        o = _softcapped_attention(q, k, v, mask, causal, scale, cap)
+        o = _explicit_attention(q, k, v, mask, causal, scale, cap, sinks)
         o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads, head_dim)
         return o if g.real_pos is None else o.index_select(0, g.real_pos)
     # CPU SDPA handles the GQA broadcast and the strided K/V views without copies (measured faster

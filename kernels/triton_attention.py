@@ -44,6 +44,8 @@ from torch import Tensor
 from triton.language.standard import _elementwise_max as _max_fn
 from triton.language.standard import _sum_combine as _sum_fn
 
+from kernels.reference import check_sinks
+
 __all__ = ["INTERPRET", "paged_attention", "write_kv_cache", "choose_num_splits", "kernel_config"]
 
 
@@ -197,15 +199,15 @@ def _attend_tile(
 # Per-step ints are not specialised (a value of 1 or a multiple of 16 would otherwise mean a recompile).
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
 def _paged_attention_kernel(
-    Q, K, V, Out, P_OUT, P_LSE, block_tables, cu_seqlens_q, seq_lens,
+    Q, K, V, Out, P_OUT, P_LSE, Sinks, block_tables, cu_seqlens_q, seq_lens,
     num_seqs, num_splits, scale, qk_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
-    PRECISION: tl.constexpr, RTNE_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    FP32: tl.constexpr, PRECISION: tl.constexpr, RTNE_BF16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     pid = tl.program_id(0)
@@ -281,6 +283,12 @@ def _paged_attention_kernel(
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, scale, softcap, window,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD, True, USE_WINDOW, USE_SOFTCAP, FP32, PRECISION)
 
+    if USE_SINKS:  # (unsplit only: with splits the merge adds the sink, once) a denominator term with no value
+        sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_all)  # 0 for a row that saw no key: its output stays 0
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.math.exp2(sink - m_all)
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
     st_mask = row_ok[:, None] & d_ok[None, :]
@@ -296,10 +304,10 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    Out, P_OUT, P_LSE, num_heads, num_splits,
+    Out, P_OUT, P_LSE, Sinks, num_heads, num_splits,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     BLOCK_H: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    RTNE_BF16: tl.constexpr,
+    USE_SINKS: tl.constexpr, RTNE_BF16: tl.constexpr,
 ):
     """Combine the splits' partial outputs of one token (BLOCK_H heads) by log-sum-exp."""
     tok = tl.program_id(0).to(tl.int64)
@@ -311,9 +319,14 @@ def _merge_kernel(
     lse = tl.load(P_LSE + s[None, :] * stride_ls + tok * stride_lt + h[:, None],
                   mask=h_ok[:, None] & s_ok[None, :], other=float("-inf"))  # [BLOCK_H, S_PAD]
     m = tl.reduce(lse, 1, _max_fn)
+    if USE_SINKS:
+        sink = tl.load(Sinks + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m[:, None])  # empty splits: 0
     den = tl.reduce(w, 1, _sum_fn)
+    if USE_SINKS:
+        den = den + tl.math.exp2(sink - m)
     mask3 = h_ok[:, None, None] & s_ok[None, :, None] & (d < HEAD_DIM)[None, None, :]
     part = tl.load(P_OUT + s[None, :, None] * stride_ps + tok * stride_pt + h[:, None, None] * stride_ph
                    + d[None, None, :], mask=mask3, other=0.0)  # [BLOCK_H, S_PAD, D_PAD]
@@ -385,8 +398,8 @@ def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, device:
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                     cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, *, plan: Any = None,
                     out: Tensor | None = None, sliding_window: int | None = None, softcap: float | None = None,
-                    num_splits: int | None = None, tile_q: int | None = None, tile_n: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
+                    sinks: Tensor | None = None, num_splits: int | None = None, tile_q: int | None = None,
+                    tile_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache; one launch.
 
     Same contract as `kernels.reference.paged_attention` (plan is accepted and ignored): query
@@ -397,6 +410,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
 
     sliding_window: query at position p sees keys in (p - sliding_window, p]; None or <= 0 = off.
     softcap: scores become softcap * tanh(scale * q.k / softcap) (Gemma 2); None or 0 = off.
+    sinks: [Hq] per-head sink logits in the softmax denominator (gpt-oss), as the torch backend; None = off.
     num_splits: split-KV partitions (1 = off; None = `choose_num_splits`, 1 except small GPU decodes).
     tile_q / tile_n / num_warps / num_stages: tuning overrides, see `kernel_config`.
     """
@@ -406,6 +420,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} / "
                          f"{tuple(value_cache.shape)}: need Hq % Hkv == 0 and equal head dims")
     _check_last_dim(query, key_cache, value_cache)
+    check_sinks(sinks, num_heads)
     if out is None:
         out = torch.empty_like(query)
     elif out.stride(-1) != 1:
@@ -424,6 +439,9 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     fp32 = INTERPRET or query.dtype == torch.float32
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
+    if sinks is not None:
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    sinks_arg = query if sinks is None else sinks  # a pointer the kernel never reads without sinks
     cu_seqlens_q = cu_seqlens_q.contiguous()
     seq_lens = seq_lens.contiguous()
 
@@ -437,7 +455,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         p_strides = (0, 0, 0, 0, 0)
     grid = (num_tokens // cfg["tile_q"] + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, out, p_out, p_lse, block_tables, cu_seqlens_q, seq_lens,
+        query, key_cache, value_cache, out, p_out, p_lse, sinks_arg, block_tables, cu_seqlens_q, seq_lens,
         num_seqs, num_splits, float(scale), float(scale) * _LOG2E, float(softcap or 0.0),
         int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -446,7 +464,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         block_tables.stride(0), *p_strides,
         G=group, G_PAD=triton.next_power_of_2(group), BLOCK_Q=cfg["tile_q"], BLOCK_N=cfg["tile_n"],
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
-        SPLIT=split, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, FP32=fp32,
+        SPLIT=split, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None and not split,
+        FP32=fp32,
         PRECISION="ieee" if fp32 else "tf32", RTNE_BF16=INTERPRET and out.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -454,10 +473,10 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         # One program per (token, head) on GPU keeps registers small; the interpreter does all heads at once.
         block_h = triton.next_power_of_2(num_heads) if INTERPRET else 1
         _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            out, p_out, p_lse, num_heads, num_splits,
+            out, p_out, p_lse, sinks_arg, num_heads, num_splits,
             out.stride(0), out.stride(1), *p_strides,
             BLOCK_H=block_h, S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad,
-            RTNE_BF16=INTERPRET and out.dtype == torch.bfloat16, num_warps=4,
+            USE_SINKS=sinks is not None, RTNE_BF16=INTERPRET and out.dtype == torch.bfloat16, num_warps=4,
         )
     return out
 

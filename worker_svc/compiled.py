@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from common.validation import ConfigError
 from worker_svc.config import CompilationConfig, WorkerConfig
-from worker_svc.model import LlamaModel, rms_norm, swap_halves
+from worker_svc.model import LlamaModel, head_rms_norm, rms_norm, swap_halves
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,14 @@ def compile_model(model: LlamaModel, opts: WorkerConfig) -> CompiledForward:
 
 
 def _qkv_rope(h: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
-              cos: torch.Tensor, sin: torch.Tensor, eps: float, split: tuple[int, int], heads: int,
-              kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's pre-attention math (LlamaModel.forward) on dense weights: q and k heads roped, and v."""
+              qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, split: tuple[int, int],
+              heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's pre-attention math (LlamaModel.forward) on dense weights: q and k heads (per-head normed when
+    the layer has `qk_norm`, as Qwen3) roped, and v."""
     qk, v = F.linear(rms_norm(h, norm, eps), qkv_w, qkv_b).split(split, dim=-1)
     qk = qk.view(h.shape[0], heads, head_dim)
+    if qk_norm is not None:
+        qk = head_rms_norm(qk, qk_norm, eps)
     return qk * cos + swap_halves(qk) * sin, v.view(h.shape[0], kv_heads, head_dim)
 
 
@@ -91,7 +94,9 @@ class CompiledForward:
                 isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
             raise ValueError("the compiled forward needs dense weights on one rank (no prepacked or quantized "
                              "weights, no tensor parallelism)")
-        if type(model).forward is not LlamaModel.forward or model.layers[0].qk_norm is not None \
+        # The compiled pieces are LlamaModel.forward's layer (with Qwen3's q/k norm and the per-layer attention
+        # keyword arguments: windows, soft-capping); a family that overrides the layer or the MLP is refused.
+        if type(model).forward is not LlamaModel.forward \
                 or type(model)._feed_forward is not LlamaModel._feed_forward:
             raise ValueError(f"the compiled forward runs the Llama-shaped decoder only, not "
                              f"{model.config.architecture}; use -O0")
@@ -107,8 +112,8 @@ class CompiledForward:
             # Decode-only steps replay CUDA graphs (torch's cudagraph trees). Untested: no GPU where this was
             # written. The weights are marked static so a replay reads them in place instead of copying them.
             for layer in model.layers:
-                for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias, layer.post_norm,
-                          layer.gate, layer.up, layer.down):
+                for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, layer.o, layer.o_bias,
+                          layer.post_norm, layer.gate, layer.up, layer.down):
                     if t is not None:
                         torch._dynamo.mark_static_address(t, guard=False)
             self._graphs = (torch.compile(_qkv_rope, mode="reduce-overhead", dynamic=False, fullgraph=True),
@@ -161,7 +166,7 @@ class CompiledForward:
         split = (m.q_size + m.kv_size, m.kv_size)
         h = m._embed(input_ids)
         for i, layer in enumerate(m.layers):
-            qk, v = qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, cos, sin, eps, split,
+            qk, v = qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, cos, sin, eps, split,
                              c.num_heads + c.num_kv_heads, c.num_kv_heads, c.head_dim)
             if kv_cache is None:
                 o = torch.zeros(size, m.q_size, dtype=h.dtype, device=h.device)

@@ -14,8 +14,9 @@ BLOCK = 16
 SHAPES = [(1, 150), (1, 40), (1, 3), (5, 18), (33, 97), (20, 45), (24, 24)]
 
 
-def dense_windowed(query, shapes, dense, scale, window=None, softcap=None):
-    """float64, one query row at a time over exactly the keys it may see: positions (pos - window, pos]."""
+def dense_windowed(query, shapes, dense, scale, window=None, softcap=None, sinks=None):
+    """float64, one query row at a time over exactly the keys it may see: positions (pos - window, pos]. sinks
+    [Hq]: one more score column per head whose value row is zero, so it enters the denominator only."""
     outs, row = [], 0
     for (q_len, s), (k, v) in zip(shapes, dense, strict=True):
         group = query.shape[1] // k.shape[1]
@@ -25,7 +26,8 @@ def dense_windowed(query, shapes, dense, scale, window=None, softcap=None):
             scores = torch.einsum("hd,khd->hk", query[row].double(), kk[first:pos + 1]) * scale
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
-            outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vv[first:pos + 1]))
+            p = torch.softmax(scores if sinks is None else torch.cat([scores, sinks.double()[:, None]], 1), -1)
+            outs.append(torch.einsum("hk,khd->hd", p[:, :scores.shape[1]], vv[first:pos + 1]))
             row += 1
     return torch.stack(outs)
 
