@@ -81,7 +81,8 @@ class Gemma2(LlamaModel):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta,
-                logits_indices: torch.Tensor) -> torch.Tensor | None:
+                logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
+        """LlamaModel.forward's contract: with `pool_indices`, (logits, the final normed hidden states there)."""
         c, eps = self.config, self.config.rms_norm_eps
         n = input_ids.shape[0]
         ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.ropes]
@@ -119,15 +120,16 @@ class Gemma2(LlamaModel):
             if self.lora is not None:
                 self.lora.add(i, "down", m, down)
             h = h + gemma_rms_norm(down, post, eps)
+        pooled = None if pool_indices is None else gemma_rms_norm(h[pool_indices], self.norm, eps)
         h = gemma_rms_norm(h[logits_indices], self.norm, eps)
         logits = linear(h, self.lm_head)
         if c.final_logit_softcapping:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         logits = logits.float()
-        if self.tp is None:
-            return logits
-        logits = self.tp.gather_to_first(logits)
-        return None if logits is None else logits[:, : c.vocab_size]
+        if self.tp is not None:
+            logits = self.tp.gather_to_first(logits)
+            logits = None if logits is None else logits[:, : c.vocab_size]
+        return logits if pooled is None else (logits, pooled)
 
     def _row_parallel(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias summed over tensor-parallel ranks (each holds some input columns; rank 0 the bias):
