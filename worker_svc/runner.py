@@ -97,8 +97,7 @@ class ModelRunner:
         self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL,
                                                   opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
-        # The LoRA hook groups tokens by adapter in Python: it runs the eager forward.
-        compiled = wants_compiled(opts) and not opts.enable_lora  # inductor cannot trace oneDNN-prepacked weights
+        compiled = wants_compiled(opts)  # inductor cannot trace oneDNN-prepacked weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
