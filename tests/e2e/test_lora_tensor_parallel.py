@@ -2,7 +2,8 @@
 rows for q/k/v, gate, up; A's columns for o, down, whose partial deltas join the all-reduce), give the logits of
 one rank with the same adapters, for Llama (8 query heads, 2 KV heads) and Gemma 2 (its norms come after the
 row-parallel reduce). One step mixes two adapters and the base model. The other ranks' pools follow rank 0's
-through the step message (slots written, token slots), as a worker group's do."""
+through the step message (slots written, token slots), as a worker group's do; a two-rank ModelRunner group serves
+requests of both adapters and the base model in one batch with the greedy tokens of one rank."""
 
 from __future__ import annotations
 
@@ -164,3 +165,56 @@ def test_step_message_carries_slots_and_adapters(checkpoints):
     for g in direct.a:
         assert torch.equal(follower.a[g], direct.a[g]) and torch.equal(follower.b[g], direct.b[g])
     assert len(first.sync_message()[1]) == 0  # sent once
+
+
+def _runner_rank(rank: int, port: int, path: str, adapters: dict[str, str], prompts, out_dir: str) -> None:
+    """A worker group's rank: rank 0 serves the requests through `execute`, the other follows its messages."""
+    import torch.distributed as dist
+
+    from tests.service.test_lora_worker import drive
+    from worker_svc.config import WorkerConfig
+    from worker_svc.parallel import RankGroup
+    from worker_svc.runner import ModelRunner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=SIZE)
+    group = RankGroup(rank, SIZE, rank, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD)
+    runner = ModelRunner(_runner_config(path, WorkerConfig, SIZE), group)
+    if rank == 0:
+        torch.save(drive(runner, _requests(adapters, prompts), chunk=16), os.path.join(out_dir, "group.pt"))
+        group.stop_others()
+    else:
+        runner.follow()
+    dist.destroy_process_group()
+
+
+def _runner_config(path: str, config_cls, size: int):
+    return config_cls(model=path, dtype="float32", device="cpu", num_gpu_blocks_override=64, enable_lora=True,
+                      max_loras=2, max_lora_rank=8, tensor_parallel_size=size)
+
+
+def _requests(adapters: dict[str, str], prompts: list[list[int]]) -> list:
+    """Greedy requests of every prompt under the base model and each adapter: one batch mixes all three."""
+    from tests.service.test_lora_worker import greedy
+    from tests.support.driver import DriverRequest
+
+    return [DriverRequest(f"{name}-{i}", p, greedy(), lora_name=name, lora_path=adapters.get(name, ""))
+            for name in ["", *adapters] for i, p in enumerate(prompts)]
+
+
+def test_worker_group_with_adapters_equals_one_rank(checkpoints, tmp_path):
+    """ModelRunner on two ranks, requests of both adapters and the base model in one batch: rank 0's step messages
+    carry the adapters and token slots, and the greedy tokens equal one rank's."""
+    from tests.service.test_lora_worker import drive
+    from worker_svc.config import WorkerConfig
+    from worker_svc.runner import ModelRunner
+
+    path, adapters = checkpoints[0]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (11, 30)]
+    runner = ModelRunner(_runner_config(path, WorkerConfig, 1))
+    want = drive(runner, _requests(adapters, prompts), chunk=16)
+    assert len({tuple(t) for t in want}) == len(want), "an adapter changes nothing: the test would prove nothing"
+    mp.spawn(_runner_rank, args=(free_port(), path, adapters, prompts, str(tmp_path)), nprocs=SIZE, join=True)
+    assert torch.load(tmp_path / "group.pt") == want
