@@ -152,7 +152,10 @@ class LoraPool:
         # requests still run with the old weights gets a slot of its own.
         self.slot_of: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.row_slot = np.full(64, -1, dtype=np.int64)  # batch row -> pool slot (-1: base model)
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step: (slot, token rows or None = all)
+        # This step on CPU: `whole`, the one slot every token uses, or `stack`, the adapters' token rows padded
+        # to one [U, M] grid (slots or None = all in order, flat rows, [U, M, 1] mask of the real ones).
+        self.whole: int | None = None
+        self.stack: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
         self.token_slots: torch.Tensor | None = None  # this step, for the CUDA kernels
         self.step_slots = np.zeros(0, np.int64)  # this step's token slots (empty: no adapter), for the other ranks
         self.written: list[tuple[int, str, str]] = []  # (slot, name, path) not yet sent to the other ranks
@@ -251,23 +254,30 @@ class LoraPool:
 
     def begin_tokens(self, token_slots: np.ndarray) -> None:
         """The step's pool slot of each token row (-1: base; empty: no row uses an adapter)."""
-        self.groups, self.token_slots, self.step_slots = [], None, token_slots
+        self.whole, self.stack, self.token_slots = None, None, None
+        self.step_slots = token_slots
         if not len(token_slots):
             return
         if self.device.type == "cuda":
             self.token_slots = torch.from_numpy(token_slots).to(self.device)
             return
-        used = np.unique(token_slots)
-        used = used[used >= 0]
-        if len(used) == 1 and (token_slots == used[0]).all():
-            self.groups = [(int(used[0]), None)]  # every token uses one adapter: no gather
-            return
         order = np.argsort(token_slots, kind="stable")
-        bounds = np.searchsorted(token_slots[order], used)
-        ends = np.append(bounds[1:], len(order))
         cut = np.searchsorted(token_slots[order], -1, side="right")  # leading -1s: base rows
-        self.groups = [(int(s), torch.from_numpy(order[max(b, cut):e].copy()))
-                       for s, b, e in zip(used.tolist(), bounds.tolist(), ends.tolist(), strict=True)]
+        rows, slots = order[cut:], token_slots[order[cut:]]  # the adapters' token rows, grouped by slot
+        used, starts, counts = np.unique(slots, return_index=True, return_counts=True)
+        if len(used) == 1 and cut == 0:
+            self.whole = int(used[0])  # every token uses one adapter: no gather
+            return
+        # Each adapter's rows in one row of a [U, M] grid: one gather, two bmm and one scatter per projection
+        # whatever the mix. Padding cells point at row 0 with mask 0: their delta is zero.
+        group = np.repeat(np.arange(len(used)), counts)
+        grid = np.zeros((len(used), int(counts.max())), dtype=np.int64)
+        mask = np.zeros(grid.shape, dtype=np.float32)
+        at = (group, np.arange(len(rows)) - starts[group])
+        grid[at], mask[at] = rows, 1.0
+        every = len(used) == self.max_loras  # used is sorted: then the pool's own slot order
+        self.stack = (None if every else torch.from_numpy(used), torch.from_numpy(grid.reshape(-1)),
+                      torch.from_numpy(mask).to(self.dtype).unsqueeze(-1))
 
     # -- the other tensor-parallel ranks ---------------------------------------------------------------------
 
@@ -302,11 +312,15 @@ class LoraPool:
             lora_expand(s, self.b[group][layer], self.token_slots, y)
             return
         a, b = self.a[group][layer], self.b[group][layer]
-        for slot, idx in self.groups:
-            if idx is None:
-                y.add_((x @ a[slot].T) @ b[slot].T)
-            else:
-                y.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+        if self.whole is not None:
+            y.addmm_(x @ a[self.whole].T, b[self.whole].T)  # the expand adds in place: no [T, out] temporary
+        elif self.stack is not None:
+            slots, rows, mask = self.stack
+            if slots is not None:
+                a, b = a.index_select(0, slots), b.index_select(0, slots)
+            xs = x.index_select(0, rows).view(*mask.shape[:2], -1).mul_(mask)  # [U, M, in]
+            d = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [U, M, out]
+            y.index_add_(0, rows, d.view(len(rows), -1))
 
 
 def join_plan(pool: LoraPool | None, plan: StepPlan, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
