@@ -269,7 +269,7 @@ class LoraPool:
             self.whole = int(used[0])  # every token uses one adapter: no gather
             return
         # Each adapter's rows in one row of a [U, M] grid: one gather, two bmm and one scatter per projection
-        # whatever the mix. Padding cells point at row 0 with mask 0: their delta is zero.
+        # whatever the mix. Padding cells point at row 0 and are masked after the shrink: their delta is zero.
         group = np.repeat(np.arange(len(used)), counts)
         grid = np.zeros((len(used), int(counts.max())), dtype=np.int64)
         mask = np.zeros(grid.shape, dtype=np.float32)
@@ -318,8 +318,9 @@ class LoraPool:
             slots, rows, mask = self.stack
             if slots is not None:
                 a, b = a.index_select(0, slots), b.index_select(0, slots)
-            xs = x.index_select(0, rows).view(*mask.shape[:2], -1).mul_(mask)  # [U, M, in]
-            d = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [U, M, out]
+            xs = x.index_select(0, rows).view(*mask.shape[:2], -1)  # [U, M, in]
+            s = torch.bmm(xs, a.transpose(1, 2)).mul_(mask)  # [U, M, R]: padding cells' shrink zeroed
+            d = torch.bmm(s, b.transpose(1, 2))  # [U, M, out]
             y.index_add_(0, rows, d.view(len(rows), -1))
 
 
