@@ -49,6 +49,9 @@ def wants_compiled(opts: WorkerConfig) -> bool:
     if opts.enforce_eager:
         log.warning("--enforce-eager: running the eager forward, not -O%d", level)
         return False
+    if opts.enable_lora:  # the LoRA hook groups tokens by adapter in Python: inductor cannot trace it
+        raise ConfigError(f"--optimization-level {level} does not run with --enable-lora; use -O0 with "
+                          "--enable-lora, or drop --enable-lora")
     if opts.quantization:
         raise ConfigError(f"--optimization-level {level} runs dense weights only; drop --quantization "
                           f"{opts.quantization} or use -O0")

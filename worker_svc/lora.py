@@ -8,6 +8,11 @@ A_qkv stacks the three A's ([3R, hidden]) and B_qkv is block-diagonal ([q+k+v ou
 for the three. The scale is folded into B when an adapter enters the pool. A token row without an adapter has
 slot -1 and gets nothing added. The delta is computed from x, so it works over dense, prepacked and quantized base
 weights alike.
+
+Under tensor parallelism an adapter is sharded like its base layer: q/k/v, gate and up are column-parallel (the
+rank's B rows, A whole), o and down row-parallel (the rank's A columns, B whole; each rank adds its partial delta
+before the layer's all-reduce, so the sum over ranks is the whole delta). Rank 0 decides slots and token rows and
+sends them with each step (`sync_message`, `follow`); the other ranks read the adapters themselves.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from common.validation import ConfigError
 from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.errors import InvalidPlan
 from worker_svc.plan import StepPlan
+from worker_svc.tensor_parallel import FULL, Shard, local_config, param_slice
 
 # PEFT target module -> (the model's projection group, its index in that group)
 MODULES: dict[str, tuple[str, int]] = {
@@ -125,14 +131,15 @@ class LoraPool:
     """Adapters on the device, in `max_loras` slots, and the slot of each batch row.
 
     Per group g the pool holds A_g [L, S, R_g, in_g] and B_g [L, S, out_g, R_g] (R_g = max_rank, 3 x for qkv),
-    zero where an adapter has no weights (a smaller rank, a module it does not target)."""
+    zero where an adapter has no weights (a smaller rank, a module it does not target). `cfg` is the whole model's
+    (adapters are checked against it); in and out are this rank's (`shard`)."""
 
     def __init__(self, cfg: ModelConfig, *, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+                 dtype: torch.dtype, device: torch.device, shard: Shard = FULL):
+        self.cfg, self.max_loras, self.max_rank, self.shard = cfg, max_loras, max_rank, shard
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.device, self.dtype = device, dtype
-        shapes = module_shapes(cfg)
+        shapes = module_shapes(local_config(cfg, shard.size))
         self.q_out, self.kv_out = shapes["q_proj"][1], shapes["k_proj"][1]
         dims = {"qkv": (cfg.hidden_size, self.q_out + 2 * self.kv_out, 3 * max_rank),
                 "o": shapes["o_proj"] + (max_rank,), "gate": shapes["gate_proj"] + (max_rank,),
@@ -145,8 +152,13 @@ class LoraPool:
         # requests still run with the old weights gets a slot of its own.
         self.slot_of: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.row_slot = np.full(64, -1, dtype=np.int64)  # batch row -> pool slot (-1: base model)
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step: (slot, token rows or None = all)
+        # This step on CPU: `whole`, the one slot every token uses, or `stack`, the adapters' token rows padded
+        # to one [U, M] grid (slots or None = all in order, flat rows, [U, M, 1] mask of the real ones).
+        self.whole: int | None = None
+        self.stack: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
         self.token_slots: torch.Tensor | None = None  # this step, for the CUDA kernels
+        self.step_slots = np.zeros(0, np.int64)  # this step's token slots (empty: no adapter), for the other ranks
+        self.written: list[tuple[int, str, str]] = []  # (slot, name, path) not yet sent to the other ranks
 
     # -- adapters --------------------------------------------------------------------------------------------
 
@@ -185,9 +197,16 @@ class LoraPool:
                 raise LoraError(f"adapter {name!r}: all --max-loras {self.max_loras} slots hold adapters of "
                                 "requests in the batch")
             slot = self.slot_of.pop(victim)
+        self._place(slot, key, adapter)
+        if self.shard.size > 1:
+            self.written.append((slot, name, path))
+        return slot
+
+    def _place(self, slot: int, key: tuple[str, str], adapter: LoraAdapter) -> None:
+        for k in [k for k, s in self.slot_of.items() if s == slot]:
+            del self.slot_of[k]
         self._write(slot, adapter)
         self.slot_of[key] = slot
-        return slot
 
     def _write(self, slot: int, a: LoraAdapter) -> None:
         for g in GROUPS:
@@ -197,6 +216,11 @@ class LoraPool:
         offsets = {"qkv": (0, self.q_out, self.q_out + self.kv_out)}
         for (layer, module), (A, B) in a.weights.items():
             g, k = MODULES[module]
+            part = "self_attn" if g in ("qkv", "o") else "mlp"
+            cut = param_slice(f"model.layers.{layer}.{part}.{module}.weight", self.cfg, self.shard)
+            if cut is not None:  # W = B @ A: the rank's output rows are B's rows, its input columns A's columns
+                dim, start, stop = cut
+                A, B = (A, B[start:stop]) if dim == 0 else (A[:, start:stop], B)
             A = A.to(self.device, self.dtype)
             B = (B * a.scaling).to(self.device, self.dtype)
             if g == "qkv":
@@ -226,24 +250,58 @@ class LoraPool:
         """The step's token rows: chunk i (batch row rows[i]) has lengths[i] tokens, laid end to end. Groups the
         tokens by adapter once for all layers (array operations; no loop over requests)."""
         slots = self.row_slot[rows] if len(rows) else np.zeros(0, np.int64)
-        self.groups, self.token_slots = [], None
-        if not (slots >= 0).any():
+        self.begin_tokens(np.repeat(slots, lengths) if (slots >= 0).any() else np.zeros(0, np.int64))
+
+    def begin_tokens(self, token_slots: np.ndarray) -> None:
+        """The step's pool slot of each token row (-1: base; empty: no row uses an adapter)."""
+        self.whole, self.stack, self.token_slots = None, None, None
+        self.step_slots = token_slots
+        if not len(token_slots):
             return
-        token_slots = np.repeat(slots, lengths)
         if self.device.type == "cuda":
             self.token_slots = torch.from_numpy(token_slots).to(self.device)
             return
-        used = np.unique(token_slots)
-        used = used[used >= 0]
-        if len(used) == 1 and (token_slots == used[0]).all():
-            self.groups = [(int(used[0]), None)]  # every token uses one adapter: no gather
-            return
         order = np.argsort(token_slots, kind="stable")
-        bounds = np.searchsorted(token_slots[order], used)
-        ends = np.append(bounds[1:], len(order))
         cut = np.searchsorted(token_slots[order], -1, side="right")  # leading -1s: base rows
-        self.groups = [(int(s), torch.from_numpy(order[max(b, cut):e].copy()))
-                       for s, b, e in zip(used.tolist(), bounds.tolist(), ends.tolist(), strict=True)]
+        rows, slots = order[cut:], token_slots[order[cut:]]  # the adapters' token rows, grouped by slot
+        used, starts, counts = np.unique(slots, return_index=True, return_counts=True)
+        if len(used) == 1 and cut == 0:
+            self.whole = int(used[0])  # every token uses one adapter: no gather
+            return
+        # Each adapter's rows in one row of a [U, M] grid: one gather, two bmm and one scatter per projection
+        # whatever the mix. Padding cells point at row 0 and are masked after the shrink: their delta is zero.
+        group = np.repeat(np.arange(len(used)), counts)
+        grid = np.zeros((len(used), int(counts.max())), dtype=np.int64)
+        mask = np.zeros(grid.shape, dtype=np.float32)
+        at = (group, np.arange(len(rows)) - starts[group])
+        grid[at], mask[at] = rows, 1.0
+        every = len(used) == self.max_loras  # used is sorted: then the pool's own slot order
+        self.stack = (None if every else torch.from_numpy(used), torch.from_numpy(grid.reshape(-1)),
+                      torch.from_numpy(mask).to(self.dtype).unsqueeze(-1))
+
+    # -- the other tensor-parallel ranks ---------------------------------------------------------------------
+
+    def sync_message(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rank 0, once per step message: (this step's token slots, the adapters written into slots since the last
+        message as int64 words: slot, name length, path length, then the UTF-8 bytes of both)."""
+        words = []
+        for slot, name, path in self.written:
+            n, p = name.encode(), path.encode()
+            words += [slot, len(n), len(p), *n, *p]
+        self.written = []
+        return self.step_slots, np.array(words, dtype=np.int64)
+
+    def follow(self, token_slots: np.ndarray, written: np.ndarray) -> None:
+        """Another rank: put rank 0's newly written adapters into the same slots (this rank's shard of them; rank 0
+        checked them), then take the step's token slots."""
+        i, w = 0, written.tolist()
+        while i < len(w):
+            slot, n, p = w[i : i + 3]
+            raw = bytes(w[i + 3 : i + 3 + n + p])
+            name, path = raw[:n].decode(), raw[n:].decode()
+            self._place(slot, (name, path), self.load(name, path))
+            i += 3 + n + p
+        self.begin_tokens(token_slots)
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the LoRA delta of projection `group` of `layer` for each token row of x (in place)."""
@@ -254,11 +312,16 @@ class LoraPool:
             lora_expand(s, self.b[group][layer], self.token_slots, y)
             return
         a, b = self.a[group][layer], self.b[group][layer]
-        for slot, idx in self.groups:
-            if idx is None:
-                y.add_((x @ a[slot].T) @ b[slot].T)
-            else:
-                y.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+        if self.whole is not None:
+            y.addmm_(x @ a[self.whole].T, b[self.whole].T)  # the expand adds in place: no [T, out] temporary
+        elif self.stack is not None:
+            slots, rows, mask = self.stack
+            if slots is not None:
+                a, b = a.index_select(0, slots), b.index_select(0, slots)
+            xs = x.index_select(0, rows).view(*mask.shape[:2], -1)  # [U, M, in]
+            s = torch.bmm(xs, a.transpose(1, 2)).mul_(mask)  # [U, M, R]: padding cells' shrink zeroed
+            d = torch.bmm(s, b.transpose(1, 2))  # [U, M, out]
+            y.index_add_(0, rows, d.view(len(rows), -1))
 
 
 def join_plan(pool: LoraPool | None, plan: StepPlan, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -290,17 +353,15 @@ def join_plan(pool: LoraPool | None, plan: StepPlan, live: np.ndarray) -> tuple[
 
 
 def build_pool(opts: WorkerConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp_size: int) -> LoraPool | None:
+               shard: Shard = FULL) -> LoraPool | None:
     """The device pool for --enable-lora (None without), with --lora-modules read and checked: ConfigError naming
     the file and the module of the first adapter that cannot be served."""
     if not opts.enable_lora:
         if opts.lora_modules:
             raise ConfigError("--lora-modules needs --enable-lora")
         return None
-    if tp_size > 1:
-        raise ConfigError(f"--enable-lora runs on one rank; drop it or --tensor-parallel-size {tp_size}")
     pool = LoraPool(cfg, max_loras=opts.max_loras, max_rank=opts.max_lora_rank,
-                    max_cpu_loras=opts.max_cpu_loras or opts.max_loras, dtype=dtype, device=device)
+                    max_cpu_loras=opts.max_cpu_loras or opts.max_loras, dtype=dtype, device=device, shard=shard)
     try:
         for name, path in parse_lora_modules(opts.lora_modules):
             pool.load(name, path)

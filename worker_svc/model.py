@@ -338,9 +338,7 @@ class LlamaModel:
                 **self.attn_kwargs[i],
             )
             o = o.reshape(num_tokens, self.q_size)
-            h = self._row_parallel_add(o, layer.o, layer.o_bias, h)
-            if self.lora is not None:  # h is residual + o's output: adding the delta to it is the same
-                self.lora.add(i, "o", o, h)
+            h = self._row_parallel_add(o, layer.o, layer.o_bias, h, (i, "o"))
 
             h = self._feed_forward(i, layer, rms_norm(h, layer.post_norm, c.rms_norm_eps), h)
 
@@ -366,10 +364,7 @@ class LlamaModel:
             self.lora.add(i, "gate", x, gate)
             self.lora.add(i, "up", x, up)
         act = F.silu(gate, inplace=True).mul_(up)  # in place: two fewer allocations
-        h = self._row_parallel_add(act, layer.down, None, residual)
-        if self.lora is not None:  # h is residual + down's output: adding the delta to it is the same
-            self.lora.add(i, "down", act, h)
-        return h
+        return self._row_parallel_add(act, layer.down, None, residual, (i, "down"))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):  # dequantize only the rows looked up
@@ -385,13 +380,17 @@ class LlamaModel:
         return h
 
     def _row_parallel_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          residual: torch.Tensor) -> torch.Tensor:
+                          residual: torch.Tensor, lora_at: tuple[int, str] | None = None) -> torch.Tensor:
         """residual + x @ weight.T + bias where weight holds this rank's input columns: rank 0 adds the residual
-        and the bias into its partial product, the others contribute theirs, one all-reduce sums them."""
-        if self.tp is None:
-            return linear_add(x, weight, bias, residual)
-        out = linear_add(x, weight, bias, residual) if self.tp.rank == 0 else linear(x, weight)
-        self.tp.all_reduce(out)
+        and the bias into its partial product, the others contribute theirs, one all-reduce sums them. With
+        `lora_at` (layer, group) each rank adds its partial LoRA delta before the reduce: its A holds the same input
+        columns, so the sum over ranks is the whole delta."""
+        first = self.tp is None or self.tp.rank == 0
+        out = linear_add(x, weight, bias, residual) if first else linear(x, weight)
+        if self.lora is not None and lora_at is not None:  # out holds the residual: adding the delta is the same
+            self.lora.add(*lora_at, x, out)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return out
 
     __call__ = forward

@@ -94,11 +94,10 @@ class ModelRunner:
                                    self.device)
         self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
         tp_size = group.size if group is not None else 1
-        self.config, weights = load_model_weights(opts.model, Shard(group.rank, tp_size) if group else FULL,
-                                                  opts.quantization)
+        shard = Shard(group.rank, tp_size) if group else FULL
+        self.config, weights = load_model_weights(opts.model, shard, opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
-        # The LoRA hook groups tokens by adapter in Python: it runs the eager forward.
-        compiled = wants_compiled(opts) and not opts.enable_lora  # inductor cannot trace oneDNN-prepacked weights
+        compiled = wants_compiled(opts)  # inductor cannot trace oneDNN-prepacked weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
@@ -106,7 +105,7 @@ class ModelRunner:
         if opts.enable_lora and self.config.num_experts:
             raise ConfigError(f"--enable-lora: adapters are not served on {self.config.architecture}'s sparse MoE "
                               "layers; run without --enable-lora")
-        self.lora = lora.build_pool(opts, self.local_config, self.dtype, self.device, tp_size)
+        self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)
         self.model.lora = self.lora
         if compiled:
             self.model = compile_model(self.model, opts)
@@ -235,7 +234,9 @@ class ModelRunner:
 
         with self.group.lock:  # no heartbeat between this step's message and its collectives
             try:
-                self.group.send_step(step_inputs(copies, inputs))
+                # The other ranks' adapters and token slots come with the step (lora.LoraPool.follow).
+                lora_sync = self.lora.sync_message() if self.lora is not None else ()
+                self.group.send_step(step_inputs(copies, inputs, *lora_sync))
                 return self._forward(copies, inputs)
             except RuntimeError as e:  # a rank died or timed out mid-step: the group cannot go on
                 self.group.fail(f"step failed on rank 0: {e}")
@@ -257,6 +258,8 @@ class ModelRunner:
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 sends until it stops the group (or fails, which raises)."""
         while (step := self.group.receive()) is not None:
+            if self.lora is not None:
+                self.lora.follow(step.lora_slots, step.lora_written)
             self._forward((step.copy_src, step.copy_dst), self._inputs_of(step) if len(step.input_ids) else None)
 
     def _inputs_of(self, step: StepInputs) -> ModelInputs:

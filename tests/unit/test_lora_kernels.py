@@ -62,7 +62,7 @@ def test_pool_delta_grouped_by_adapter_matches_per_token(row_slots, kernel):
     pool.begin_step(rows, lengths)
     token_slots = torch.from_numpy(np.repeat(np.array(row_slots), lengths))
     if kernel == "triton":
-        pool.groups, pool.token_slots = [], token_slots
+        pool.token_slots = token_slots
     g = torch.Generator().manual_seed(1)
     for group in GROUPS:
         a, b = pool.a[group][1], pool.b[group][1]

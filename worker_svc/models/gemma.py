@@ -105,9 +105,7 @@ class Gemma2(LlamaModel):
                                                attn_meta.cu_seqlens_q, attn_meta.seq_lens, self.scale,
                                                plan=attn_meta.plan, **self.attn_kwargs[i])
             o_in = o.reshape(n, self.q_size)
-            o = self._row_parallel(o_in, layer.o, layer.o_bias)
-            if self.lora is not None:
-                self.lora.add(i, "o", o_in, o)
+            o = self._row_parallel(o_in, layer.o, layer.o_bias, (i, "o"))
             h = h + gemma_rms_norm(o, layer.post_norm, eps)
             pre, post = self.mlp_norms[i]
             x = gemma_rms_norm(h, pre, eps)
@@ -116,9 +114,7 @@ class Gemma2(LlamaModel):
                 self.lora.add(i, "gate", x, gate)
                 self.lora.add(i, "up", x, up)
             m = F.gelu(gate, approximate="tanh").mul_(up)
-            down = self._row_parallel(m, layer.down, None)
-            if self.lora is not None:
-                self.lora.add(i, "down", m, down)
+            down = self._row_parallel(m, layer.down, None, (i, "down"))
             h = h + gemma_rms_norm(down, post, eps)
         pooled = None if pool_indices is None else gemma_rms_norm(h[pool_indices], self.norm, eps)
         h = gemma_rms_norm(h[logits_indices], self.norm, eps)
@@ -131,13 +127,16 @@ class Gemma2(LlamaModel):
             logits = None if logits is None else logits[:, : c.vocab_size]
         return logits if pooled is None else (logits, pooled)
 
-    def _row_parallel(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, weight, bias: torch.Tensor | None,
+                      lora_at: tuple[int, str]) -> torch.Tensor:
         """x @ weight.T + bias summed over tensor-parallel ranks (each holds some input columns; rank 0 the bias):
-        Gemma normalizes this sum before the residual add, so it cannot be fused into the add."""
-        if self.tp is None:
-            return linear(x, weight, bias)
-        out = linear(x, weight, bias if self.tp.rank == 0 else None)
-        self.tp.all_reduce(out)
+        Gemma normalizes this sum before the residual add, so it cannot be fused into the add. Each rank's partial
+        LoRA delta of (layer, group) `lora_at` joins the sum before the reduce."""
+        out = linear(x, weight, bias if self.tp is None or self.tp.rank == 0 else None)
+        if self.lora is not None:
+            self.lora.add(*lora_at, x, out)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return out
 
     __call__ = forward
