@@ -308,7 +308,8 @@ def test_health_model_info_and_reflection(cl, main):
     services = db.get_services()
     assert SERVICE in services and "grpc.health.v1.Health" in services
     svc = DescriptorPool(db).FindServiceByName(SERVICE)
-    assert {m.name for m in svc.methods} == {"Generate", "Abort", "GetModelInfo"}
+    assert {m.name for m in svc.methods} == {"Generate", "Abort", "GetModelInfo", "Embed", "LoadLoraAdapter",
+                                             "UnloadLoraAdapter"}
     assert svc.methods_by_name["Generate"].output_type.full_name == "llmserve.v1.GenerateResponse"
 
 

@@ -37,7 +37,8 @@ def _non_default(f: dataclasses.Field) -> list[str]:
         return [flag if not f.default else "--no-" + flag[2:]]
     if m.choices:
         return [flag, next(str(c) for c in m.choices if c != f.default)]
-    valid = {"optimization_level": "1", "compilation_config": '{"cache_dir": "/x"}'}  # settings with a value check
+    valid = {"optimization_level": "1", "compilation_config": '{"cache_dir": "/x"}',
+             "pooler_config": '{"pooling_type": "MEAN"}'}  # settings with a value check
     value = valid.get(f.name) or {int: "32", float: "0.5"}.get(kind, f"/x/{f.name}")
     return [flag, value]
 

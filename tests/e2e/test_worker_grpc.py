@@ -265,7 +265,7 @@ def test_describe_health_and_reflection(worker):
     services = db.get_services()
     assert SERVICE in services and "grpc.health.v1.Health" in services
     svc = DescriptorPool(db).FindServiceByName(SERVICE)
-    assert {meth.name for meth in svc.methods} == {"Describe", "ExecuteStep", "PrepareConstraint"}
+    assert {meth.name for meth in svc.methods} == {"Describe", "ExecuteStep", "PrepareConstraint", "LoadLoraAdapter"}
     assert svc.methods_by_name["ExecuteStep"].input_type.full_name == "llmserve.worker.v2.StepPlan"
 
 
