@@ -123,12 +123,18 @@ def _default_log_dir() -> str:
     return os.environ.get("LLMSERVE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "llmserve-logs")
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel SIGKILL the child when the thread that started it ends (Linux
-    PR_SET_PDEATHSIG), so a parent killed with SIGKILL (or a test run killed on timeout) leaves no orphans behind.
-    None where there is no prctl."""
+def _die_with_parent() -> tuple[list[str], Callable[[], None] | None]:
+    """How to have the kernel SIGKILL the child when the thread that started it ends (Linux PR_SET_PDEATHSIG), so a
+    parent killed with SIGKILL (or a test run killed on timeout) leaves no orphans behind: an argv prefix
+    (`setpriv --pdeathsig KILL --`, which execs the command with the signal set) or, without setpriv, a
+    `preexec_fn`. The prefix is preferred: a preexec_fn runs Python in the forked child, including the
+    interpreter's at-fork handlers, which can crash there while another thread of a busy parent holds their state.
+    ([], None) where there is no prctl."""
     if not sys.platform.startswith("linux"):
-        return None
+        return [], None
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return [setpriv, "--pdeathsig", "KILL", "--"], None
     import ctypes
 
     prctl, parent, sigkill = ctypes.CDLL(None, use_errno=True).prctl, os.getpid(), int(signal.SIGKILL)
@@ -138,7 +144,7 @@ def _die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:  # the parent died before the call: no signal will come
             os._exit(1)
 
-    return preexec
+    return [], preexec
 
 
 def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: str | None = None,
@@ -157,11 +163,11 @@ def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: s
         fd, log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=log_dir)
         os.close(fd)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    prefix, preexec = _die_with_parent() if die_with_parent else ([], None)
     with open(log_path, "ab") as log_file:
         start = log_file.tell()
-        popen = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                 preexec_fn=_die_with_parent() if die_with_parent else None)
+        popen = subprocess.Popen([*prefix, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
     proc = cls(name=name, kind=kind, popen=popen, log_path=log_path, argv=argv, log_start=start, **fields)
     with _live_lock:
         _live.append(proc)
