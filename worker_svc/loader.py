@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -183,7 +184,9 @@ def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, to
     """Dequantize every tensor of a llama-family GGUF to float32 with HF names and shapes (a tensor-parallel
     rank dequantizes each tensor whole, then keeps its slice: quantized blocks do not split along heads).
     With $LLMSERVE_GGUF_CACHE_DIR set, the whole model's result is kept there and read back by later loads."""
-    cached = gguf_cache.entry(path, "weights.safetensors")
+    # The entry is keyed by ModelConfig's fields too: a cache written by a version with other fields is not read.
+    fields = ",".join(f.name for f in dataclasses.fields(ModelConfig))
+    cached = gguf_cache.entry(path, f"weights-{hashlib.sha256(fields.encode()).hexdigest()[:8]}.safetensors")
     if cached is None:
         return _read_gguf(path, shard)
     if not os.path.exists(cached):
