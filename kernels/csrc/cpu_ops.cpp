@@ -1,0 +1,345 @@
+// CPU kernels the torch ops do not cover well (built by kernels/cpu_ops.py; see kernels/README.md):
+//   decode_attention: each decode's one query row over its paged K/V, blocks read in place, float32 scores;
+//   rms_norm, rope_: the decoder's per-token elementwise steps in one pass each, rounded where Hugging Face's
+//   bfloat16 ops round (so the results equal the chain of torch ops up to float32 summation order).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+
+// e^x for x <= 0 (softmax terms), as plain arithmetic a compiler vectorizes: 2^(x log2 e) split into 2^n, built in
+// the exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, float32's own).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+#ifdef __AVX512F__
+// 16 values as float32 lanes
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) s += q[d] * to_float(k[d]);
+  return s;
+}
+
+// acc += p * v over D values
+template <typename T>
+inline void axpy(float p, const T* v, float* acc, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#endif
+  for (; d < D; ++d) acc[d] += p * to_float(v[d]);
+}
+
+// One (sequence, KV head) task: the G query heads that share the KV head, over positions [start, len).
+// Two passes over the keys (scores, then the weighted sum of values) with every score kept: a decode's context is
+// at most max_model_len rows, and the exact max makes the softmax match the one-pass float32 reference.
+template <typename T>
+void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride,
+                const int32_t* table, int64_t start, int64_t len, int64_t block_size, int64_t G, int64_t D,
+                float scale, float softcap, const float* sinks, float* scores, float* acc, float* qf, T* out,
+                int64_t out_head_stride) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * q_head_stride + d]) * scale;
+  const int64_t n = len - start;
+  for (int64_t t = start; t < len; ++t) {
+    const T* k = kc + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+    for (int64_t g = 0; g < G; ++g) scores[g * n + (t - start)] = dot(qf + g * D, k, D);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
+    float m = sinks ? sinks[g] : -std::numeric_limits<float>::max();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    float sum = sinks ? exp_nonpositive(sinks[g] - m) : 0.f;
+    for (int64_t i = 0; i < n; ++i) sg[i] = exp_nonpositive(sg[i] - m);
+    for (int64_t i = 0; i < n; ++i) sum += sg[i];
+    const float inv = n > 0 ? 1.f / sum : 0.f;
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = start; t < len; ++t) {
+    const T* v = vc + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      axpy(scores[g * n + (t - start)], v, acc + g * D, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = from_float<T>(acc[g * D + d]);
+}
+
+#ifdef __AVX512F__
+// exp_nonpositive on 16 lanes
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+// attend_one for head_dim = 16 * DV: per query head, q in registers against each key row, then the value rows
+// summed into DV accumulators; one task's K/V rows (a few tens of KB) stay in L1/L2 across its query heads.
+template <typename T, int DV>
+void attend_one_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
+                       int64_t tok_stride, const int32_t* table, int64_t start, int64_t len, int64_t block_size,
+                       int64_t G, float scale, float softcap, const float* sinks, float* scores, T* out,
+                       int64_t out_head_stride) {
+  const int64_t n = len - start;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[DV];
+    for (int dv = 0; dv < DV; ++dv)
+      qv[dv] = _mm512_mul_ps(load16(q + g * q_head_stride + dv * 16), _mm512_set1_ps(scale));
+    float* sg = scores - start;  // sg[t] for t in [start, len)
+    for (int64_t t = start; t < len;) {  // block by block: one table lookup per block
+      const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+      const T* k = kc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+      for (; t < stop; ++t, k += tok_stride) {
+        __m512 a = _mm512_mul_ps(qv[0], load16(k));
+        for (int dv = 1; dv < DV; ++dv) a = _mm512_fmadd_ps(qv[dv], load16(k + dv * 16), a);
+        sg[t] = _mm512_reduce_add_ps(a);
+      }
+    }
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+    __m512 mv = _mm512_set1_ps(sinks ? sinks[g] : -std::numeric_limits<float>::max());
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(scores + i));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; i < n; ++i) m = std::max(m, scores[i]);
+    __m512 sumv = _mm512_setzero_ps();
+    const __m512 mb = _mm512_set1_ps(m);
+    for (i = 0; i + 16 <= n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), mb));
+      _mm512_storeu_ps(scores + i, e);
+      sumv = _mm512_add_ps(sumv, e);
+    }
+    float sum = _mm512_reduce_add_ps(sumv) + (sinks ? exp_nonpositive(sinks[g] - m) : 0.f);
+    for (; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
+    __m512 acc[DV];
+    for (int dv = 0; dv < DV; ++dv) acc[dv] = _mm512_setzero_ps();
+    for (int64_t t = start; t < len;) {
+      const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+      const T* v = vc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+      for (; t < stop; ++t, v += tok_stride) {
+        const __m512 p = _mm512_set1_ps(sg[t]);
+        for (int dv = 0; dv < DV; ++dv) acc[dv] = _mm512_fmadd_ps(p, load16(v + dv * 16), acc[dv]);
+      }
+    }
+    const __m512 inv = _mm512_set1_ps(n > 0 ? 1.f / sum : 0.f);
+    alignas(64) float res[16 * DV];
+    for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(res + dv * 16, _mm512_mul_ps(acc[dv], inv));
+    for (int d = 0; d < 16 * DV; ++d) out[g * out_head_stride + d] = from_float<T>(res[d]);
+  }
+}
+#endif
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
+                           const torch::Tensor& value_cache, const torch::Tensor& tables,
+                           const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                           const c10::optional<torch::Tensor>& sinks, torch::Tensor& out) {
+  const int64_t num = rows.size(0), Hq = query.size(1), D = query.size(2), Hkv = key_cache.size(2);
+  const int64_t G = Hq / Hkv, block_size = key_cache.size(1), max_len = tables.size(1) * block_size;
+  const T* q = query.data_ptr<T>();
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t blk = key_cache.stride(0), tok = key_cache.stride(1), head = key_cache.stride(2);
+  // Tasks (decode, KV head); each thread keeps its own score and accumulator buffers.
+  at::parallel_for(0, num * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * max_len), acc(G * D), qf(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / Hkv, h = task % Hkv;
+      const int64_t len = lens[i];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+#ifdef __AVX512F__
+      if (D == 64 || D == 128) {
+        auto fn = D == 64 ? attend_one_avx512<T, 4> : attend_one_avx512<T, 8>;
+        fn(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok,
+           tab + i * tables.size(1), start, len, block_size, G, static_cast<float>(scale), static_cast<float>(softcap),
+           sink ? sink + h * G : nullptr, scores.data(), o + row[i] * o_tok + h * G * o_head, o_head);
+        continue;
+      }
+#endif
+      attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok,
+                    tab + i * tables.size(1), start, len, block_size, G, D, static_cast<float>(scale),
+                    static_cast<float>(softcap), sink ? sink + h * G : nullptr, scores.data(), acc.data(), qf.data(),
+                    o + row[i] * o_tok + h * G * o_head, o_head);
+    }
+  });
+}
+
+}  // namespace
+
+namespace {
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  const int64_t rows = x.size(0), H = x.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      T* orow = op + r * os;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      // HF: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype): the normalized row is rounded first.
+      for (int64_t i = 0; i < H; ++i) orow[i] = from_float<T>(to_float(wp[i]) * to_float(from_float<T>(to_float(xr[i]) * inv)));
+    }
+  });
+}
+
+template <typename T>
+void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
+               const torch::Tensor& sin) {
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0);
+  T* xp = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + pos[t] * cs;
+      const T* s = sp + pos[t] * cs;
+      for (int64_t h = 0; h < H; ++h) {
+        T* v = xp + t * ts + h * hs;
+        for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(v[d]);
+        // x * cos + swap_halves(x) * sin_signed, each product and the sum rounded to T as the torch ops do
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = to_float(from_float<T>(tmp[d] * to_float(c[d])));
+          const float b = to_float(from_float<T>(tmp[d < half ? d + half : d - half] * to_float(s[d])));
+          v[d] = from_float<T>(a + b);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [rows, H] (unit stride in H) with weight [H], into a new tensor.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1) &&
+                  w.scalar_type() == x.scalar_type(), "rms_norm: x [rows, H] with unit stride, w [H] of x's dtype");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == torch::kBFloat16) {
+    rms_norm_impl<c10::BFloat16>(x, w, eps, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rms_norm: float32 or bfloat16");
+    rms_norm_impl<float>(x, w, eps, out);
+  }
+  return out;
+}
+
+// Rotary embedding in place: x [T, H, D] (unit stride in D) at positions [T] (int64), with the cos and sign-flipped
+// sin tables [max_position, D] (worker_svc.model.rope_tables): x = x * cos + swap_halves(x) * sin.
+void rope_(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(1) == x.size(2) && x.size(2) % 2 == 0 && positions.scalar_type() == torch::kInt64 &&
+                  positions.is_contiguous() && positions.numel() == x.size(0) &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope_: x [T, H, D] unit stride in D, positions [T] int64, tables [P, D] of x's dtype");
+  if (x.scalar_type() == torch::kBFloat16) {
+    rope_impl<c10::BFloat16>(x, positions, cos, sin);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rope_: float32 or bfloat16");
+    rope_impl<float>(x, positions, cos, sin);
+  }
+}
+
+// out[rows[i]] = attention of query[rows[i]] over sequence i's first seq_lens[i] cached positions (the last
+// `window` of them when window > 0). query/out: [T, Hq, D] with unit stride in D; caches [blocks, bs, Hkv, D].
+void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, const torch::Tensor& tables, const torch::Tensor& seq_lens,
+                      double scale, int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks,
+                      torch::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, "decode_attention: bad ranks");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
+                  value_cache.strides() == key_cache.strides(),
+              "decode_attention: head dims must be contiguous and the caches alike");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "decode_attention: query, cache and out must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && tables.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32 && tables.is_contiguous(),
+              "decode_attention: rows int64, tables and seq_lens int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "decode_attention: Hq must be a multiple of Hkv");
+  if (query.scalar_type() == torch::kBFloat16) {
+    decode_attention_impl<c10::BFloat16>(query, rows, key_cache, value_cache, tables, seq_lens, scale, window,
+                                         softcap, sinks, out);
+  } else {
+    TORCH_CHECK(query.scalar_type() == torch::kFloat32, "decode_attention: float32 or bfloat16");
+    decode_attention_impl<float>(query, rows, key_cache, value_cache, tables, seq_lens, scale, window, softcap,
+                                 sinks, out);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("rope_", &rope_);
+}
