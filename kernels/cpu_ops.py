@@ -54,7 +54,10 @@ def load() -> ModuleType | None:
                 path = build_dir()
                 path.mkdir(parents=True, exist_ok=True)
                 _module = build(name="llmserve_cpu_ops", sources=[str(SOURCE)], build_directory=str(path),
-                                extra_cflags=["-O3", "-march=native"], verbose=False)
+                                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                # at::parallel_for is OpenMP in the headers; libgomp.so.1 resolves to the copy
+                                # torch has already loaded (same soname), so both share one thread pool
+                                extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no ninja, a failed build: the torch paths still serve
                 log.warning("C++ CPU kernels unavailable (%s: %s); using the torch paths", type(e).__name__, e)
                 _module = None

@@ -132,59 +132,78 @@ inline __m512 exp16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
 }
 
-// attend_one for head_dim = 16 * DV: per query head, q in registers against each key row, then the value rows
-// summed into DV accumulators; one task's K/V rows (a few tens of KB) stay in L1/L2 across its query heads.
+// One decode's attention, all heads, for head_dim = 16 * DV. The K and V rows are read in the cache's order (token
+// by token, every KV head of a token together) so each block streams from memory once; the query vectors, the
+// scores and the output accumulators of all heads live in small per-thread buffers in L1/L2.
 template <typename T, int DV>
-void attend_one_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
-                       int64_t tok_stride, const int32_t* table, int64_t start, int64_t len, int64_t block_size,
-                       int64_t G, float scale, float softcap, const float* sinks, float* scores, T* out,
-                       int64_t out_head_stride) {
-  const int64_t n = len - start;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 qv[DV];
+void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
+                       int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
+                       int64_t block_size, int64_t Hkv, int64_t G, float scale, float softcap, const float* sinks,
+                       float* scores, float* qf, float* acc, float* inv, T* out, int64_t out_head_stride) {
+  constexpr int D = 16 * DV;
+  const int64_t n = len - start, Hq = Hkv * G;
+  for (int64_t hq = 0; hq < Hq; ++hq)
     for (int dv = 0; dv < DV; ++dv)
-      qv[dv] = _mm512_mul_ps(load16(q + g * q_head_stride + dv * 16), _mm512_set1_ps(scale));
-    float* sg = scores - start;  // sg[t] for t in [start, len)
-    for (int64_t t = start; t < len;) {  // block by block: one table lookup per block
-      const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
-      const T* k = kc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
-      for (; t < stop; ++t, k += tok_stride) {
-        __m512 a = _mm512_mul_ps(qv[0], load16(k));
-        for (int dv = 1; dv < DV; ++dv) a = _mm512_fmadd_ps(qv[dv], load16(k + dv * 16), a);
-        sg[t] = _mm512_reduce_add_ps(a);
+      _mm512_storeu_ps(qf + hq * D + dv * 16,
+                       _mm512_mul_ps(load16(q + hq * q_head_stride + dv * 16), _mm512_set1_ps(scale)));
+  // scores[hq * n + i] for position start + i
+  for (int64_t t = start; t < len;) {
+    const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+    const T* k = kc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+    for (; t < stop; ++t, k += tok_stride) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        __m512 kv[DV];
+        for (int dv = 0; dv < DV; ++dv) kv[dv] = load16(k + h * head_stride + dv * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf + (h * G + g) * D;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+          for (int dv = 1; dv < DV; ++dv) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + dv * 16), kv[dv], a);
+          scores[(h * G + g) * n + (t - start)] = _mm512_reduce_add_ps(a);
+        }
       }
     }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* sg = scores + hq * n;
+    const float* sink = sinks ? sinks + hq : nullptr;
     if (softcap > 0.f)
-      for (int64_t i = 0; i < n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
-    __m512 mv = _mm512_set1_ps(sinks ? sinks[g] : -std::numeric_limits<float>::max());
+      for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
+    __m512 mv = _mm512_set1_ps(sink ? *sink : -std::numeric_limits<float>::max());
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(scores + i));
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + i));
     float m = _mm512_reduce_max_ps(mv);
-    for (; i < n; ++i) m = std::max(m, scores[i]);
+    for (; i < n; ++i) m = std::max(m, sg[i]);
     __m512 sumv = _mm512_setzero_ps();
     const __m512 mb = _mm512_set1_ps(m);
     for (i = 0; i + 16 <= n; i += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), mb));
-      _mm512_storeu_ps(scores + i, e);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mb));
+      _mm512_storeu_ps(sg + i, e);
       sumv = _mm512_add_ps(sumv, e);
     }
-    float sum = _mm512_reduce_add_ps(sumv) + (sinks ? exp_nonpositive(sinks[g] - m) : 0.f);
-    for (; i < n; ++i) sum += (scores[i] = exp_nonpositive(scores[i] - m));
-    __m512 acc[DV];
-    for (int dv = 0; dv < DV; ++dv) acc[dv] = _mm512_setzero_ps();
-    for (int64_t t = start; t < len;) {
-      const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
-      const T* v = vc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
-      for (; t < stop; ++t, v += tok_stride) {
-        const __m512 p = _mm512_set1_ps(sg[t]);
-        for (int dv = 0; dv < DV; ++dv) acc[dv] = _mm512_fmadd_ps(p, load16(v + dv * 16), acc[dv]);
+    float sum = _mm512_reduce_add_ps(sumv) + (sink ? exp_nonpositive(*sink - m) : 0.f);
+    for (; i < n; ++i) sum += (sg[i] = exp_nonpositive(sg[i] - m));
+    inv[hq] = n > 0 ? 1.f / sum : 0.f;
+  }
+  std::fill(acc, acc + Hq * D, 0.f);
+  for (int64_t t = start; t < len;) {
+    const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+    const T* v = vc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+    for (; t < stop; ++t, v += tok_stride) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        __m512 vv[DV];
+        for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + h * head_stride + dv * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = h * G + g;
+          const __m512 p = _mm512_set1_ps(scores[hq * n + (t - start)]);
+          float* a = acc + hq * D;
+          for (int dv = 0; dv < DV; ++dv)
+            _mm512_storeu_ps(a + dv * 16, _mm512_fmadd_ps(p, vv[dv], _mm512_loadu_ps(a + dv * 16)));
+        }
       }
     }
-    const __m512 inv = _mm512_set1_ps(n > 0 ? 1.f / sum : 0.f);
-    alignas(64) float res[16 * DV];
-    for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(res + dv * 16, _mm512_mul_ps(acc[dv], inv));
-    for (int d = 0; d < 16 * DV; ++d) out[g * out_head_stride + d] = from_float<T>(res[d]);
   }
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
 }
 #endif
 
@@ -205,6 +224,21 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
   const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const int64_t q_tok = query.stride(0), q_head = query.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
   const int64_t blk = key_cache.stride(0), tok = key_cache.stride(1), head = key_cache.stride(2);
+#ifdef __AVX512F__
+  if (D == 64 || D == 128) {  // a task per decode, all heads: its blocks stream from memory in order
+    auto fn = D == 64 ? attend_seq_avx512<T, 4> : attend_seq_avx512<T, 8>;
+    at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(Hq * max_len), qf(Hq * D), acc(Hq * D), inv(Hq);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t len = lens[i], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * tables.size(1), start, len, block_size,
+           Hkv, G, static_cast<float>(scale), static_cast<float>(softcap), sink, scores.data(), qf.data(),
+           acc.data(), inv.data(), o + row[i] * o_tok, o_head);
+      }
+    });
+    return;
+  }
+#endif
   // Tasks (decode, KV head); each thread keeps its own score and accumulator buffers.
   at::parallel_for(0, num * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * max_len), acc(G * D), qf(G * D);
@@ -212,15 +246,6 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
       const int64_t i = task / Hkv, h = task % Hkv;
       const int64_t len = lens[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-#ifdef __AVX512F__
-      if (D == 64 || D == 128) {
-        auto fn = D == 64 ? attend_one_avx512<T, 4> : attend_one_avx512<T, 8>;
-        fn(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok,
-           tab + i * tables.size(1), start, len, block_size, G, static_cast<float>(scale), static_cast<float>(softcap),
-           sink ? sink + h * G : nullptr, scores.data(), o + row[i] * o_tok + h * G * o_head, o_head);
-        continue;
-      }
-#endif
       attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok,
                     tab + i * tables.size(1), start, len, block_size, G, D, static_cast<float>(scale),
                     static_cast<float>(softcap), sink ? sink + h * G : nullptr, scores.data(), acc.data(), qf.data(),
