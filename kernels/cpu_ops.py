@@ -44,7 +44,9 @@ def build_dir() -> Path:
 def load() -> ModuleType | None:
     """The compiled module (built here when absent), or None where the kernels are off or cannot be built."""
     global _module, _tried
-    if _tried or not enabled():
+    if not enabled():
+        return None
+    if _tried:
         return _module
     with _lock:
         if not _tried:
@@ -54,7 +56,8 @@ def load() -> ModuleType | None:
                 path = build_dir()
                 path.mkdir(parents=True, exist_ok=True)
                 _module = build(name="llmserve_cpu_ops", sources=[str(SOURCE)], build_directory=str(path),
-                                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                              "-ffp-contract=off"],  # no a*b+c fused where torch rounds twice
                                 # at::parallel_for is OpenMP in the headers; libgomp.so.1 resolves to the copy
                                 # torch has already loaded (same soname), so both share one thread pool
                                 extra_ldflags=["-fopenmp"], verbose=False)

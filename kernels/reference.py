@@ -33,6 +33,11 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
 
     key_cache/value_cache: [num_blocks, block_size, Hkv, D]; slot = block_id * block_size + offset.
     """
+    if (key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype and key.stride(1) == key.shape[2]
+            and value.stride(1) == value.shape[2] and slot_mapping.dtype == torch.int64
+            and (ops := cpu_ops.load()) is not None):
+        ops.write_kv(key, value, key_cache, value_cache, slot_mapping)  # a row copy per token, slots < 0 skipped
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]

@@ -16,16 +16,32 @@
 
 namespace {
 
+// Conversions written as plain bit arithmetic (no branch) so that loops over them vectorize.
 inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 template <typename T>
-inline T from_float(float v) { return static_cast<T>(v); }
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) { return v; }
+// Round to nearest even, NaN to the quiet NaN: the same bits as torch's float -> bfloat16 conversion.
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+}
 
-// e^x for x <= 0 (softmax terms), as plain arithmetic a compiler vectorizes: 2^(x log2 e) split into 2^n, built in
-// the exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, float32's own).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
+// e^x (x clamped to [-87, 88]) as plain arithmetic a compiler vectorizes: 2^(x log2 e) split into 2^n, built in the
+// exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, float32's own).
+inline float exp_any(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
   const float y = x * 1.44269504088896341f;
   const float n = std::nearbyint(y);
   const float f = y - n;
@@ -97,8 +113,8 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
       for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
     float m = sinks ? sinks[g] : -std::numeric_limits<float>::max();
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-    float sum = sinks ? exp_nonpositive(sinks[g] - m) : 0.f;
-    for (int64_t i = 0; i < n; ++i) sg[i] = exp_nonpositive(sg[i] - m);
+    float sum = sinks ? exp_any(sinks[g] - m) : 0.f;
+    for (int64_t i = 0; i < n; ++i) sg[i] = exp_any(sg[i] - m);
     for (int64_t i = 0; i < n; ++i) sum += sg[i];
     const float inv = n > 0 ? 1.f / sum : 0.f;
     for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
@@ -115,7 +131,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
 }
 
 #ifdef __AVX512F__
-// exp_nonpositive on 16 lanes
+// exp_any on 16 lanes (inputs <= 0: softmax terms)
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -180,8 +196,8 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
       _mm512_storeu_ps(sg + i, e);
       sumv = _mm512_add_ps(sumv, e);
     }
-    float sum = _mm512_reduce_add_ps(sumv) + (sink ? exp_nonpositive(*sink - m) : 0.f);
-    for (; i < n; ++i) sum += (sg[i] = exp_nonpositive(sg[i] - m));
+    float sum = _mm512_reduce_add_ps(sumv) + (sink ? exp_any(*sink - m) : 0.f);
+    for (; i < n; ++i) sum += (sg[i] = exp_any(sg[i] - m));
     inv[hq] = n > 0 ? 1.f / sum : 0.f;
   }
   std::fill(acc, acc + Hq * D, 0.f);
@@ -269,10 +285,13 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, t
       const T* xr = xp + r * xs;
       T* orow = op + r * os;
       float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < H; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
       // HF: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype): the normalized row is rounded first.
-      for (int64_t i = 0; i < H; ++i) orow[i] = from_float<T>(to_float(wp[i]) * to_float(from_float<T>(to_float(xr[i]) * inv)));
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i)
+        orow[i] = from_float<T>(to_float(wp[i]) * to_float(from_float<T>(to_float(xr[i]) * inv)));
     }
   });
 }
@@ -293,8 +312,10 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Te
       const T* s = sp + pos[t] * cs;
       for (int64_t h = 0; h < H; ++h) {
         T* v = xp + t * ts + h * hs;
+#pragma omp simd
         for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(v[d]);
         // x * cos + swap_halves(x) * sin_signed, each product and the sum rounded to T as the torch ops do
+#pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
           const float a = to_float(from_float<T>(tmp[d] * to_float(c[d])));
           const float b = to_float(from_float<T>(tmp[d < half ? d + half : d - half] * to_float(s[d])));
@@ -305,7 +326,66 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Te
   });
 }
 
+template <typename T>
+void silu_mul_impl(torch::Tensor& gate, const torch::Tensor& up) {
+  const int64_t rows = gate.size(0), H = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  T* g = gate.data_ptr<T>();
+  const T* u = up.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* gr = g + r * gs;
+      const T* ur = u + r * us;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) {
+        const float x = to_float(gr[i]);
+        // F.silu(gate) rounded to T, then * up rounded: the two torch ops
+        gr[i] = from_float<T>(to_float(from_float<T>(x / (1.f + exp_any(-x)))) * to_float(ur[i]));
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// gate = silu(gate) * up in place; gate, up [rows, H] with unit stride in H.
+void silu_mul_(torch::Tensor gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+                  gate.scalar_type() == up.scalar_type(), "silu_mul_: gate and up [rows, H], unit stride, one dtype");
+  if (gate.scalar_type() == torch::kBFloat16) {
+    silu_mul_impl<c10::BFloat16>(gate, up);
+  } else {
+    TORCH_CHECK(gate.scalar_type() == torch::kFloat32, "silu_mul_: float32 or bfloat16");
+    silu_mul_impl<float>(gate, up);
+  }
+}
+
+// key/value [T, Hkv, D] (each token's heads contiguous) into the caches [blocks, bs, Hkv, D] at slot_mapping [T]
+// (int64, block * bs + offset; negative = skip), all of one dtype.
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor key_cache, torch::Tensor value_cache,
+              const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+                  key.stride(1) == key.size(2) && value.stride(1) == value.size(2) &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0) && key_cache.size(2) * key_cache.size(3) == key.size(1) * key.size(2),
+              "write_kv: key/value [T, Hkv, D] with contiguous heads, contiguous caches of their dtype, int64 slots");
+  const int64_t n = key.size(0), row = key.size(1) * key.size(2) * key.element_size();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " past the cache");
+  auto kp = static_cast<const char*>(key.data_ptr());
+  auto vp = static_cast<const char*>(value.data_ptr());
+  auto kc = static_cast<char*>(key_cache.data_ptr());
+  auto vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * row, kp + t * ks, row);
+    std::memcpy(vc + slots[t] * row, vp + t * vs, row);
+  }
+}
 
 // RMSNorm of each row of x [rows, H] (unit stride in H) with weight [H], into a new tensor.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -367,4 +447,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
   m.def("rope_", &rope_);
+  m.def("silu_mul_", &silu_mul_);
+  m.def("write_kv", &write_kv);
 }
