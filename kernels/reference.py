@@ -76,11 +76,12 @@ DECODE_GROUP_ROWS = 4096
 
 @dataclass
 class _Decodes:
-    """The step's decodes for the C++ kernel (kernels/cpu_ops.py), which reads their blocks in place."""
+    """Query rows for the C++ kernel (kernels/cpu_ops.py), which reads their blocks in place: every decode, and
+    the rows of short prefill chunks."""
 
     rows: Tensor                    # [n] int64 token rows
-    tables: Tensor                  # [n, max_blocks] int32 block tables
-    seq_lens: Tensor                # [n] int32
+    tables: Tensor                  # [n, blocks] int32: each row's sequence's block table
+    seq_lens: Tensor                # [n] int32: positions each row sees (its own included)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class ReferencePlan:
     num_tokens: int
     groups: list[_Group]
     empty_rows: Tensor | None       # rows that see no key (query_len > seq_len): output zeros
-    decodes: _Decodes | None = None  # decodes for the C++ kernel; None: they are in `groups`
+    decodes: _Decodes | None = None  # rows for the C++ kernel; None: decodes are in `groups`
     # Gather buffers for K and V (flat), made by the first call and reused by every group and layer.
     scratch: list[Tensor | None] = field(default_factory=lambda: [None, None], repr=False)
 
@@ -101,8 +102,8 @@ def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence
     """Precompute gather indices and masks; see `paged_attention` for the meaning of the arguments.
 
     Built with numpy on the host (a numpy call costs about a microsecond, a torch one several), then moved to
-    `device` (default: block_tables' device, CPU for an array). decode_kernel: the decodes go to the C++ kernel
-    instead of gathered SDPA groups (None: on CPU where it is built).
+    `device` (default: block_tables' device, CPU for an array). decode_kernel: the decodes (and short prefill
+    chunks) go to the C++ kernel instead of gathered SDPA groups (None: on CPU where it is built).
     """
     if isinstance(block_tables, Tensor):
         device = block_tables.device if device is None else device
@@ -113,21 +114,22 @@ def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
     starts = np.cumsum(q) - q
-    decodes = np.flatnonzero(q == 1)
     if decode_kernel is None:
         decode_kernel = device.type == "cpu" and cpu_ops.load() is not None
-    plan_decodes = None
+    plan_rows = None
     if decode_kernel:
-        plan_decodes = _Decodes(rows=torch.from_numpy(starts[decodes]),
-                                tables=torch.from_numpy(np.ascontiguousarray(tables[decodes], dtype=np.int32)),
-                                seq_lens=torch.from_numpy(s[decodes].astype(np.int32)))
+        # Decodes, and prefill chunks of short contexts, row by row: each query row sees its own prefix.
+        seqs = np.flatnonzero((q == 1) | ((q > 1) & (s <= KERNEL_PREFILL_MAX_CONTEXT)))
+        plan_rows = _kernel_rows(seqs, q, s, starts, tables, block_size)
         groups, empty = [], []
+        prefills = np.flatnonzero((q > 1) & (s > KERNEL_PREFILL_MAX_CONTEXT))
     else:
         # On CPU, slices small enough for a slice's gathered K/V to stay in cache; on CUDA, fewer launches.
         max_rows = DECODE_GROUP_ROWS if device.type == "cpu" else float("inf")
-        order, ends = _split_decodes(decodes, s, block_size, max_rows)
+        order, ends = _split_decodes(np.flatnonzero(q == 1), s, block_size, max_rows)
         groups, empty = _build_decode_groups(order, ends, tables, starts, s, block_size, device)
-    for ids in _split_prefills(np.flatnonzero(q > 1), q, s):
+        prefills = np.flatnonzero(q > 1)
+    for ids in _split_prefills(prefills, q, s):
         group, group_empty = _build_group(ids, tables, starts, q, s, block_size, device)
         groups.append(group)
         empty.append(group_empty)
@@ -136,8 +138,28 @@ def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence
         num_tokens=int(q.sum()),
         groups=groups,
         empty_rows=_to(empty_rows, device) if len(empty_rows) else None,
-        decodes=plan_decodes,
+        decodes=plan_rows,
     )
+
+
+# Prefill chunks whose sequences are at most this long go to the C++ kernel row by row (like decodes) instead of
+# SDPA over gathered blocks: measured faster up to here (kernels/README.md); its work grows with
+# query rows x context, SDPA's matmuls run that at a higher rate, so long prompts stay with SDPA.
+KERNEL_PREFILL_MAX_CONTEXT = 256
+
+
+def _kernel_rows(seqs: np.ndarray, q: np.ndarray, s: np.ndarray, starts: np.ndarray, tables: np.ndarray,
+                 block_size: int) -> _Decodes:
+    """One kernel row per query token of `seqs`: its token row, its sequence's block table, and the context it sees
+    (a chunk's row j of query_len n at seq_len L sees L - n + 1 + j positions)."""
+    counts = q[seqs]
+    seq_of_row = np.repeat(seqs, counts)
+    offset = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    lens = s[seq_of_row] - q[seq_of_row] + 1 + offset
+    cols = max(1, -(-int(lens.max(initial=0)) // block_size))
+    return _Decodes(rows=torch.from_numpy(starts[seq_of_row] + offset),
+                    tables=torch.from_numpy(np.ascontiguousarray(tables[seq_of_row, :cols], dtype=np.int32)),
+                    seq_lens=torch.from_numpy(np.maximum(lens, 0).astype(np.int32)))
 
 
 def _split_decodes(decodes: np.ndarray, seq_lens: np.ndarray, block_size: int,
@@ -330,7 +352,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
 
 def _decode_kernel(d: _Decodes, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
                    window: int | None, cap: float | None, sinks: Tensor | None, out: Tensor | None) -> Tensor:
-    """The decodes' rows of `out` (made when None) by the C++ kernel: blocks read in place, float32 scores."""
+    """The kernel rows of `out` (made when None) by the C++ kernel: blocks read in place, float32 scores."""
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     q, o = query, out

@@ -55,9 +55,10 @@ def _case(dtype, head_dim, num_heads, num_kv_heads, query_lens, seq_lens, seed=0
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (80, 6, 2)])
 @pytest.mark.parametrize("extra", [{}, {"sliding_window": 7}, {"sliding_window": 1}, {"softcap": 5.0}, "sinks"])
 def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_heads, num_kv_heads, extra):
-    # decodes of many lengths (1, a block's worth, past several blocks) mixed with prefill chunks
-    query_lens = [1, 5, 1, 1, 3, 1, 1]
-    seq_lens = [20, 30, 1, 100, 3, 47, 16]
+    # decodes of many lengths (1, a block's worth, past several blocks) mixed with prefill chunks: short ones (the
+    # kernel's, row by row) and one past KERNEL_PREFILL_MAX_CONTEXT (SDPA's)
+    query_lens = [1, 5, 1, 1, 3, 1, 1, 40]
+    seq_lens = [20, 30, 1, 100, 3, 47, 16, 300]
     q, kc, vc, tables = _case(dtype, head_dim, num_heads, num_kv_heads, query_lens, seq_lens)
     if extra == "sinks":
         extra = {"sinks": torch.randn(num_heads)}
@@ -70,13 +71,14 @@ def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_he
         return paged_attention(q.to(dt), kc.to(dt), vc.to(dt), tables, cu, lens, head_dim ** -0.5, plan=plan,
                                **extra).float()
 
-    decode_rows = torch.tensor(np.cumsum(query_lens) - 1)[torch.tensor(query_lens) == 1]
-    exact = run(False, torch.float32)[decode_rows]  # the SDPA path on the same values in float32
-    got = run(True, dtype)[decode_rows]
+    kernel_rows = build_reference_plan(tables, query_lens, seq_lens, 16, decode_kernel=True).decodes.rows
+    assert len(kernel_rows) == sum(query_lens) - 40  # all but the long prompt's chunk
+    exact = run(False, torch.float32)[kernel_rows]  # the SDPA path on the same values in float32
+    got = run(True, dtype)[kernel_rows]
     if dtype == torch.float32:
         torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
     else:  # float32 scores and sums, rounded once to bfloat16 at the end: no worse than SDPA in bfloat16
-        err, sdpa_err = (got - exact).abs(), (run(False, dtype)[decode_rows] - exact).abs()
+        err, sdpa_err = (got - exact).abs(), (run(False, dtype)[kernel_rows] - exact).abs()
         assert bool((err <= exact.abs() * 2 ** -8 + 1e-6).all()) and float(err.max()) <= float(sdpa_err.max())
 
 
