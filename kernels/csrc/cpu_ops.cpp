@@ -443,7 +443,67 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
   }
 }
 
+// Each row's token drawn from softmax(logits[row]) by inverse transform at uniforms[row] in [0, 1): the first token
+// whose running sum of e^(logit - max) exceeds uniform * total. The sums run in float64 over fixed chunks in a fixed
+// order, so a row's draw depends on its logits and its uniform only (never on the batch). A token of weight 0
+// (-inf logit) is never drawn. logits [rows, vocab] float32 contiguous, uniforms [rows] float64.
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
+                  uniforms.scalar_type() == torch::kFloat64 && uniforms.is_contiguous() &&
+                  uniforms.numel() == logits.size(0),
+              "sample_rows: logits [rows, vocab] float32 contiguous, uniforms [rows] float64");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  constexpr int64_t kChunk = 1024;
+  const int64_t chunks = (V + kChunk - 1) / kChunk;
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* lp = logits.data_ptr<float>();
+  const double* up = uniforms.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(V);
+    std::vector<double> sums(chunks);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
+      if (!(m > -std::numeric_limits<float>::infinity())) {  // nothing drawable (every logit -inf): token 0
+        op[r] = 0;
+        continue;
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < V; ++i) e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_any(x[i] - m);
+      double total = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        double s = 0.0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) s += e[i];
+        sums[c] = s;
+        total += s;
+      }
+      const double target = up[r] * total;
+      double run = 0.0;
+      int64_t c = 0;
+      while (c + 1 < chunks && run + sums[c] <= target) run += sums[c++];
+      int64_t token = -1;
+      for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) {
+        run += e[i];
+        if (run > target && e[i] > 0.f) {
+          token = i;
+          break;
+        }
+      }
+      if (token < 0)  // rounding left the target at the very end: the last drawable token
+        for (int64_t i = V - 1; i >= 0 && token < 0; --i)
+          if (e[i] > 0.f) token = i;
+      op[r] = token;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sample_rows", &sample_rows);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
   m.def("rope_", &rope_);
