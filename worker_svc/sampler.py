@@ -46,12 +46,13 @@ def draw_tokens(scaled: torch.Tensor, uniforms: torch.Tensor) -> np.ndarray:
     no normalization: the C++ kernel (kernels/cpu_ops.py) takes ~25 us a row of 49k; the torch form below, the
     same draw up to float64 summation order, is the fallback."""
     scaled = scaled.float().contiguous()
-    if (ops := cpu_ops.load()) is not None:
+    if scaled.device.type == "cpu" and (ops := cpu_ops.load()) is not None:
         return ops.sample_rows(scaled, uniforms).numpy()
+    uniforms = uniforms.to(scaled.device)
     weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp().double()
     cdf = weights.cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-    return tokens.clamp_(max=scaled.shape[1] - 1).numpy()
+    return tokens.clamp_(max=scaled.shape[1] - 1).cpu().numpy()
 
 
 @dataclass
