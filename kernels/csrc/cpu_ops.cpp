@@ -16,6 +16,10 @@
 
 namespace {
 
+void check_cpu(std::initializer_list<torch::Tensor> tensors, const char* op) {
+  for (const auto& t : tensors) TORCH_CHECK(t.device().is_cpu(), op, ": CPU tensors only");
+}
+
 // Conversions written as plain bit arithmetic (no branch) so that loops over them vectorize.
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) {
@@ -349,6 +353,7 @@ void silu_mul_impl(torch::Tensor& gate, const torch::Tensor& up) {
 
 // gate = silu(gate) * up in place; gate, up [rows, H] with unit stride in H.
 void silu_mul_(torch::Tensor gate, const torch::Tensor& up) {
+  check_cpu({gate, up}, "silu_mul_");
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
                   gate.scalar_type() == up.scalar_type(), "silu_mul_: gate and up [rows, H], unit stride, one dtype");
   if (gate.scalar_type() == torch::kBFloat16) {
@@ -363,6 +368,7 @@ void silu_mul_(torch::Tensor gate, const torch::Tensor& up) {
 // (int64, block * bs + offset; negative = skip), all of one dtype.
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor key_cache, torch::Tensor value_cache,
               const torch::Tensor& slot_mapping) {
+  check_cpu({key, value, key_cache, value_cache, slot_mapping}, "write_kv");
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
                   key.stride(1) == key.size(2) && value.stride(1) == value.size(2) &&
                   key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -389,6 +395,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 
 // RMSNorm of each row of x [rows, H] (unit stride in H) with weight [H], into a new tensor.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_cpu({x, w}, "rms_norm");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1) &&
                   w.scalar_type() == x.scalar_type(), "rms_norm: x [rows, H] with unit stride, w [H] of x's dtype");
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
@@ -404,6 +411,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // Rotary embedding in place: x [T, H, D] (unit stride in D) at positions [T] (int64), with the cos and sign-flipped
 // sin tables [max_position, D] (worker_svc.model.rope_tables): x = x * cos + swap_halves(x) * sin.
 void rope_(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_cpu({x, positions, cos, sin}, "rope_");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.size(1) == x.size(2) && x.size(2) % 2 == 0 && positions.scalar_type() == torch::kInt64 &&
                   positions.is_contiguous() && positions.numel() == x.size(0) &&
@@ -423,6 +431,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
                       const torch::Tensor& value_cache, const torch::Tensor& tables, const torch::Tensor& seq_lens,
                       double scale, int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks,
                       torch::Tensor out) {
+  check_cpu({query, rows, key_cache, value_cache, tables, seq_lens, out}, "decode_attention");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, "decode_attention: bad ranks");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
                   value_cache.strides() == key_cache.strides(),
@@ -448,6 +457,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
 // order, so a row's draw depends on its logits and its uniform only (never on the batch). A token of weight 0
 // (-inf logit) is never drawn. logits [rows, vocab] float32 contiguous, uniforms [rows] float64.
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& uniforms) {
+  check_cpu({logits, uniforms}, "sample_rows");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
                   uniforms.scalar_type() == torch::kFloat64 && uniforms.is_contiguous() &&
                   uniforms.numel() == logits.size(0),
