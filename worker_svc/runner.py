@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import secrets
 import time
 from typing import TYPE_CHECKING
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Steps below this many tokens leave one core to the serving processes (ModelRunner._set_cpu_threads).
-SMALL_STEP_TOKENS = int(os.environ.get("XX_SMALL", "32"))
+SMALL_STEP_TOKENS = 32
 
 
 def resolve_device(name: str) -> torch.device:
