@@ -1,6 +1,9 @@
 # llmserve image: the scheduler, the worker and the HTTP API share it (the command picks the role).
 FROM python:3.11-slim
 WORKDIR /app
+# g++: the worker compiles its C++ CPU kernels for the CPU it starts on (kernels/cpu_ops.py, ~30 s once per
+# container unless ~/.cache/llmserve is a volume)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir "torch==2.13.0"
 COPY pyproject.toml README.md ./
 COPY protos protos

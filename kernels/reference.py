@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_ops
+
 
 def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                    slot_mapping: Tensor) -> None:
@@ -31,6 +33,11 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
 
     key_cache/value_cache: [num_blocks, block_size, Hkv, D]; slot = block_id * block_size + offset.
     """
+    if (key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype and key.stride(1) == key.shape[2]
+            and value.stride(1) == value.shape[2] and slot_mapping.dtype == torch.int64
+            and (ops := cpu_ops.load()) is not None):
+        ops.write_kv(key, value, key_cache, value_cache, slot_mapping)  # a row copy per token, slots < 0 skipped
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
@@ -68,23 +75,35 @@ DECODE_GROUP_ROWS = 4096
 
 
 @dataclass
+class _Decodes:
+    """Query rows for the C++ kernel (kernels/cpu_ops.py), which reads their blocks in place: every decode, and
+    the rows of short prefill chunks."""
+
+    rows: Tensor                    # [n] int64 token rows
+    tables: Tensor                  # [n, blocks] int32: each row's sequence's block table
+    seq_lens: Tensor                # [n] int32: positions each row sees (its own included)
+
+
+@dataclass
 class ReferencePlan:
     """Everything `paged_attention` needs besides the tensors; built once per step, shared by layers."""
 
     num_tokens: int
     groups: list[_Group]
     empty_rows: Tensor | None       # rows that see no key (query_len > seq_len): output zeros
+    decodes: _Decodes | None = None  # rows for the C++ kernel; None: decodes are in `groups`
     # Gather buffers for K and V (flat), made by the first call and reused by every group and layer.
     scratch: list[Tensor | None] = field(default_factory=lambda: [None, None], repr=False)
 
 
 def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence[int] | np.ndarray,
                          seq_lens: Sequence[int] | np.ndarray, block_size: int,
-                         device: torch.device | str | None = None) -> ReferencePlan:
+                         device: torch.device | str | None = None, decode_kernel: bool | None = None) -> ReferencePlan:
     """Precompute gather indices and masks; see `paged_attention` for the meaning of the arguments.
 
     Built with numpy on the host (a numpy call costs about a microsecond, a torch one several), then moved to
-    `device` (default: block_tables' device, CPU for an array).
+    `device` (default: block_tables' device, CPU for an array). decode_kernel: the decodes (and short prefill
+    chunks) go to the C++ kernel instead of gathered SDPA groups (None: on CPU where it is built).
     """
     if isinstance(block_tables, Tensor):
         device = block_tables.device if device is None else device
@@ -95,20 +114,52 @@ def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
     starts = np.cumsum(q) - q
-    # On CPU, slices small enough for a slice's gathered K/V to stay in cache; on CUDA, fewer launches.
-    max_rows = DECODE_GROUP_ROWS if device.type == "cpu" else float("inf")
-    order, ends = _split_decodes(np.flatnonzero(q == 1), s, block_size, max_rows)
-    groups, empty = _build_decode_groups(order, ends, tables, starts, s, block_size, device)
-    for ids in _split_prefills(np.flatnonzero(q > 1), q, s):
+    if decode_kernel is None:
+        decode_kernel = device.type == "cpu" and cpu_ops.load() is not None
+    plan_rows = None
+    if decode_kernel:
+        # Decodes, and prefill chunks of short contexts, row by row: each query row sees its own prefix.
+        seqs = np.flatnonzero((q == 1) | ((q > 1) & (s <= KERNEL_PREFILL_MAX_CONTEXT)))
+        plan_rows = _kernel_rows(seqs, q, s, starts, tables, block_size)
+        groups, empty = [], []
+        prefills = np.flatnonzero((q > 1) & (s > KERNEL_PREFILL_MAX_CONTEXT))
+    else:
+        # On CPU, slices small enough for a slice's gathered K/V to stay in cache; on CUDA, fewer launches.
+        max_rows = DECODE_GROUP_ROWS if device.type == "cpu" else float("inf")
+        order, ends = _split_decodes(np.flatnonzero(q == 1), s, block_size, max_rows)
+        groups, empty = _build_decode_groups(order, ends, tables, starts, s, block_size, device)
+        prefills = np.flatnonzero(q > 1)
+    for ids in _split_prefills(prefills, q, s):
         group, group_empty = _build_group(ids, tables, starts, q, s, block_size, device)
         groups.append(group)
         empty.append(group_empty)
-    empty_rows = np.concatenate(empty)
+    empty_rows = np.concatenate(empty) if empty else np.zeros(0, dtype=np.int64)
     return ReferencePlan(
         num_tokens=int(q.sum()),
         groups=groups,
         empty_rows=_to(empty_rows, device) if len(empty_rows) else None,
+        decodes=plan_rows,
     )
+
+
+# Prefill chunks whose sequences are at most this long go to the C++ kernel row by row (like decodes) instead of
+# SDPA over gathered blocks: measured faster up to here (kernels/README.md); its work grows with
+# query rows x context, SDPA's matmuls run that at a higher rate, so long prompts stay with SDPA.
+KERNEL_PREFILL_MAX_CONTEXT = 256
+
+
+def _kernel_rows(seqs: np.ndarray, q: np.ndarray, s: np.ndarray, starts: np.ndarray, tables: np.ndarray,
+                 block_size: int) -> _Decodes:
+    """One kernel row per query token of `seqs`: its token row, its sequence's block table, and the context it sees
+    (a chunk's row j of query_len n at seq_len L sees L - n + 1 + j positions)."""
+    counts = q[seqs]
+    seq_of_row = np.repeat(seqs, counts)
+    offset = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    lens = s[seq_of_row] - q[seq_of_row] + 1 + offset
+    cols = max(1, -(-int(lens.max(initial=0)) // block_size))
+    return _Decodes(rows=torch.from_numpy(starts[seq_of_row] + offset),
+                    tables=torch.from_numpy(np.ascontiguousarray(tables[seq_of_row, :cols], dtype=np.int32)),
+                    seq_lens=torch.from_numpy(np.maximum(lens, 0).astype(np.int32)))
 
 
 def _split_decodes(decodes: np.ndarray, seq_lens: np.ndarray, block_size: int,
@@ -280,6 +331,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         plan = build_reference_plan(block_tables, query_lens, seq_lens.tolist(), key_cache.shape[1],
                                     device=query.device)
     groups = plan.groups
+    if plan.decodes is not None and len(plan.decodes.rows):
+        out = _decode_kernel(plan.decodes, query, key_cache, value_cache, scale, window, cap, sinks, out)
     if (out is None and len(groups) == 1 and plan.empty_rows is None and groups[0].real_pos is None
             and groups[0].span == (0, plan.num_tokens)):
         # One group covering every row in order (a lone prompt, or a few decodes): its result is the output.
@@ -294,6 +347,21 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
             out.index_copy_(0, g.rows, o)
     if plan.empty_rows is not None:
         out.index_fill_(0, plan.empty_rows, 0.0)
+    return out
+
+
+def _decode_kernel(d: _Decodes, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
+                   window: int | None, cap: float | None, sinks: Tensor | None, out: Tensor | None) -> Tensor:
+    """The kernel rows of `out` (made when None) by the C++ kernel: blocks read in place, float32 scores."""
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    q, o = query, out
+    if query.dtype != key_cache.dtype:  # the kernel runs in the cache's dtype
+        q, o = query.to(key_cache.dtype), torch.empty(query.shape, dtype=key_cache.dtype)
+    cpu_ops.load().decode_attention(q, d.rows, key_cache, value_cache, d.tables, d.seq_lens, scale, window or 0,
+                                    cap or 0.0, None if sinks is None else sinks.float().contiguous(), o)
+    if o is not out:
+        out.index_copy_(0, d.rows, o.index_select(0, d.rows).to(out.dtype))
     return out
 
 

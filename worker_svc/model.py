@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import cpu_ops
 from worker_svc.config import ModelConfig
 from worker_svc.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
 
@@ -109,6 +110,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # One fused kernel instead of six ops; bit-identical to the composite below in float32.
         return F.rms_norm(x, weight.shape, weight, eps)
+    if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" \
+            and (ops := cpu_ops.load()) is not None and not torch.compiler.is_compiling():
+        return ops.rms_norm(x, weight, eps)  # the composite below in one pass (same roundings)
     # Statistics in float32 so bf16/fp16 activations don't lose precision; same cast order as HF.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -286,6 +290,8 @@ class LlamaModel:
         # cos/sin for every position; sin with its first half negated, for rope as x * cos + swap_halves(x) * sin
         self.max_position = max_position or config.max_position_embeddings
         self.cos_cache, self.sin_signed_cache = rope_tables(config, self.max_position, dtype, self.device)
+        # The C++ CPU kernels (rope in place, and rms_norm / decode attention through their callers), or None.
+        self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config
@@ -304,8 +310,11 @@ class LlamaModel:
         """With `pool_indices`: (logits, [P, hidden] hidden states after the last norm) (embeddings)."""
         c = self.config
         num_tokens = input_ids.shape[0]
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
-        sin = self.sin_signed_cache[positions].unsqueeze(1)
+        if self.cpu_ops is not None:
+            positions = positions.to(torch.int64).contiguous()
+        else:
+            cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
+            sin = self.sin_signed_cache[positions].unsqueeze(1)
         qk_heads = c.num_heads + c.num_kv_heads
 
         h = self._embed(input_ids)  # a fresh tensor: linear_add may update it in place
@@ -320,7 +329,10 @@ class LlamaModel:
             qk = qk.view(num_tokens, qk_heads, c.head_dim)
             if layer.qk_norm is not None:
                 qk = head_rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
-            qk = qk * cos + swap_halves(qk) * sin
+            if self.cpu_ops is not None:
+                self.cpu_ops.rope_(qk, positions, self.cos_cache, self.sin_signed_cache)
+            else:
+                qk = qk * cos + swap_halves(qk) * sin
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
 
@@ -363,7 +375,11 @@ class LlamaModel:
         if self.lora is not None:
             self.lora.add(i, "gate", x, gate)
             self.lora.add(i, "up", x, up)
-        act = F.silu(gate, inplace=True).mul_(up)  # in place: two fewer allocations
+        if self.cpu_ops is not None and gate.dtype == torch.bfloat16 and gate.dim() == 2:
+            self.cpu_ops.silu_mul_(gate, up)  # the two ops below in one pass, same roundings
+            act = gate
+        else:
+            act = F.silu(gate, inplace=True).mul_(up)  # in place: two fewer allocations
         return self._row_parallel_add(act, layer.down, None, residual, (i, "down"))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

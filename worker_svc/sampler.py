@@ -1,14 +1,11 @@
 """Batched sampling: logit bias, bad words, penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-The random draw for a request's token at position p is a pure function of (seed, p): a
-generator seeded from a hash of (seed, p) draws one Exp(1) variable per vocabulary entry, and
-the token is argmax(prob / noise) (the exponential race, equivalent to sampling from prob).
-So a request's text depends neither on its batch companions nor on preemption and recompute.
+The random draw for a request's token at position p is a pure function of (seed, p): a hash of (seed, p) gives one
+uniform u in [0, 1), and the token is drawn from the row's softmax by inverse transform at u (`draw_tokens`). So a
+request's text depends neither on its batch companions nor on preemption and recompute.
 
-Everything is tensor operations over the rows that sample this step, except drawing that noise:
-torch's generator has no batched form, so each row that samples with temperature > 0 seeds one
-(a few microseconds); greedy rows cost nothing per row. The results are bit-identical to the
-per-row sampler this replaced (tests/legacy_host_path.py keeps it as the oracle).
+Everything is array operations over the rows that sample this step; greedy rows cost nothing per row. The per-row
+sampler this replaced is kept as the oracle (tests/support/legacy_host_path.py) and agrees bit for bit.
 
 `pack_logprobs` lays a sample's logprobs out as the step's output wants them, for plain sampling and speculative
 verification alike.
@@ -23,48 +20,39 @@ import numpy as np
 import torch
 
 from common.sampling_fields import FIELDS
+from kernels import cpu_ops
 from worker_svc.outputs import Logprobs
 
-_MASK64 = (1 << 64) - 1
 
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def draw_seed(seed: int, position: int) -> int:
-    """The generator seed for one (request seed, token position) pair."""
-    return _splitmix64(seed ^ _splitmix64(position)) >> 1  # torch seeds must fit in int64
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    # uint64 arithmetic wraps modulo 2**64, as the & _MASK64 above
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # uint64 arithmetic wraps modulo 2**64
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
 
 
-def draw_seeds(seeds: np.ndarray, positions: np.ndarray) -> list[int]:
-    """`draw_seed` of each (seeds[i], positions[i]), vectorized."""
+def draw_uniforms(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """[rows] float64 uniforms in [0, 1): row i is a pure function of (seeds[i], positions[i]) (53 random bits)."""
     seeds = np.asarray(seeds, dtype=np.uint64)
     positions = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-    return (_splitmix64_array(seeds ^ _splitmix64_array(positions)) >> np.uint64(1)).tolist()
+    bits = _splitmix64(seeds ^ _splitmix64(positions)) >> np.uint64(11)
+    return torch.from_numpy(bits.astype(np.float64) * 2.0 ** -53)
 
 
-def exponential_noise(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
-                      vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] Exp(1) draws; row i is a pure function of (seeds[i], positions[i])."""
-    out = torch.empty(len(seeds), vocab_size, dtype=torch.float32)
-    gen = torch.Generator()
-    for i, s in enumerate(draw_seeds(np.asarray(seeds, dtype=np.uint64), positions)):
-        gen.manual_seed(s)
-        torch.rand(vocab_size, generator=gen, out=out[i])
-    # rand is in [0, 1): 1 - u is in (0, 1], so the log is finite.
-    return -torch.log1p(-out)
+def draw_tokens(scaled: torch.Tensor, uniforms: torch.Tensor) -> np.ndarray:
+    """Each row's token drawn from softmax(scaled[row]) by inverse transform at uniforms[row]: the first token whose
+    running sum of e^(logit - max) exceeds uniform * total (a -inf logit is never drawn). One uniform per row and
+    no normalization: the C++ kernel (kernels/cpu_ops.py) takes ~25 us a row of 49k; the torch form below, the
+    same draw up to float64 summation order, is the fallback."""
+    scaled = scaled.float().contiguous()
+    if scaled.device.type == "cpu" and (ops := cpu_ops.load()) is not None:
+        return ops.sample_rows(scaled, uniforms).numpy()
+    uniforms = uniforms.to(scaled.device)
+    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp().double()
+    cdf = weights.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    return tokens.clamp_(max=scaled.shape[1] - 1).cpu().numpy()
 
 
 @dataclass
@@ -254,11 +242,7 @@ def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
         # the rows that ask would change some draws.
         if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
             scaled = _filter(scaled, torch.from_numpy(top_k), torch.from_numpy(top_p), torch.from_numpy(min_p))
-        probs = scaled.softmax(dim=-1)
-        noise = exponential_noise(b.seed[random_rows], b.position[random_rows], logits.shape[1])
-        # A zero draw (u = 0 exactly: about once per 340 rows of 49k) makes 0 / 0 = NaN for a token of probability 0
-        # (masked by a grammar, or underflowed), and argmax picks the first NaN: such a token must lose instead.
-        tokens[random_rows] = (probs / noise).nan_to_num_(nan=0.0).numpy().argmax(axis=-1)
+        tokens[random_rows] = draw_tokens(scaled, draw_uniforms(b.seed[random_rows], b.position[random_rows]))
 
     chosen: list[float] = []
     top: list[list[tuple[int, float]]] = []

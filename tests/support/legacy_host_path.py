@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from kernels.reference import DECODE_GROUP_ROWS, PADDING_LIMIT, AttentionMetadata, ReferencePlan, _Group
-from worker_svc.sampler import draw_seed
+from worker_svc.sampler import draw_tokens, draw_uniforms
 from worker_svc.sampling import SamplingParams
 
 # ------------------------------------------------------------------------------ inputs (runner._prepare)
@@ -188,15 +188,6 @@ def _build_group(ids: list[int], tables: Tensor, starts: list[int], query_lens: 
 # ------------------------------------------------------------------------------------------- sampler
 
 
-def exponential_noise(seeds: list[int], positions: list[int], vocab_size: int) -> torch.Tensor:
-    out = torch.empty(len(seeds), vocab_size, dtype=torch.float32)
-    gen = torch.Generator()
-    for i, (seed, pos) in enumerate(zip(seeds, positions, strict=True)):
-        gen.manual_seed(draw_seed(seed, pos))
-        torch.rand(vocab_size, generator=gen, out=out[i])
-    return -torch.log1p(-out)
-
-
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one request that samples this step."""
@@ -280,9 +271,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         min_p = torch.tensor([r.params.min_p for r in sub], dtype=torch.float32)
         if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
             scaled = _filter(scaled, top_k, top_p, min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = exponential_noise([r.params.seed for r in sub], [r.position for r in sub], logits.shape[1])
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        for j, r in enumerate(sub):  # one row at a time
+            u = draw_uniforms([r.params.seed], [r.position])
+            tokens[random_rows[j]] = int(draw_tokens(scaled[j:j + 1], u)[0])
 
     token_list = tokens.tolist()
     out_lp: list[float | None] = [None] * len(rows)

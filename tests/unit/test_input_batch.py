@@ -27,6 +27,13 @@ BLOCK = 4
 VOCAB = 50
 
 
+@pytest.fixture(autouse=True)
+def _gathered_decodes(monkeypatch):
+    """The legacy construction gathers decodes into SDPA groups: compare against the same, not the C++ kernel's
+    record (tests/unit/test_cpu_ops.py covers that path)."""
+    monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
+
+
 def assert_same(a, b, path="") -> None:
     """Deep equality of metadata / plans: tensors by dtype, shape and value."""
     if isinstance(a, torch.Tensor):

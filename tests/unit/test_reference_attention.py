@@ -237,7 +237,8 @@ def test_build_attention_metadata_rejects_bad_input():
 
 
 def test_plan_groups_decodes_and_prefills():
-    plan = build_reference_plan(torch.zeros(4, 8, dtype=torch.int32), [1, 6, 1, 5], [20, 100, 40, 96], 16)
+    plan = build_reference_plan(torch.zeros(4, 8, dtype=torch.int32), [1, 6, 1, 5], [20, 100, 40, 96], 16,
+                                decode_kernel=False)
     decode, prefill = plan.groups
     assert (decode.num_seqs, decode.max_q, decode.kv_len, decode.num_blocks) == (2, 1, 40, 3)
     assert (prefill.num_seqs, prefill.max_q, prefill.kv_len, prefill.num_blocks) == (2, 6, 100, 7)
@@ -247,7 +248,8 @@ def test_plan_groups_decodes_and_prefills():
 def test_prefills_of_very_different_shapes_are_not_padded_together():
     # A 4k-token prompt with short ones: padding them together would cost ~4k x 4k scores per short prompt.
     q = [4000, 100, 110, 6, 1]
-    plan = build_reference_plan(torch.zeros(5, 256, dtype=torch.int32), q, [4000, 100, 110, 90, 50], 16)
+    plan = build_reference_plan(torch.zeros(5, 256, dtype=torch.int32), q, [4000, 100, 110, 90, 50], 16,
+                                decode_kernel=False)
     shapes = sorted((g.num_seqs, g.max_q, g.kv_len) for g in plan.groups)
     assert shapes == [(1, 1, 50), (1, 6, 90), (1, 4000, 4000), (2, 110, 110)]
     assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(sum(q)))
@@ -257,7 +259,8 @@ def test_decodes_are_grouped_by_context_length():
     # 2k-token contexts among 200-token ones, interleaved in batch order: sorted and cut so no short context is
     # padded to 2k; on CPU also capped at DECODE_GROUP_ROWS gathered rows per group.
     seq = [200 if i % 8 else 2000 for i in range(64)]
-    plan = build_reference_plan(torch.zeros(64, 128, dtype=torch.int32), [1] * 64, seq, 16, device="cpu")
+    plan = build_reference_plan(torch.zeros(64, 128, dtype=torch.int32), [1] * 64, seq, 16, device="cpu",
+                                decode_kernel=False)
     for g in plan.groups:
         lens = {seq[r] for r in g.rows.tolist()}
         assert len(lens) == 1 and g.num_seqs * g.num_blocks * 16 <= max(DECODE_GROUP_ROWS, g.num_blocks * 16)

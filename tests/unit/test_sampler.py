@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from worker_svc.input_batch import InputBatch
-from worker_svc.sampler import BatchSample, SamplingBatch, apply_penalties, exponential_noise, sample_batch
+from worker_svc.sampler import (
+    BatchSample,
+    SamplingBatch,
+    apply_penalties,
+    draw_tokens,
+    draw_uniforms,
+    sample_batch,
+)
 from worker_svc.sampling import SamplingParams
 
 V = 64
@@ -63,12 +70,27 @@ def test_same_seed_same_token_whatever_the_companions():
     assert tokens(mixed.clone(), rows)[2] == alone
 
 
-def test_noise_is_a_function_of_seed_and_position():
-    a = exponential_noise([7, 7, 8], [100, 101, 100], V)
-    b = exponential_noise([7], [100], V)
-    assert torch.equal(a[0], b[0])
-    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
-    assert (a > 0).all()
+def test_uniforms_are_a_function_of_seed_and_position():
+    a = draw_uniforms([7, 7, 8], [100, 101, 100])
+    b = draw_uniforms([7], [100])
+    assert a.dtype == torch.float64 and a[0] == b[0]
+    assert a[0] != a[1] and a[0] != a[2]
+    assert bool(((a >= 0) & (a < 1)).all())
+
+
+def test_draw_tokens_is_the_inverse_transform_of_the_softmax():
+    # weights 1, 2, 1, 0 (a -inf logit): cumulative 0.25, 0.75, 1.0; a uniform lands in one interval
+    lg = torch.log(torch.tensor([[1.0, 2.0, 1.0, 0.0]])).expand(6, 4).contiguous()
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 0.999999], dtype=torch.float64)
+    assert draw_tokens(lg, u).tolist() == [0, 0, 1, 1, 2, 2]
+    # the C++ kernel and the torch form agree (test_sampler_batched covers whole batches)
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(8, 5000, generator=g) * 3
+    u = torch.rand(8, dtype=torch.float64, generator=g)
+    from kernels import cpu_ops
+    weights = (big - big.amax(-1, keepdim=True)).exp().double().cumsum(-1)
+    want = torch.searchsorted(weights, (u * weights[:, -1])[:, None], right=True)[:, 0]
+    assert cpu_ops.load().sample_rows(big.contiguous(), u).tolist() == want.tolist()
 
 
 def test_different_seeds_give_different_samples():

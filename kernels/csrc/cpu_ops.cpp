@@ -1,0 +1,522 @@
+// CPU kernels the torch ops do not cover well (built by kernels/cpu_ops.py; see kernels/README.md):
+//   decode_attention: each decode's one query row over its paged K/V, blocks read in place, float32 scores;
+//   rms_norm, rope_: the decoder's per-token elementwise steps in one pass each, rounded where Hugging Face's
+//   bfloat16 ops round (so the results equal the chain of torch ops up to float32 summation order).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_cpu(std::initializer_list<torch::Tensor> tensors, const char* op) {
+  for (const auto& t : tensors) TORCH_CHECK(t.device().is_cpu(), op, ": CPU tensors only");
+}
+
+// Conversions written as plain bit arithmetic (no branch) so that loops over them vectorize.
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) { return v; }
+// Round to nearest even, NaN to the quiet NaN: the same bits as torch's float -> bfloat16 conversion.
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+}
+
+// e^x (x clamped to [-87, 88]) as plain arithmetic a compiler vectorizes: 2^(x log2 e) split into 2^n, built in the
+// exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, float32's own).
+inline float exp_any(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+#ifdef __AVX512F__
+// 16 values as float32 lanes
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) s += q[d] * to_float(k[d]);
+  return s;
+}
+
+// acc += p * v over D values
+template <typename T>
+inline void axpy(float p, const T* v, float* acc, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#endif
+  for (; d < D; ++d) acc[d] += p * to_float(v[d]);
+}
+
+// One (sequence, KV head) task: the G query heads that share the KV head, over positions [start, len).
+// Two passes over the keys (scores, then the weighted sum of values) with every score kept: a decode's context is
+// at most max_model_len rows, and the exact max makes the softmax match the one-pass float32 reference.
+template <typename T>
+void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride,
+                const int32_t* table, int64_t start, int64_t len, int64_t block_size, int64_t G, int64_t D,
+                float scale, float softcap, const float* sinks, float* scores, float* acc, float* qf, T* out,
+                int64_t out_head_stride) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * q_head_stride + d]) * scale;
+  const int64_t n = len - start;
+  for (int64_t t = start; t < len; ++t) {
+    const T* k = kc + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+    for (int64_t g = 0; g < G; ++g) scores[g * n + (t - start)] = dot(qf + g * D, k, D);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
+    float m = sinks ? sinks[g] : -std::numeric_limits<float>::max();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    float sum = sinks ? exp_any(sinks[g] - m) : 0.f;
+    for (int64_t i = 0; i < n; ++i) sg[i] = exp_any(sg[i] - m);
+    for (int64_t i = 0; i < n; ++i) sum += sg[i];
+    const float inv = n > 0 ? 1.f / sum : 0.f;
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = start; t < len; ++t) {
+    const T* v = vc + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      axpy(scores[g * n + (t - start)], v, acc + g * D, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = from_float<T>(acc[g * D + d]);
+}
+
+#ifdef __AVX512F__
+// exp_any on 16 lanes (inputs <= 0: softmax terms)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+// One decode's attention, all heads, for head_dim = 16 * DV. The K and V rows are read in the cache's order (token
+// by token, every KV head of a token together) so each block streams from memory once; the query vectors, the
+// scores and the output accumulators of all heads live in small per-thread buffers in L1/L2.
+template <typename T, int DV>
+void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
+                       int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
+                       int64_t block_size, int64_t Hkv, int64_t G, float scale, float softcap, const float* sinks,
+                       float* scores, float* qf, float* acc, float* inv, T* out, int64_t out_head_stride) {
+  constexpr int D = 16 * DV;
+  const int64_t n = len - start, Hq = Hkv * G;
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int dv = 0; dv < DV; ++dv)
+      _mm512_storeu_ps(qf + hq * D + dv * 16,
+                       _mm512_mul_ps(load16(q + hq * q_head_stride + dv * 16), _mm512_set1_ps(scale)));
+  // scores[hq * n + i] for position start + i
+  for (int64_t t = start; t < len;) {
+    const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+    const T* k = kc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+    for (; t < stop; ++t, k += tok_stride) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        __m512 kv[DV];
+        for (int dv = 0; dv < DV; ++dv) kv[dv] = load16(k + h * head_stride + dv * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf + (h * G + g) * D;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+          for (int dv = 1; dv < DV; ++dv) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + dv * 16), kv[dv], a);
+          scores[(h * G + g) * n + (t - start)] = _mm512_reduce_add_ps(a);
+        }
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* sg = scores + hq * n;
+    const float* sink = sinks ? sinks + hq : nullptr;
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
+    __m512 mv = _mm512_set1_ps(sink ? *sink : -std::numeric_limits<float>::max());
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + i));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; i < n; ++i) m = std::max(m, sg[i]);
+    __m512 sumv = _mm512_setzero_ps();
+    const __m512 mb = _mm512_set1_ps(m);
+    for (i = 0; i + 16 <= n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mb));
+      _mm512_storeu_ps(sg + i, e);
+      sumv = _mm512_add_ps(sumv, e);
+    }
+    float sum = _mm512_reduce_add_ps(sumv) + (sink ? exp_any(*sink - m) : 0.f);
+    for (; i < n; ++i) sum += (sg[i] = exp_any(sg[i] - m));
+    inv[hq] = n > 0 ? 1.f / sum : 0.f;
+  }
+  std::fill(acc, acc + Hq * D, 0.f);
+  for (int64_t t = start; t < len;) {
+    const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+    const T* v = vc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+    for (; t < stop; ++t, v += tok_stride) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        __m512 vv[DV];
+        for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + h * head_stride + dv * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = h * G + g;
+          const __m512 p = _mm512_set1_ps(scores[hq * n + (t - start)]);
+          float* a = acc + hq * D;
+          for (int dv = 0; dv < DV; ++dv)
+            _mm512_storeu_ps(a + dv * 16, _mm512_fmadd_ps(p, vv[dv], _mm512_loadu_ps(a + dv * 16)));
+        }
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
+}
+#endif
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
+                           const torch::Tensor& value_cache, const torch::Tensor& tables,
+                           const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                           const c10::optional<torch::Tensor>& sinks, torch::Tensor& out) {
+  const int64_t num = rows.size(0), Hq = query.size(1), D = query.size(2), Hkv = key_cache.size(2);
+  const int64_t G = Hq / Hkv, block_size = key_cache.size(1), max_len = tables.size(1) * block_size;
+  const T* q = query.data_ptr<T>();
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t blk = key_cache.stride(0), tok = key_cache.stride(1), head = key_cache.stride(2);
+#ifdef __AVX512F__
+  if (D == 64 || D == 128) {  // a task per decode, all heads: its blocks stream from memory in order
+    auto fn = D == 64 ? attend_seq_avx512<T, 4> : attend_seq_avx512<T, 8>;
+    at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(Hq * max_len), qf(Hq * D), acc(Hq * D), inv(Hq);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t len = lens[i], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * tables.size(1), start, len, block_size,
+           Hkv, G, static_cast<float>(scale), static_cast<float>(softcap), sink, scores.data(), qf.data(),
+           acc.data(), inv.data(), o + row[i] * o_tok, o_head);
+      }
+    });
+    return;
+  }
+#endif
+  // Tasks (decode, KV head); each thread keeps its own score and accumulator buffers.
+  at::parallel_for(0, num * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * max_len), acc(G * D), qf(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / Hkv, h = task % Hkv;
+      const int64_t len = lens[i];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok,
+                    tab + i * tables.size(1), start, len, block_size, G, D, static_cast<float>(scale),
+                    static_cast<float>(softcap), sink ? sink + h * G : nullptr, scores.data(), acc.data(), qf.data(),
+                    o + row[i] * o_tok + h * G * o_head, o_head);
+    }
+  });
+}
+
+}  // namespace
+
+namespace {
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  const int64_t rows = x.size(0), H = x.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      T* orow = op + r * os;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      // HF: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype): the normalized row is rounded first.
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i)
+        orow[i] = from_float<T>(to_float(wp[i]) * to_float(from_float<T>(to_float(xr[i]) * inv)));
+    }
+  });
+}
+
+template <typename T>
+void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
+               const torch::Tensor& sin) {
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0);
+  T* xp = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + pos[t] * cs;
+      const T* s = sp + pos[t] * cs;
+      for (int64_t h = 0; h < H; ++h) {
+        T* v = xp + t * ts + h * hs;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(v[d]);
+        // x * cos + swap_halves(x) * sin_signed, each product and the sum rounded to T as the torch ops do
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = to_float(from_float<T>(tmp[d] * to_float(c[d])));
+          const float b = to_float(from_float<T>(tmp[d < half ? d + half : d - half] * to_float(s[d])));
+          v[d] = from_float<T>(a + b);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(torch::Tensor& gate, const torch::Tensor& up) {
+  const int64_t rows = gate.size(0), H = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  T* g = gate.data_ptr<T>();
+  const T* u = up.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* gr = g + r * gs;
+      const T* ur = u + r * us;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) {
+        const float x = to_float(gr[i]);
+        // F.silu(gate) rounded to T, then * up rounded: the two torch ops
+        gr[i] = from_float<T>(to_float(from_float<T>(x / (1.f + exp_any(-x)))) * to_float(ur[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// gate = silu(gate) * up in place; gate, up [rows, H] with unit stride in H.
+void silu_mul_(torch::Tensor gate, const torch::Tensor& up) {
+  check_cpu({gate, up}, "silu_mul_");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+                  gate.scalar_type() == up.scalar_type(), "silu_mul_: gate and up [rows, H], unit stride, one dtype");
+  if (gate.scalar_type() == torch::kBFloat16) {
+    silu_mul_impl<c10::BFloat16>(gate, up);
+  } else {
+    TORCH_CHECK(gate.scalar_type() == torch::kFloat32, "silu_mul_: float32 or bfloat16");
+    silu_mul_impl<float>(gate, up);
+  }
+}
+
+// key/value [T, Hkv, D] (each token's heads contiguous) into the caches [blocks, bs, Hkv, D] at slot_mapping [T]
+// (int64, block * bs + offset; negative = skip), all of one dtype.
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor key_cache, torch::Tensor value_cache,
+              const torch::Tensor& slot_mapping) {
+  check_cpu({key, value, key_cache, value_cache, slot_mapping}, "write_kv");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+                  key.stride(1) == key.size(2) && value.stride(1) == value.size(2) &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0) && key_cache.size(2) * key_cache.size(3) == key.size(1) * key.size(2),
+              "write_kv: key/value [T, Hkv, D] with contiguous heads, contiguous caches of their dtype, int64 slots");
+  const int64_t n = key.size(0), row = key.size(1) * key.size(2) * key.element_size();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " past the cache");
+  auto kp = static_cast<const char*>(key.data_ptr());
+  auto vp = static_cast<const char*>(value.data_ptr());
+  auto kc = static_cast<char*>(key_cache.data_ptr());
+  auto vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * row, kp + t * ks, row);
+    std::memcpy(vc + slots[t] * row, vp + t * vs, row);
+  }
+}
+
+// RMSNorm of each row of x [rows, H] (unit stride in H) with weight [H], into a new tensor.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_cpu({x, w}, "rms_norm");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1) &&
+                  w.scalar_type() == x.scalar_type(), "rms_norm: x [rows, H] with unit stride, w [H] of x's dtype");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == torch::kBFloat16) {
+    rms_norm_impl<c10::BFloat16>(x, w, eps, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rms_norm: float32 or bfloat16");
+    rms_norm_impl<float>(x, w, eps, out);
+  }
+  return out;
+}
+
+// Rotary embedding in place: x [T, H, D] (unit stride in D) at positions [T] (int64), with the cos and sign-flipped
+// sin tables [max_position, D] (worker_svc.model.rope_tables): x = x * cos + swap_halves(x) * sin.
+void rope_(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_cpu({x, positions, cos, sin}, "rope_");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(1) == x.size(2) && x.size(2) % 2 == 0 && positions.scalar_type() == torch::kInt64 &&
+                  positions.is_contiguous() && positions.numel() == x.size(0) &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope_: x [T, H, D] unit stride in D, positions [T] int64, tables [P, D] of x's dtype");
+  if (x.scalar_type() == torch::kBFloat16) {
+    rope_impl<c10::BFloat16>(x, positions, cos, sin);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rope_: float32 or bfloat16");
+    rope_impl<float>(x, positions, cos, sin);
+  }
+}
+
+// out[rows[i]] = attention of query[rows[i]] over sequence i's first seq_lens[i] cached positions (the last
+// `window` of them when window > 0). query/out: [T, Hq, D] with unit stride in D; caches [blocks, bs, Hkv, D].
+void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, const torch::Tensor& tables, const torch::Tensor& seq_lens,
+                      double scale, int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks,
+                      torch::Tensor out) {
+  check_cpu({query, rows, key_cache, value_cache, tables, seq_lens, out}, "decode_attention");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, "decode_attention: bad ranks");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
+                  value_cache.strides() == key_cache.strides(),
+              "decode_attention: head dims must be contiguous and the caches alike");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "decode_attention: query, cache and out must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && tables.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32 && tables.is_contiguous(),
+              "decode_attention: rows int64, tables and seq_lens int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "decode_attention: Hq must be a multiple of Hkv");
+  if (query.scalar_type() == torch::kBFloat16) {
+    decode_attention_impl<c10::BFloat16>(query, rows, key_cache, value_cache, tables, seq_lens, scale, window,
+                                         softcap, sinks, out);
+  } else {
+    TORCH_CHECK(query.scalar_type() == torch::kFloat32, "decode_attention: float32 or bfloat16");
+    decode_attention_impl<float>(query, rows, key_cache, value_cache, tables, seq_lens, scale, window, softcap,
+                                 sinks, out);
+  }
+}
+
+// Each row's token drawn from softmax(logits[row]) by inverse transform at uniforms[row] in [0, 1): the first token
+// whose running sum of e^(logit - max) exceeds uniform * total. The sums run in float64 over fixed chunks in a fixed
+// order, so a row's draw depends on its logits and its uniform only (never on the batch). A token of weight 0
+// (-inf logit) is never drawn. logits [rows, vocab] float32 contiguous, uniforms [rows] float64.
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& uniforms) {
+  check_cpu({logits, uniforms}, "sample_rows");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
+                  uniforms.scalar_type() == torch::kFloat64 && uniforms.is_contiguous() &&
+                  uniforms.numel() == logits.size(0),
+              "sample_rows: logits [rows, vocab] float32 contiguous, uniforms [rows] float64");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  constexpr int64_t kChunk = 1024;
+  const int64_t chunks = (V + kChunk - 1) / kChunk;
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* lp = logits.data_ptr<float>();
+  const double* up = uniforms.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(V);
+    std::vector<double> sums(chunks);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
+      if (!(m > -std::numeric_limits<float>::infinity())) {  // nothing drawable (every logit -inf): token 0
+        op[r] = 0;
+        continue;
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < V; ++i) e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_any(x[i] - m);
+      double total = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        double s = 0.0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) s += e[i];
+        sums[c] = s;
+        total += s;
+      }
+      const double target = up[r] * total;
+      double run = 0.0;
+      int64_t c = 0;
+      while (c + 1 < chunks && run + sums[c] <= target) run += sums[c++];
+      int64_t token = -1;
+      for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) {
+        run += e[i];
+        if (run > target && e[i] > 0.f) {
+          token = i;
+          break;
+        }
+      }
+      if (token < 0)  // rounding left the target at the very end: the last drawable token
+        for (int64_t i = V - 1; i >= 0 && token < 0; --i)
+          if (e[i] > 0.f) token = i;
+      op[r] = token;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sample_rows", &sample_rows);
+  m.def("decode_attention", &decode_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("rope_", &rope_);
+  m.def("silu_mul_", &silu_mul_);
+  m.def("write_kv", &write_kv);
+}

@@ -1,0 +1,163 @@
+"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch ops they replace.
+
+Decode attention is checked against the gathered-SDPA path of kernels/reference.py (itself tested against a dense
+float64 reference); the elementwise kernels against the torch expressions of worker_svc/model.py, bit for bit
+where the arithmetic is the same and within one bfloat16 rounding step where only the float32 summation order or
+the exp approximation differs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.reference import build_reference_plan, paged_attention, write_kv_cache
+from worker_svc.model import swap_halves
+
+ops = cpu_ops.load()
+
+
+def test_kernels_are_built_here():
+    # CI builds them (scripts/setup.sh); a machine where they silently failed would test only the torch paths.
+    assert ops is not None, "kernels/csrc/cpu_ops.cpp did not build: see the warning logged by kernels.cpu_ops"
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
+    assert not cpu_ops.enabled()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|difference| in units of the last place of bfloat16 (monotone bit patterns of finite values)."""
+    def key(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -32768 - bits, bits)
+    return (key(a) - key(b)).abs()
+
+
+def _case(dtype, head_dim, num_heads, num_kv_heads, query_lens, seq_lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    max_blocks = max(-(-s // bs) for s in seq_lens)
+    num_blocks = max_blocks * len(seq_lens) + 3
+    kc = torch.randn(num_blocks, bs, num_kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, num_kv_heads, head_dim, generator=g).to(dtype)
+    # shuffled blocks: the kernel follows the table, not the pool's order
+    tables = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
+    return q, kc, vc, tables.int()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (80, 6, 2)])
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 7}, {"sliding_window": 1}, {"softcap": 5.0}, "sinks"])
+def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_heads, num_kv_heads, extra):
+    # decodes of many lengths (1, a block's worth, past several blocks) mixed with prefill chunks: short ones (the
+    # kernel's, row by row) and one past KERNEL_PREFILL_MAX_CONTEXT (SDPA's)
+    query_lens = [1, 5, 1, 1, 3, 1, 1, 40]
+    seq_lens = [20, 30, 1, 100, 3, 47, 16, 300]
+    q, kc, vc, tables = _case(dtype, head_dim, num_heads, num_kv_heads, query_lens, seq_lens)
+    if extra == "sinks":
+        extra = {"sinks": torch.randn(num_heads)}
+    cu = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def run(kernel: bool, dt: torch.dtype) -> torch.Tensor:
+        plan = build_reference_plan(tables, query_lens, seq_lens, 16, decode_kernel=kernel)
+        assert (plan.decodes is not None) == kernel
+        return paged_attention(q.to(dt), kc.to(dt), vc.to(dt), tables, cu, lens, head_dim ** -0.5, plan=plan,
+                               **extra).float()
+
+    kernel_rows = build_reference_plan(tables, query_lens, seq_lens, 16, decode_kernel=True).decodes.rows
+    assert len(kernel_rows) == sum(query_lens) - 40  # all but the long prompt's chunk
+    exact = run(False, torch.float32)[kernel_rows]  # the SDPA path on the same values in float32
+    got = run(True, dtype)[kernel_rows]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+    else:  # float32 scores and sums, rounded once to bfloat16 at the end: no worse than SDPA in bfloat16
+        err, sdpa_err = (got - exact).abs(), (run(False, dtype)[kernel_rows] - exact).abs()
+        assert bool((err <= exact.abs() * 2 ** -8 + 1e-6).all()) and float(err.max()) <= float(sdpa_err.max())
+
+
+def test_decode_attention_of_an_empty_sequence_is_zero():
+    q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1, 1], [0, 10])
+    plan = build_reference_plan(tables, [1, 1], [0, 10], 16, decode_kernel=True)
+    out = paged_attention(q, kc, vc, tables, torch.tensor([0, 1, 2], dtype=torch.int32),
+                          torch.tensor([0, 10], dtype=torch.int32), 0.125, plan=plan)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(out[1].abs().sum() > 0)
+
+
+def test_decode_attention_in_the_cache_dtype_when_the_query_differs():
+    q, kc, vc, tables = _case(torch.bfloat16, 64, 4, 2, [1, 1], [33, 10])
+    args = (kc, vc, tables, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([33, 10], dtype=torch.int32))
+    got = paged_attention(q.float(), *args, 0.125, plan=build_reference_plan(tables, [1, 1], [33, 10], 16))
+    want = paged_attention(q, *args, 0.125, plan=build_reference_plan(tables, [1, 1], [33, 10], 16))
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+
+
+def test_decode_attention_refuses_mismatched_dtypes_naming_them():
+    q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1], [5])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.decode_attention(q, torch.tensor([0]), kc.bfloat16(), vc.bfloat16(), tables,
+                             torch.tensor([5], dtype=torch.int32), 0.1, 0, 0.0, None, torch.empty_like(q))
+
+
+def _composite_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_rms_norm_equals_the_composite_up_to_summation_order():
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(300, 576, generator=g) * 3).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    got, want = ops.rms_norm(x, w, 1e-5), _composite_rms_norm(x, w, 1e-5)
+    ulps = _ulps(got, want)
+    assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.999
+    # a strided row view (h[rows] slices) reads its own stride
+    assert torch.equal(ops.rms_norm(x[::2], w, 1e-5), ops.rms_norm(x[::2].contiguous(), w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_identical_to_the_torch_expression(dtype):
+    g = torch.Generator().manual_seed(2)
+    num_tokens, heads, dim = 37, 12, 64
+    qkv = torch.randn(num_tokens, (heads + 3) * dim, generator=g).to(dtype)
+    qk = qkv[:, :heads * dim].view(num_tokens, heads, dim)  # strided, as the model's view of its qkv output
+    positions = torch.randint(0, 500, (num_tokens,), generator=g)
+    angles = torch.outer(torch.arange(512).float(), torch.rand(dim // 2, generator=g))
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = torch.cat([-sin[:, :dim // 2], sin[:, dim // 2:]], dim=-1)
+    want = qk * cos[positions].unsqueeze(1) + swap_halves(qk) * sin[positions].unsqueeze(1)
+    ops.rope_(qk, positions, cos, sin)
+    assert torch.equal(qk, want)
+
+
+def test_silu_mul_within_one_rounding_of_torch():
+    g = torch.Generator().manual_seed(3)
+    gate = (torch.randn(64, 1536, generator=g) * 4).bfloat16()
+    up = torch.randn(64, 1536, generator=g).bfloat16()
+    want = F.silu(gate) * up
+    ops.silu_mul_(gate, up)
+    ulps = _ulps(gate, want)
+    assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_index_copy_and_skips_negative_slots(dtype):
+    g = torch.Generator().manual_seed(4)
+    kv = torch.randn(5, 2 + 2 * 3, 64, generator=g).to(dtype)  # q heads, then k and v heads, as the model's qkv
+    key, value = kv[:, 2:5], kv[:, 5:8]
+    slots = torch.tensor([3, -1, 17, 40, 0])
+    caches = [torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(4)]
+    write_kv_cache(key, value, caches[0], caches[1], slots)  # the C++ path
+    keep = slots >= 0
+    for c, src in ((caches[2], key), (caches[3], value)):
+        c.view(-1, 3, 64).index_copy_(0, slots[keep], src[keep])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        ops.write_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 64]))
