@@ -356,6 +356,8 @@ def _decode_kernel(d: _Decodes, query: Tensor, key_cache: Tensor, value_cache: T
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     q, o = query, out
+    if key_cache.dtype not in (torch.float32, torch.bfloat16):  # float16 (not a CPU serving dtype): float32 copies
+        key_cache, value_cache = key_cache.float(), value_cache.float()
     if query.dtype != key_cache.dtype:  # the kernel runs in the cache's dtype
         q, o = query.to(key_cache.dtype), torch.empty(query.shape, dtype=key_cache.dtype)
     cpu_ops.load().decode_attention(q, d.rows, key_cache, value_cache, d.tables, d.seq_lens, scale, window or 0,

@@ -1,8 +1,9 @@
 """Batched sampling: logit bias, bad words, penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-The random draw for a request's token at position p is a pure function of (seed, p): a hash of (seed, p) gives one
-uniform u in [0, 1), and the token is drawn from the row's softmax by inverse transform at u (`draw_tokens`). So a
-request's text depends neither on its batch companions nor on preemption and recompute.
+The random draw for a request's token at position p is a pure function of (seed, p): a hash of (seed, p) keys one
+Exp(1) variable per vocabulary entry, and the token is argmax(weight / noise) (the exponential race, which samples
+from the softmax; `draw_tokens`). So a request's text depends neither on its batch companions nor on preemption and
+recompute.
 
 Everything is array operations over the rows that sample this step; greedy rows cost nothing per row. The per-row
 sampler this replaced is kept as the oracle (tests/support/legacy_host_path.py) and agrees bit for bit.
@@ -32,27 +33,38 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def draw_uniforms(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray) -> torch.Tensor:
-    """[rows] float64 uniforms in [0, 1): row i is a pure function of (seeds[i], positions[i]) (53 random bits)."""
+def draw_keys(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+    """[rows] uint64 keys: row i's is a pure function of (seeds[i], positions[i]), and keys its Exp(1) draws."""
     seeds = np.asarray(seeds, dtype=np.uint64)
     positions = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-    bits = _splitmix64(seeds ^ _splitmix64(positions)) >> np.uint64(11)
-    return torch.from_numpy(bits.astype(np.float64) * 2.0 ** -53)
+    return _splitmix64(seeds ^ _splitmix64(positions))
 
 
-def draw_tokens(scaled: torch.Tensor, uniforms: torch.Tensor) -> np.ndarray:
-    """Each row's token drawn from softmax(scaled[row]) by inverse transform at uniforms[row]: the first token whose
-    running sum of e^(logit - max) exceeds uniform * total (a -inf logit is never drawn). One uniform per row and
-    no normalization: the C++ kernel (kernels/cpu_ops.py) takes ~25 us a row of 49k; the torch form below, the
-    same draw up to float64 summation order, is the fallback."""
+def exponential_noise(keys: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] float32 Exp(1) draws of each key: a 32-bit hash (lowbias32) of (key, token id) gives 24
+    uniform bits u in (0, 1), never 0, and the draw is -ln u. The C++ `sample_rows` computes the same draws."""
+    u32 = np.uint32
+    x = np.arange(vocab_size, dtype=u32)[None] * u32(0x9E3779B9) + (keys & np.uint64(0xFFFFFFFF)).astype(u32)[:, None]
+    x ^= (keys >> np.uint64(32)).astype(u32)[:, None]
+    x ^= x >> u32(16)
+    x *= u32(0x7FEB352D)
+    x ^= x >> u32(15)
+    x *= u32(0x846CA68B)
+    x ^= x >> u32(16)
+    u = ((x >> u32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    return -torch.log(torch.from_numpy(u))
+
+
+def draw_tokens(scaled: torch.Tensor, keys: np.ndarray) -> np.ndarray:
+    """Each row's token by the exponential race: argmax of softmax weight / Exp(1) draw, which samples from the
+    softmax, and where masking a token that would not have won (-inf) never changes the winner (logit bias, bad
+    words and grammars change only the draws they must). The C++ kernel (kernels/cpu_ops.py) takes ~25 us a row of
+    49k; the torch form below, the same draws up to the last bits of exp and ln, is the fallback."""
     scaled = scaled.float().contiguous()
     if scaled.device.type == "cpu" and (ops := cpu_ops.load()) is not None:
-        return ops.sample_rows(scaled, uniforms).numpy()
-    uniforms = uniforms.to(scaled.device)
-    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp().double()
-    cdf = weights.cumsum(dim=-1)
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-    return tokens.clamp_(max=scaled.shape[1] - 1).cpu().numpy()
+        return ops.sample_rows(scaled, torch.from_numpy(keys.view(np.int64))).numpy()
+    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp().nan_to_num_(nan=0.0)  # all -inf: all 0
+    return (weights / exponential_noise(keys, scaled.shape[1]).to(scaled.device)).argmax(dim=-1).cpu().numpy()
 
 
 @dataclass
@@ -242,7 +254,7 @@ def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
         # the rows that ask would change some draws.
         if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
             scaled = _filter(scaled, torch.from_numpy(top_k), torch.from_numpy(top_p), torch.from_numpy(min_p))
-        tokens[random_rows] = draw_tokens(scaled, draw_uniforms(b.seed[random_rows], b.position[random_rows]))
+        tokens[random_rows] = draw_tokens(scaled, draw_keys(b.seed[random_rows], b.position[random_rows]))
 
     chosen: list[float] = []
     top: list[list[tuple[int, float]]] = []

@@ -452,60 +452,69 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
   }
 }
 
-// Each row's token drawn from softmax(logits[row]) by inverse transform at uniforms[row] in [0, 1): the first token
-// whose running sum of e^(logit - max) exceeds uniform * total. The sums run in float64 over fixed chunks in a fixed
-// order, so a row's draw depends on its logits and its uniform only (never on the batch). A token of weight 0
-// (-inf logit) is never drawn. logits [rows, vocab] float32 contiguous, uniforms [rows] float64.
-torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& uniforms) {
-  check_cpu({logits, uniforms}, "sample_rows");
+// ln x for a positive normal float, as plain arithmetic a compiler vectorizes: x = 2^e m with m in [sqrt(1/2),
+// sqrt(2)), ln m = 2 atanh(s), s = (m - 1) / (m + 1) in [-0.172, 0.172], by its series to s^9 (relative error ~1e-8).
+inline float log_positive(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, 4);
+  int32_t e = ((bits >> 23) & 0xff) - 127;
+  bits = (bits & 0x007fffff) | 0x3f800000;
+  float m;
+  std::memcpy(&m, &bits, 4);
+  const bool big = m > 1.41421356f;
+  m = big ? m * 0.5f : m;
+  e += big ? 1 : 0;
+  const float s = (m - 1.f) / (m + 1.f), s2 = s * s;
+  const float series = s * (2.f + s2 * (0.6666666667f + s2 * (0.4f + s2 * (0.2857142857f + s2 * 0.2222222222f))));
+  return static_cast<float>(e) * 0.69314718056f + series;
+}
+
+// The Exp(1) variable of vocabulary entry i in the row keyed by `key`: a 32-bit hash of (key, i) (lowbias32) gives
+// 24 uniform bits u in (0, 1), never 0, and E = -ln u > 0.
+inline float exponential_draw(uint64_t key, uint32_t i) {
+  uint32_t x = i * 0x9E3779B9u + static_cast<uint32_t>(key);
+  x ^= static_cast<uint32_t>(key >> 32);
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  const float u = (static_cast<float>(x >> 8) + 0.5f) * (1.f / 16777216.f);
+  return -log_positive(u);
+}
+
+// Each row's token by the exponential race: argmax over the vocabulary of e^(logit - max) / E_i, E_i the Exp(1) draws
+// of the row's key (uint64 as int64), which samples from softmax(logits[row]). Masking a token that would not have
+// won (a -inf logit: weight 0) never changes the winner, so logit bias, bad words and grammars change only the draws
+// they must. First index on ties. logits [rows, vocab] float32 contiguous, keys [rows] int64.
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& keys) {
+  check_cpu({logits, keys}, "sample_rows");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
-                  uniforms.scalar_type() == torch::kFloat64 && uniforms.is_contiguous() &&
-                  uniforms.numel() == logits.size(0),
-              "sample_rows: logits [rows, vocab] float32 contiguous, uniforms [rows] float64");
+                  keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.numel() == logits.size(0),
+              "sample_rows: logits [rows, vocab] float32 contiguous, keys [rows] int64");
   const int64_t rows = logits.size(0), V = logits.size(1);
-  constexpr int64_t kChunk = 1024;
-  const int64_t chunks = (V + kChunk - 1) / kChunk;
   auto out = torch::empty({rows}, torch::kInt64);
   const float* lp = logits.data_ptr<float>();
-  const double* up = uniforms.data_ptr<double>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(V);
-    std::vector<double> sums(chunks);
+    std::vector<float> score(V);
     for (int64_t r = begin; r < end; ++r) {
       const float* x = lp + r * V;
+      const uint64_t key = static_cast<uint64_t>(kp[r]);
       float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
       for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
-      if (!(m > -std::numeric_limits<float>::infinity())) {  // nothing drawable (every logit -inf): token 0
-        op[r] = 0;
-        continue;
-      }
+      if (!(m > -std::numeric_limits<float>::infinity())) m = 0.f;  // every logit -inf: all weights 0, token 0
 #pragma omp simd
-      for (int64_t i = 0; i < V; ++i) e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_any(x[i] - m);
-      double total = 0.0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        double s = 0.0;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) s += e[i];
-        sums[c] = s;
-        total += s;
+      for (int64_t i = 0; i < V; ++i) {
+        const float w = x[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_any(x[i] - m);
+        score[i] = w / exponential_draw(key, static_cast<uint32_t>(i));
       }
-      const double target = up[r] * total;
-      double run = 0.0;
-      int64_t c = 0;
-      while (c + 1 < chunks && run + sums[c] <= target) run += sums[c++];
-      int64_t token = -1;
-      for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) {
-        run += e[i];
-        if (run > target && e[i] > 0.f) {
-          token = i;
-          break;
-        }
-      }
-      if (token < 0)  // rounding left the target at the very end: the last drawable token
-        for (int64_t i = V - 1; i >= 0 && token < 0; --i)
-          if (e[i] > 0.f) token = i;
+      float best = score[0];
+      int64_t token = 0;
+      for (int64_t i = 1; i < V; ++i)
+        if (score[i] > best) best = score[i], token = i;
       op[r] = token;
     }
   });

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from kernels.reference import DECODE_GROUP_ROWS, PADDING_LIMIT, AttentionMetadata, ReferencePlan, _Group
-from worker_svc.sampler import draw_tokens, draw_uniforms
+from worker_svc.sampler import draw_keys, draw_tokens
 from worker_svc.sampling import SamplingParams
 
 # ------------------------------------------------------------------------------ inputs (runner._prepare)
@@ -272,8 +272,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
             scaled = _filter(scaled, top_k, top_p, min_p)
         for j, r in enumerate(sub):  # one row at a time
-            u = draw_uniforms([r.params.seed], [r.position])
-            tokens[random_rows[j]] = int(draw_tokens(scaled[j:j + 1], u)[0])
+            tokens[random_rows[j]] = int(draw_tokens(scaled[j:j + 1], draw_keys([r.params.seed], [r.position]))[0])
 
     token_list = tokens.tolist()
     out_lp: list[float | None] = [None] * len(rows)

@@ -161,3 +161,13 @@ def test_write_kv_equals_index_copy_and_skips_negative_slots(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="past the cache"):
         ops.write_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 64]))
+
+
+def test_float16_caches_run_through_float32_copies():
+    # float16 is no CPU serving dtype, but the Triton tests compare against this path in it
+    q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1, 1], [33, 10])
+    args = (tables, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([33, 10], dtype=torch.int32), 0.125)
+    plan = build_reference_plan(tables, [1, 1], [33, 10], 16)
+    half = paged_attention(q.half(), kc.half(), vc.half(), *args, plan=plan)
+    full = paged_attention(q.half().float(), kc.half().float(), vc.half().float(), *args, plan=plan)
+    assert half.dtype == torch.float16 and torch.equal(half, full.half())

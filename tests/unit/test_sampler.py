@@ -13,8 +13,9 @@ from worker_svc.sampler import (
     BatchSample,
     SamplingBatch,
     apply_penalties,
+    draw_keys,
     draw_tokens,
-    draw_uniforms,
+    exponential_noise,
     sample_batch,
 )
 from worker_svc.sampling import SamplingParams
@@ -70,27 +71,38 @@ def test_same_seed_same_token_whatever_the_companions():
     assert tokens(mixed.clone(), rows)[2] == alone
 
 
-def test_uniforms_are_a_function_of_seed_and_position():
-    a = draw_uniforms([7, 7, 8], [100, 101, 100])
-    b = draw_uniforms([7], [100])
-    assert a.dtype == torch.float64 and a[0] == b[0]
-    assert a[0] != a[1] and a[0] != a[2]
-    assert bool(((a >= 0) & (a < 1)).all())
+def test_noise_is_a_function_of_seed_and_position():
+    a = exponential_noise(draw_keys([7, 7, 8], [100, 101, 100]), V)
+    b = exponential_noise(draw_keys([7], [100]), V)
+    assert torch.equal(a[0], b[0])
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert (a > 0).all() and bool(torch.isfinite(a).all())
 
 
-def test_draw_tokens_is_the_inverse_transform_of_the_softmax():
-    # weights 1, 2, 1, 0 (a -inf logit): cumulative 0.25, 0.75, 1.0; a uniform lands in one interval
-    lg = torch.log(torch.tensor([[1.0, 2.0, 1.0, 0.0]])).expand(6, 4).contiguous()
-    u = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 0.999999], dtype=torch.float64)
-    assert draw_tokens(lg, u).tolist() == [0, 0, 1, 1, 2, 2]
-    # the C++ kernel and the torch form agree (test_sampler_batched covers whole batches)
+def test_the_cpu_kernel_draws_what_the_torch_form_draws():
     g = torch.Generator().manual_seed(0)
-    big = torch.randn(8, 5000, generator=g) * 3
-    u = torch.rand(8, dtype=torch.float64, generator=g)
+    scaled = torch.randn(32, 5000, generator=g) * 3
+    scaled[:, ::7] = float("-inf")  # masked tokens are never drawn
+    keys = draw_keys(np.arange(32), np.arange(32) * 11)
+    weights = (scaled - scaled.amax(-1, keepdim=True)).exp()
+    want = (weights / exponential_noise(keys, 5000)).argmax(-1)
     from kernels import cpu_ops
-    weights = (big - big.amax(-1, keepdim=True)).exp().double().cumsum(-1)
-    want = torch.searchsorted(weights, (u * weights[:, -1])[:, None], right=True)[:, 0]
-    assert cpu_ops.load().sample_rows(big.contiguous(), u).tolist() == want.tolist()
+    got = cpu_ops.load().sample_rows(scaled.contiguous(), torch.from_numpy(keys.view(np.int64)))
+    assert got.tolist() == want.tolist() and bool((got % 7 != 0).all())
+    assert draw_tokens(scaled, keys).tolist() == want.tolist()
+
+
+def test_masking_a_token_that_would_not_win_changes_no_draw():
+    # the property logit_bias / bad_words / grammars rely on (tests/e2e/test_openai_api.py's replay with bans)
+    g = torch.Generator().manual_seed(1)
+    scaled = torch.randn(64, 3000, generator=g)
+    keys = draw_keys(np.arange(64), np.zeros(64, dtype=np.int64))
+    first = draw_tokens(scaled, keys)
+    masked = scaled.clone()
+    losers = torch.ones_like(masked, dtype=torch.bool)
+    losers[torch.arange(64), torch.from_numpy(first)] = False
+    masked[losers & (torch.rand(masked.shape, generator=g) < 0.5)] = float("-inf")
+    assert draw_tokens(masked, keys).tolist() == first.tolist()
 
 
 def test_different_seeds_give_different_samples():

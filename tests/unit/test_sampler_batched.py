@@ -23,8 +23,8 @@ from worker_svc.sampler import (
     _filter,
     apply_min_tokens,
     apply_penalties,
+    draw_keys,
     draw_tokens,
-    draw_uniforms,
     greedy_batch,
     sample_batch,
 )
@@ -107,7 +107,7 @@ def reference_row(logits: torch.Tensor, row: SampleRow, filter_all: bool, max_n:
         scaled = (x / torch.tensor(p.temperature))[None]
         if filter_all:
             scaled = _filter(scaled, torch.tensor([p.top_k]), torch.tensor([p.top_p]), torch.tensor([p.min_p]))
-        token = int(draw_tokens(scaled, draw_uniforms([p.seed], [row.position]))[0])
+        token = int(draw_tokens(scaled, draw_keys([p.seed], [row.position]))[0])
     if p.logprobs is None:
         return token, None, []
     vals, ids = raw.topk(max_n) if max_n else (torch.empty(0), torch.empty(0, dtype=torch.int64))
