@@ -8,11 +8,14 @@ The only worker module that speaks protobuf and gRPC status codes: a StepPlan me
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
+import queue
 import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -55,9 +58,45 @@ def parse_ready_line(text: str) -> tuple[int, str] | None:
 ORDER_WAIT_S = 60.0  # how long a pipelined plan waits for the plan before it (then it is checked as it is)
 
 
+def call_here(fn: Callable, *args):
+    return fn(*args)
+
+
+class ComputeThread:
+    """Runs the worker's torch work on the one thread that loaded the model (the process's main thread in `serve`).
+
+    libgomp keeps a pool of OpenMP threads for each thread that starts parallel regions. Steps run on whichever
+    gRPC thread took the call would start a pool per gRPC thread, and once a process holds more OpenMP threads than
+    it has cores, libgomp spins only ~100 times at a barrier before it sleeps on a futex: every one of a step's
+    ~300 parallel regions then waits for a wake-up (on 2 cores: the second core half idle during the forward).
+    One thread for every computation keeps one pool, of exactly the cores."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def call(self, fn: Callable, *args):
+        """fn(*args) on the compute thread, from any other thread; its result or its exception here."""
+        done: futures.Future = futures.Future()
+        self.jobs.put((done, contextvars.copy_context(), fn, args))  # the context: the caller's trace span
+        return done.result()
+
+    def run_until(self, stop: Callable[[], bool], poll_s: float = 0.5) -> None:
+        """Run the calls as they come until stop() (polled: the main thread must wake for signal handlers)."""
+        while not stop():
+            try:
+                done, ctx, fn, args = self.jobs.get(timeout=poll_s)
+            except queue.Empty:
+                continue
+            try:
+                done.set_result(ctx.run(fn, *args))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                done.set_exception(e)
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, compute: Callable = call_here):
         self.runner = runner
+        self.compute = compute  # runs the runner's torch work: ComputeThread.call in `serve`, here in tests
         # One step at a time (the batch and KV cache are not shareable), in the order the scheduler planned them.
         self.turn = threading.Condition()
         self.last_handled_step = 0  # the last plan executed or refused
@@ -86,7 +125,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         try:
             with self.turn:  # between steps: the pool's host cache is the step's too
-                rank = self.runner.load_lora(request.name, request.path, request.unload)
+                rank = self.compute(self.runner.load_lora, request.name, request.path, request.unload)
         except LoraError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.LoadLoraAdapterReply(rank=rank)
@@ -111,7 +150,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if plan.after_step_id and plan.after_step_id == self.last_refused_step and not plan.reset_batch:
                 # Planned on top of a plan that never ran: its slots may name requests that never joined, or others.
                 raise PredecessorRefused(f"the plan it follows (step {plan.after_step_id}) was refused")
-            out = self.runner.execute(step_plan(plan))
+            out = self.compute(self.runner.execute, step_plan(plan))
         except PlanError as e:
             self.last_refused_step = plan.step_id
             self._handled(plan)
@@ -278,14 +317,16 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 def build_server(runner: ModelRunner, address: str, token: str | None = None,
                  credentials: grpc.ServerCredentials | None = None,
-                 health_servicer: health.HealthServicer | None = None) -> tuple[grpc.Server, int]:
-    """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates)."""
+                 health_servicer: health.HealthServicer | None = None,
+                 compute: Callable = call_here) -> tuple[grpc.Server, int]:
+    """`credentials` None serves plaintext; otherwise TLS (mutual TLS when they require client certificates).
+    `compute` runs the steps (ComputeThread.call; the default runs them on the gRPC thread)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8), interceptors=[worker_token_interceptor(token)] if token else [],
         options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, compute), server)
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -339,7 +380,9 @@ def serve(args: argparse.Namespace) -> None:
             raise SystemExit(f"worker: {e}") from None
     credentials = tls.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
     health_servicer = health.HealthServicer()
-    server, port = build_server(runner, f"{cfg.host}:{cfg.port}", cfg.worker_token, credentials, health_servicer)
+    compute = ComputeThread()  # this thread loaded the model; it runs every step
+    server, port = build_server(runner, f"{cfg.host}:{cfg.port}", cfg.worker_token, credentials, health_servicer,
+                                compute.call)
     if group is not None:  # a dead or stuck rank ends the group: NOT_SERVING, then a non-zero exit
         group.before_exit.append(lambda: [health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
                                           for name in ("", SERVICE_NAME)])
@@ -353,10 +396,10 @@ def serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):  # a timed wait: the main thread must wake to run the signal handler
-        pass
-    # Let the step in flight finish, then go.
-    server.stop(grace=5).wait()
+    compute.run_until(stop.is_set)
+    # Let the step in flight finish (on this thread), then go.
+    stopped = server.stop(grace=5)
+    compute.run_until(stopped.is_set, poll_s=0.05)
     if group is not None:
         group.stop_others()
         for proc in group.local_procs:

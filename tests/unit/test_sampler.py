@@ -92,6 +92,22 @@ def test_the_cpu_kernel_draws_what_the_torch_form_draws():
     assert draw_tokens(scaled, keys).tolist() == want.tolist()
 
 
+def test_the_cpu_kernel_picks_the_first_best_token():
+    """Ties go to the first index (the torch argmax's rule), inside a 16-wide chunk, across chunks and in the tail;
+    a row with every token masked gives token 0."""
+    from kernels import cpu_ops
+    V = 16 * 9 + 5
+    scaled = torch.full((4, V), float("-inf"))
+    scaled[0, [3, 40]] = 0.0  # the two weights equal: the draws decide; both candidates stay in range
+    scaled[1, V - 2] = 0.0  # one token left, in the tail
+    scaled[2, 20] = 0.0
+    keys = draw_keys(np.arange(4), np.zeros(4, dtype=np.int64))
+    got = cpu_ops.load().sample_rows(scaled.contiguous(), torch.from_numpy(keys.view(np.int64))).tolist()
+    weights = (scaled[:3] - scaled[:3].amax(-1, keepdim=True)).exp()
+    assert got[:3] == (weights / exponential_noise(keys[:3], V)).argmax(-1).tolist()
+    assert got[1:] == [V - 2, 20, 0]
+
+
 def test_masking_a_token_that_would_not_win_changes_no_draw():
     # the property logit_bias / bad_words / grammars rely on (tests/e2e/test_openai_api.py's replay with bans)
     g = torch.Generator().manual_seed(1)
