@@ -17,6 +17,9 @@ __all__ = ["MAX_N", "MAX_SPEC_BYTES", "MAX_STOP_BYTES", "MAX_STOP_STRINGS", "Bod
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_PROMPTS = 256
+# A refused body up to this many times the limit is read to its end, and dropped, before the 413 is sent: closing a
+# socket that still holds unread bytes makes the kernel answer with a reset, which can destroy the 413 on its way.
+DRAIN_FACTOR = 4
 
 
 class BodyTooLarge(APIError):
@@ -27,7 +30,8 @@ class BodyTooLarge(APIError):
 
 class BodyLimit:
     """ASGI middleware: a body over `max_bytes` is answered 413 before it is parsed: by its Content-Length, or, sent
-    without one (chunked), counted as it arrives and held until it is whole (at most `max_bytes`)."""
+    without one (chunked), counted as it arrives and held until it is whole (at most `max_bytes`). The rest of a
+    refused body is read and dropped (up to DRAIN_FACTOR times the limit), so the client gets the 413 whole."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -38,7 +42,7 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if length.isdigit() and int(length) > self.max_bytes:
-                return await self._refuse(scope, receive, send)
+                return await self._refuse(scope, receive, send, True, int(length) <= DRAIN_FACTOR * self.max_bytes)
             return await self.app(scope, receive, send)
         chunks, seen = [], 0
         while True:
@@ -48,7 +52,8 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             if seen > self.max_bytes:
-                return await self._refuse(scope, receive, send)
+                chunks.clear()
+                return await self._refuse(scope, receive, send, message.get("more_body", False), True)
             if not message.get("more_body", False):
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
@@ -62,9 +67,17 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send) -> None:
+    async def _refuse(self, scope, receive, send, more_body: bool, drain: bool) -> None:
+        budget = DRAIN_FACTOR * self.max_bytes
+        while more_body and drain and budget > 0:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            budget -= len(message.get("body", b""))
+            more_body = message.get("more_body", False)
         response = BodyTooLarge(self.max_bytes).response()
-        response.headers["Connection"] = "close"  # the rest of the body is not read
+        if more_body:
+            response.headers["Connection"] = "close"  # the rest of the body is not read
         await response(scope, receive, send)
 
 

@@ -233,6 +233,35 @@ def test_a_body_over_the_limit_is_413(stack):
     assert str(BODY_LIMIT) in err["message"]
 
 
+def _read_response(sock: socket.socket, buffered: bytes) -> tuple[bytes, bytes, bytes]:
+    """One HTTP/1.1 response with a Content-Length from `sock`: (head, body, bytes after it)."""
+    data = buffered
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 16) or pytest.fail(f"the server closed the connection after {data!r}")
+    head, _, rest = data.partition(b"\r\n\r\n")
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+    length = int({k.lower(): v for k, v in fields.items()}[b"content-length"])
+    while len(rest) < length:
+        rest += sock.recv(1 << 16) or pytest.fail("the server closed the connection inside a body")
+    return head, rest[:length], rest[length:]
+
+
+def test_a_refused_body_is_read_to_its_end_and_the_connection_kept(stack):
+    # Unread bytes on a closed socket make the kernel send a reset that can destroy the 413 in flight, so the
+    # server reads the refused body (dropping it) and the client's connection stays usable.
+    host, port = stack.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "' + b"a" * BODY_LIMIT + b'"}'
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head, answer, rest = _read_response(sock, b"")
+        assert head.startswith(b"HTTP/1.1 413") and b"connection: close" not in head.lower()
+        assert str(BODY_LIMIT) in json.loads(answer)["error"]["message"]
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, _ = _read_response(sock, rest)
+        assert head.startswith(b"HTTP/1.1 200")
+
+
 # ---- gRPC Generate: hypothesis over the request's fields
 
 def _value(fd, depth: int) -> st.SearchStrategy:
