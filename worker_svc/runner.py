@@ -23,6 +23,7 @@ from worker_svc import kv_cache, lora, models, prompt_logprobs, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
+from worker_svc.cpu_threads import SmallStepThreads
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
 from worker_svc.model import cpu_has_native_bf16
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Steps below this many tokens leave one core to the serving processes (ModelRunner._set_cpu_threads).
-SMALL_STEP_TOKENS = 32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,7 +98,8 @@ class ModelRunner:
         shard = Shard(group.rank, tp_size) if group else FULL
         self.config, weights = load_model_weights(opts.model, shard, opts.quantization)
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
-        self.cpu_threads = torch.get_num_threads()  # the process's intra-op threads (all cores unless told)
+        # The process's intra-op threads (all cores unless told); small steps may run on one fewer (cpu_threads.py).
+        self.small_step_threads = SmallStepThreads(torch.get_num_threads())
         compiled = wants_compiled(opts)  # inductor cannot trace oneDNN-prepacked weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
@@ -252,22 +252,20 @@ class ModelRunner:
             self.kv[:, :, dst] = self.kv[:, :, src]
         if inputs is None:
             return None
-        if self.device.type == "cpu" and self.group is None:
-            self._set_cpu_threads(len(inputs.input_ids))
+        timed = self.device.type == "cpu" and self.group is None
+        if timed:
+            num_tokens = len(inputs.input_ids)
+            threads = self.small_step_threads.choose(num_tokens)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            start = time.perf_counter()
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv, inputs.attn_metadata,
                                     inputs.logits_indices, inputs.pool_indices)
+        if timed:
+            self.small_step_threads.record(num_tokens, threads, time.perf_counter() - start)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits
-
-    def _set_cpu_threads(self, num_tokens: int) -> None:
-        """A step of fewer than SMALL_STEP_TOKENS tokens runs on one thread fewer than the others: its ~300 short
-        parallel regions each end at a barrier, and while the scheduler, the API and Redis share the cores, a
-        thread they preempt holds every other thread at the next barrier (on 2 cores, concurrency 1: 25 ms per
-        output token on 2 threads, 17 ms on 1). Large steps have long regions and use every thread."""
-        want = self.cpu_threads if num_tokens >= SMALL_STEP_TOKENS else max(1, self.cpu_threads - 1)
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 sends until it stops the group (or fails, which raises)."""

@@ -32,9 +32,24 @@ def test_calls_from_many_threads_run_on_the_compute_thread_in_turn():
     assert sorted(seen) == list(range(40))
 
 
+def _as_compute_thread(compute: ComputeThread, caller):
+    """Runs `caller` on another thread while this thread serves `compute`, until the caller returns; its result."""
+    stop = threading.Event()
+
+    def then_stop():
+        try:
+            return caller()
+        finally:
+            stop.set()
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(then_stop)
+        compute.run_until(stop.is_set, poll_s=0.01)
+        return result.result(timeout=10)
+
+
 def test_an_exception_reaches_the_caller_and_the_loop_goes_on():
     compute = ComputeThread()
-    stop = threading.Event()
 
     def fails() -> None:
         raise ValueError("bad plan")
@@ -42,29 +57,18 @@ def test_an_exception_reaches_the_caller_and_the_loop_goes_on():
     def caller() -> str:
         with pytest.raises(ValueError, match="bad plan"):
             compute.call(fails)
-        out = compute.call(str.upper, "next")
-        stop.set()
-        return out
+        return compute.call(str.upper, "next")
 
-    with futures.ThreadPoolExecutor(1) as pool:
-        result = pool.submit(caller)
-        compute.run_until(stop.is_set, poll_s=0.01)
-        assert result.result(timeout=10) == "NEXT"
+    assert _as_compute_thread(compute, caller) == "NEXT"
 
 
 def test_the_callers_context_travels_with_the_call():
     """The step's trace span is the gRPC thread's current context: the phases' spans must see it."""
     compute = ComputeThread()
-    stop = threading.Event()
 
     def caller() -> str:
         trace_id.set("step-7")
-        out = compute.call(trace_id.get)
-        stop.set()
-        return out
+        return compute.call(trace_id.get)
 
-    with futures.ThreadPoolExecutor(1) as pool:
-        result = pool.submit(caller)
-        compute.run_until(stop.is_set, poll_s=0.01)
-        assert result.result(timeout=10) == "step-7"
+    assert _as_compute_thread(compute, caller) == "step-7"
     assert trace_id.get() == "none"

@@ -1,0 +1,52 @@
+"""worker_svc.cpu_threads.SmallStepThreads: small steps run on the thread count that has been faster lately, the other
+count is still tried now and then, and large steps always get every thread. Times are given, not measured."""
+
+from __future__ import annotations
+
+from worker_svc.cpu_threads import SMALL_STEP_TOKENS, SmallStepThreads
+
+
+def _serve(choice: SmallStepThreads, seconds_on: dict[int, float], steps: int, tokens: int = 1) -> list[int]:
+    """`steps` small steps of `tokens` tokens, each taking `seconds_on[threads]`: the counts chosen."""
+    chosen = []
+    for _ in range(steps):
+        n = choice.choose(tokens)
+        choice.record(tokens, n, seconds_on[n])
+        chosen.append(n)
+    return chosen
+
+
+def test_large_steps_use_every_thread_and_are_not_timed():
+    choice = SmallStepThreads(most=4)
+    assert [choice.choose(t) for t in (SMALL_STEP_TOKENS, 512)] == [4, 4]
+    choice.record(512, 4, 9.0)
+    assert choice.recent_s == {} and choice.small_steps == 0
+
+
+def test_each_count_is_timed_once_then_the_faster_serves():
+    chosen = _serve(SmallStepThreads(most=2, trial_every=8), {2: 0.019, 1: 0.024}, 32)
+    assert chosen[:2] == [2, 1]
+    assert chosen[2:] == [1 if k % 8 == 0 else 2 for k in range(3, 33)]  # the slower count on every 8th step
+
+
+def test_a_busier_box_moves_small_steps_to_one_thread_fewer_and_back():
+    choice = SmallStepThreads(most=2, trial_every=4)
+    assert _serve(choice, {2: 0.019, 1: 0.024}, 20)[-4:].count(2) == 3
+    # Other processes now want the cores: two threads wait on each other at every barrier.
+    busy = _serve(choice, {2: 0.040, 1: 0.025}, 40)
+    assert busy[-12:].count(1) >= 9
+    quiet = _serve(choice, {2: 0.019, 1: 0.024}, 40)
+    assert quiet[-12:].count(2) >= 9
+
+
+def test_one_thread_stays_one():
+    choice = SmallStepThreads(most=1)
+    assert _serve(choice, {1: 0.02}, 5) == [1] * 5
+
+
+def test_one_slow_step_does_not_move_the_choice():
+    choice = SmallStepThreads(most=2, trial_every=16)
+    _serve(choice, {2: 0.019, 1: 0.024}, 20)
+    assert choice.choose(1) == 2
+    choice.record(1, 2, 0.5)  # preempted for half a second
+    assert _serve(choice, {2: 0.019, 1: 0.024}, 10).count(2) >= 9
