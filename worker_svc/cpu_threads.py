@@ -24,7 +24,7 @@ SMALL_STEP_TOKENS = 32  # steps below this many tokens are small
 @dataclass
 class SmallStepThreads:
     most: int  # the worker's intra-op threads
-    trial_every: int = 16
+    trial_every: int = 32
     window: int = 8  # the steps of each count whose median is compared
     recent_s: dict[int, deque[float]] = field(default_factory=dict)  # threads -> its last small steps' seconds
     small_steps: int = 0
