@@ -75,7 +75,7 @@ DECODE_GROUP_ROWS = 4096
 
 
 @dataclass
-class _Decodes:
+class _KernelRows:
     """Query rows for the C++ kernel (kernels/cpu_ops.py), which reads their blocks in place: every decode, and
     the rows of short prefill chunks."""
 
@@ -91,7 +91,7 @@ class ReferencePlan:
     num_tokens: int
     groups: list[_Group]
     empty_rows: Tensor | None       # rows that see no key (query_len > seq_len): output zeros
-    decodes: _Decodes | None = None  # rows for the C++ kernel; None: decodes are in `groups`
+    kernel_rows: _KernelRows | None = None  # rows for the C++ kernel; None: decodes are in `groups`
     # Gather buffers for K and V (flat), made by the first call and reused by every group and layer.
     scratch: list[Tensor | None] = field(default_factory=lambda: [None, None], repr=False)
 
@@ -138,7 +138,7 @@ def build_reference_plan(block_tables: Tensor | np.ndarray, query_lens: Sequence
         num_tokens=int(q.sum()),
         groups=groups,
         empty_rows=_to(empty_rows, device) if len(empty_rows) else None,
-        decodes=plan_rows,
+        kernel_rows=plan_rows,
     )
 
 
@@ -149,7 +149,7 @@ KERNEL_PREFILL_MAX_CONTEXT = 256
 
 
 def _kernel_rows(seqs: np.ndarray, q: np.ndarray, s: np.ndarray, starts: np.ndarray, tables: np.ndarray,
-                 block_size: int) -> _Decodes:
+                 block_size: int) -> _KernelRows:
     """One kernel row per query token of `seqs`: its token row, its sequence's block table, and the context it sees
     (a chunk's row j of query_len n at seq_len L sees L - n + 1 + j positions)."""
     counts = q[seqs]
@@ -157,7 +157,7 @@ def _kernel_rows(seqs: np.ndarray, q: np.ndarray, s: np.ndarray, starts: np.ndar
     offset = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(counts) - counts, counts)
     lens = s[seq_of_row] - q[seq_of_row] + 1 + offset
     cols = max(1, -(-int(lens.max(initial=0)) // block_size))
-    return _Decodes(rows=torch.from_numpy(starts[seq_of_row] + offset),
+    return _KernelRows(rows=torch.from_numpy(starts[seq_of_row] + offset),
                     tables=torch.from_numpy(np.ascontiguousarray(tables[seq_of_row, :cols], dtype=np.int32)),
                     seq_lens=torch.from_numpy(np.maximum(lens, 0).astype(np.int32)))
 
@@ -331,8 +331,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         plan = build_reference_plan(block_tables, query_lens, seq_lens.tolist(), key_cache.shape[1],
                                     device=query.device)
     groups = plan.groups
-    if plan.decodes is not None and len(plan.decodes.rows):
-        out = _decode_kernel(plan.decodes, query, key_cache, value_cache, scale, window, cap, sinks, out)
+    if plan.kernel_rows is not None and len(plan.kernel_rows.rows):
+        out = _decode_kernel(plan.kernel_rows, query, key_cache, value_cache, scale, window, cap, sinks, out)
     if (out is None and len(groups) == 1 and plan.empty_rows is None and groups[0].real_pos is None
             and groups[0].span == (0, plan.num_tokens)):
         # One group covering every row in order (a lone prompt, or a few decodes): its result is the output.
@@ -350,7 +350,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     return out
 
 
-def _decode_kernel(d: _Decodes, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
+def _decode_kernel(d: _KernelRows, query: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float,
                    window: int | None, cap: float | None, sinks: Tensor | None, out: Tensor | None) -> Tensor:
     """The kernel rows of `out` (made when None) by the C++ kernel: blocks read in place, float32 scores."""
     if out is None:

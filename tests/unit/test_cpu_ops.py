@@ -67,11 +67,11 @@ def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_he
 
     def run(kernel: bool, dt: torch.dtype) -> torch.Tensor:
         plan = build_reference_plan(tables, query_lens, seq_lens, 16, decode_kernel=kernel)
-        assert (plan.decodes is not None) == kernel
+        assert (plan.kernel_rows is not None) == kernel
         return paged_attention(q.to(dt), kc.to(dt), vc.to(dt), tables, cu, lens, head_dim ** -0.5, plan=plan,
                                **extra).float()
 
-    kernel_rows = build_reference_plan(tables, query_lens, seq_lens, 16, decode_kernel=True).decodes.rows
+    kernel_rows = build_reference_plan(tables, query_lens, seq_lens, 16, decode_kernel=True).kernel_rows.rows
     assert len(kernel_rows) == sum(query_lens) - 40  # all but the long prompt's chunk
     exact = run(False, torch.float32)[kernel_rows]  # the SDPA path on the same values in float32
     got = run(True, dtype)[kernel_rows]
