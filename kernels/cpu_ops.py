@@ -1,4 +1,4 @@
-"""The project's C++ CPU kernels (kernels/csrc/cpu_ops.cpp), compiled on first use with torch's extension builder.
+"""The project's C++ CPU kernels (kernels/csrc/*.cpp, one module), compiled on first use with torch's extension builder.
 
 `scripts/setup.sh` builds them once; the build lands in ~/.cache/llmserve/cpu_ops/<hash of the source> (a
 changed source builds anew) and later processes load it in well under a second. Where they cannot be built (no
@@ -17,7 +17,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_matmul.cpp"))
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -36,8 +36,8 @@ def _cpu_flags() -> bytes:
 
 
 def build_dir() -> Path:
-    """Keyed by the source and the CPU's flags: the build targets this CPU (-march=native)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags()).hexdigest()[:16]
+    """Keyed by the sources and the CPU's flags: the build targets this CPU (-march=native)."""
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + _cpu_flags()).hexdigest()[:16]
     return Path(os.path.expanduser("~")) / ".cache" / "llmserve" / "cpu_ops" / digest
 
 
@@ -55,7 +55,7 @@ def load() -> ModuleType | None:
 
                 path = build_dir()
                 path.mkdir(parents=True, exist_ok=True)
-                _module = build(name="llmserve_cpu_ops", sources=[str(SOURCE)], build_directory=str(path),
+                _module = build(name="llmserve_cpu_ops", sources=[str(s) for s in SOURCES], build_directory=str(path),
                                 extra_cflags=["-O3", "-march=native", "-fopenmp",
                                               "-ffp-contract=off"],  # no a*b+c fused where torch rounds twice
                                 # at::parallel_for is OpenMP in the headers; libgomp.so.1 resolves to the copy

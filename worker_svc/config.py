@@ -137,8 +137,9 @@ class WorkerConfig:
     attention_backend: str = setting("auto", "paged-attention kernels: auto = triton on CUDA, torch on CPU",
                                      choices=("auto", "triton", "torch"))
     quantization: str | None = setting(
-        None, "gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls, bfloat16 "
-        "activations) instead of dequantizing them at load", aliases=("-q",), choices=("gguf",))
+        None, "gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls; activations in "
+        "--dtype, auto as without it, bfloat16 where the CPU kernels are not built) instead of dequantizing them "
+        "at load", aliases=("-q",), choices=("gguf",))
     otlp_traces_endpoint: str | None = c.otlp_traces_endpoint()
     worker_token: str | None = c.worker_token()
     tls_cert: str | None = c.tls_cert()

@@ -3,13 +3,14 @@ quantized matmuls on them.
 
 Two in-memory forms, chosen by the GGUF type:
 - int4, groups of 32 along the input dim (Q4_0, Q4_1, Q4_K): exactly the file's values, w = scale * q + zero with
-  q in 0..15 (Q4_K's sub-block scales and mins are such groups). CPU: torch's int4 weight-packed kernel; CUDA: the
-  Triton dequantize-GEMM in kernels/quant_gemm.py.
+  q in 0..15 (Q4_K's sub-block scales and mins are such groups).
 - int8, one scale per output row (every other quantized type: Q8_0, Q5_*, Q6_K, ...): dequantized, then
   requantized per row (torch's int8 weight-only kernel takes only per-row scales): a rounding step on top of the
   file's, within half a code of the row's absmax / 127.
 
-Activations run in bfloat16 (or float16 on CUDA): the CPU kernels have no fast float32 path.
+The matmuls: on CPU the project's kernels (kernels/csrc/quant_matmul.cpp: float32 or bfloat16 activations, the
+weights turned into float32 in registers), or where they are not built torch's int4 / int8 weight-packed kernels
+(bfloat16 activations only); on CUDA the Triton dequantize-GEMM in kernels/quant_gemm.py (bfloat16 or float16).
 """
 
 from __future__ import annotations
@@ -136,6 +137,29 @@ def requantize_int8(w: torch.Tensor, source: str) -> QuantizedWeight:
 # ---------------------------------------------------------------------------- the matmul
 
 
+def cpu_kernels():
+    """The project's compiled CPU module when it has the quantized matmuls (an x86-64 CPU with AVX2 and FMA), else
+    None."""
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return ops if ops is not None and hasattr(ops, "int4_matmul") else None
+
+
+def activation_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """The activation dtypes the quantized matmuls take on `device`."""
+    if device.type == "cuda":
+        return torch.bfloat16, torch.float16
+    return (torch.float32, torch.bfloat16) if cpu_kernels() is not None else (torch.bfloat16,)
+
+
+def pack_int4_groups(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [out, in] (0..15) -> [out, in / 2] for the project's CPU kernel: each 32-group in 16 bytes, in
+    GGUF's own order (byte j holds value j in its low nibble and value j + 16 in its high one)."""
+    groups = codes.view(codes.shape[0], -1, GROUP)
+    return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(codes.shape[0], -1).contiguous()
+
+
 class QuantLinear:
     """x @ w.T for a QuantizedWeight, packed once for the device's kernel."""
 
@@ -143,9 +167,13 @@ class QuantLinear:
         self.bits, self.source, self.dtype = weight.bits, weight.source, dtype
         self.out_features, self.in_features = weight.shape
         self.on_cuda = device.type == "cuda"
+        self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
         if weight.bits == 8:
             self.codes = weight.codes.to(device)
-            self.scale = weight.scale.reshape(-1).to(device=device, dtype=dtype)
+            self.scale = weight.scale.reshape(-1).to(device=device, dtype=torch.float32 if self.ops else dtype)
+        elif self.ops is not None:
+            self.codes = pack_int4_groups(weight.codes)
+            self.scale, self.zero = weight.scale.float().contiguous(), weight.zero.float().contiguous()
         elif self.on_cuda:  # two codes a byte along the input dim, for the Triton kernel
             c = weight.codes.to(device)
             self.codes = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
@@ -160,7 +188,10 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.bits == 8:
+        if self.ops is not None:
+            y = self.ops.int8_matmul(x, self.codes, self.scale) if self.bits == 8 else \
+                self.ops.int4_matmul(x, self.codes, self.scale, self.zero)
+        elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         elif self.on_cuda:
             from kernels.quant_gemm import int4_matmul
@@ -172,8 +203,8 @@ class QuantLinear:
 
 
 def check_activation_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    """The quantized kernels' activation dtypes: refused at start, naming the flags."""
-    allowed = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.bfloat16,)
+    """Refused at start, naming the flags."""
+    allowed = activation_dtypes(device)
     if dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise ValueError(f"--quantization gguf runs activations in {names} on {device.type}; "

@@ -19,7 +19,7 @@ import kernels
 from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
-from worker_svc import kv_cache, lora, models, prompt_logprobs, speculative
+from worker_svc import kv_cache, lora, models, prompt_logprobs, quant, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.compiled import compile_model, wants_compiled
 from worker_svc.config import ModelConfig, WorkerConfig
@@ -90,9 +90,9 @@ class ModelRunner:
         self.opts = opts = for_device(opts, self.device.type)  # e.g. the warm-up step's size
         if group is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", group.local_rank)
-        # Quantized weights run with bfloat16 activations: the weight-only kernels have no fast float32 path.
-        self.dtype = resolve_dtype("bfloat16" if opts.quantization and opts.dtype == "auto" else opts.dtype,
-                                   self.device)
+        self.dtype = resolve_dtype(opts.dtype, self.device)
+        if opts.quantization and opts.dtype == "auto" and self.dtype not in quant.activation_dtypes(self.device):
+            self.dtype = quant.activation_dtypes(self.device)[0]  # torch's CPU int4 kernel: bfloat16 only
         self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
         tp_size = group.size if group is not None else 1
         shard = Shard(group.rank, tp_size) if group else FULL

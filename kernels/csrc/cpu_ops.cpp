@@ -593,6 +593,12 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& keys
   return out;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)  // csrc/quant_matmul.cpp
+torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                          const torch::Tensor& zero);
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale);
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows);
   m.def("decode_attention", &decode_attention);
@@ -600,4 +606,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("silu_mul_", &silu_mul_);
   m.def("write_kv", &write_kv);
+#if defined(__AVX2__) && defined(__FMA__)
+  m.def("int4_matmul", &int4_matmul);
+  m.def("int8_matmul", &int8_matmul);
+#endif
 }

@@ -63,17 +63,61 @@ def test_row_operations_keep_codes_and_scales_together():
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_cpu_matmul_equals_dequantize_then_matmul(type_name, rows):
+@pytest.mark.parametrize("kernel,dtype", [("project", torch.float32), ("project", torch.bfloat16),
+                                          ("torch", torch.bfloat16)])
+def test_cpu_matmul_equals_dequantize_then_matmul(type_name, rows, kernel, dtype, monkeypatch):
+    if kernel == "torch":  # where the project's kernels are not built: torch's int4 / int8 weight-packed kernels
+        monkeypatch.setattr(quant, "cpu_kernels", lambda: None)
     out, inp = 96, 256
     qtype = GGMLQuantizationType[type_name]
     w = quant.from_gguf(random_rows(type_name, out, inp, seed=rows), type_name, (out, inp),
                         lambda d: dequantize(d, qtype))
-    layer = quant.QuantLinear(w, torch.bfloat16, torch.device("cpu"))
-    x = torch.randn(rows, inp)
-    ref = x.bfloat16().float() @ w.dequantize().T
-    y = layer(x.bfloat16()).float()
-    # bfloat16 scales and outputs: relative to the size of the result
-    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    layer = quant.QuantLinear(w, dtype, torch.device("cpu"))
+    assert (layer.ops is not None) == (kernel == "project")
+    x = torch.randn(rows, inp).to(dtype)
+    ref = x.double() @ w.dequantize().double().T
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (rows, out)
+    # float32: the file's weights exactly, float32 sums; bfloat16: the output rounded once (torch's kernel also
+    # rounds its scales to bfloat16), relative to the size of the result
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (y.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 17])
+def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(dtype, rows):
+    ops = quant.cpu_kernels()
+    assert ops is not None, "the quantized matmuls in kernels/csrc/quant_matmul.cpp need AVX2 + FMA: absent here?"
+    torch.manual_seed(rows)
+    out, inp = 100, 96  # 100 outputs: a partial block of 32 at the end; 3 groups of 32
+    q = torch.randint(0, 16, (out, inp), dtype=torch.uint8)
+    w4 = quant.QuantizedWeight(q, torch.rand(out, inp // 32), torch.randn(out, inp // 32), 4, "test")
+    w8 = quant.requantize_int8(torch.randn(out, inp), "test")
+    x = torch.randn(rows, inp).to(dtype)
+    for y, w in ((ops.int4_matmul(x, quant.pack_int4_groups(q), w4.scale, w4.zero), w4),
+                 (ops.int8_matmul(x, w8.codes, w8.scale.reshape(-1)), w8)):
+        ref = x.double() @ w.dequantize().double().T
+        assert y.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+        else:  # one rounding of the float32 result to bfloat16
+            torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=2 ** -7, atol=1e-5)
+
+
+def test_project_kernels_refuse_bad_shapes_naming_the_operand():
+    ops = quant.cpu_kernels()
+    codes, scale = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1)
+    with pytest.raises(RuntimeError, match=r"int4_matmul: x must be \[rows, 32\]"):
+        ops.int4_matmul(torch.randn(2, 48), codes, scale, scale)
+    with pytest.raises(RuntimeError, match="int4_matmul: scale and zero"):
+        ops.int4_matmul(torch.randn(2, 32), codes, torch.zeros(4, 2), scale)
+    with pytest.raises(RuntimeError, match="int4_matmul: codes"):
+        ops.int4_matmul(torch.randn(2, 32), codes.int(), scale, scale)
+    with pytest.raises(RuntimeError, match="int8_matmul: x must be float32 or bfloat16"):
+        ops.int8_matmul(torch.randn(2, 32).half(), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="int8_matmul: scale"):
+        ops.int8_matmul(torch.randn(2, 32), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(3))
 
 
 def test_triton_int4_gemm_equals_dequantize_then_matmul():
@@ -93,7 +137,13 @@ def test_triton_int4_gemm_equals_dequantize_then_matmul():
         int4_matmul(torch.randn(2, 48), torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1))
 
 
-def test_activation_dtype_is_checked():
-    quant.check_activation_dtype(torch.bfloat16, torch.device("cpu"))
+def test_activation_dtype_is_checked(monkeypatch):
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        quant.check_activation_dtype(dtype, cpu)
+    with pytest.raises(ValueError, match="--dtype float16"):
+        quant.check_activation_dtype(torch.float16, cpu)
+    monkeypatch.setattr(quant, "cpu_kernels", lambda: None)  # torch's CPU kernels take bfloat16 only
+    quant.check_activation_dtype(torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="--dtype float32"):
-        quant.check_activation_dtype(torch.float32, torch.device("cpu"))
+        quant.check_activation_dtype(torch.float32, cpu)
