@@ -1,6 +1,7 @@
 """The bundled GGUF kept quantized (--quantization gguf) against the same weights dequantized: decode-step time
-at several batch sizes (float32, bfloat16, quantized; interleaved in one run), weight bytes, and the greedy
-agreement of the quantized model with the dequantized one in bfloat16 over N prompts x T tokens.
+at several batch sizes (float32, bfloat16, quantized with bfloat16 and, where the project's CPU kernels are built,
+float32 activations; interleaved in one run), weight bytes, and the greedy agreement of the quantized model with
+the dequantized one in bfloat16 over N prompts x T tokens.
 
     python -m experiments.quantized_forward [--batch-sizes 1,16,64] [--prompts 16] [--tokens 64]
 """
@@ -15,6 +16,7 @@ import time
 import torch
 
 import kernels
+from worker_svc import quant
 from worker_svc.loader import default_model_path, load_model_weights
 from worker_svc.model import LlamaModel
 
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     models = {"float32": LlamaModel(config, dense, torch.float32, "cpu"),
               "bfloat16": LlamaModel(config, dense, torch.bfloat16, "cpu"),
               "quantized": LlamaModel(config, qweights, torch.bfloat16, "cpu")}
+    if torch.float32 in quant.activation_dtypes(torch.device("cpu")):  # the project's CPU kernels are built
+        models["quantized-float32"] = LlamaModel(config, qweights, torch.float32, "cpu")
     result["step_ms"] = {}
     for b in (int(x) for x in args.batch_sizes.split(",")):
         result["step_ms"][b] = step_times(models, b, args.context, args.repeats)

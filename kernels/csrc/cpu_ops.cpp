@@ -72,6 +72,21 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 8 values as float32 lanes: the portable attention path's dot and axpy on CPUs with AVX2 but not AVX-512
+#define LLMSERVE_AVX2_ONLY 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+#endif
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t D) {
   int64_t d = 0;
@@ -80,6 +95,14 @@ inline float dot(const float* q, const T* k, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
   s = _mm512_reduce_add_ps(acc);
+#elif defined(LLMSERVE_AVX2_ONLY)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // two chains: the adds do not wait on each other
+  for (; d + 16 <= D; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
+  }
+  for (; d + 8 <= D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+  s = sum8(_mm256_add_ps(a0, a1));
 #endif
   for (; d < D; ++d) s += q[d] * to_float(k[d]);
   return s;
@@ -92,46 +115,64 @@ inline void axpy(float p, const T* v, float* acc, int64_t D) {
 #ifdef __AVX512F__
   const __m512 pv = _mm512_set1_ps(p);
   for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#elif defined(LLMSERVE_AVX2_ONLY)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
 #endif
   for (; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
 
-// One (sequence, KV head) task: the G query heads that share the KV head, over positions [start, len).
-// Two passes over the keys (scores, then the weighted sum of values) with every score kept: a decode's context is
-// at most max_model_len rows, and the exact max makes the softmax match the one-pass float32 reference.
+// One task: KV heads [0, H) of one sequence (head_stride apart in the cache), each with its G query heads, over
+// positions [start, len). Two passes over the keys (scores, then the weighted sum of values) with every score kept:
+// a decode's context is at most max_model_len rows, and the exact max makes the softmax match the one-pass float32
+// reference. With every KV head in one task each position's row is read whole, in order.
 template <typename T>
 void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride,
-                const int32_t* table, int64_t start, int64_t len, int64_t block_size, int64_t G, int64_t D,
-                float scale, float softcap, const float* sinks, float* scores, float* acc, float* qf, T* out,
-                int64_t out_head_stride) {
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * q_head_stride + d]) * scale;
+                int64_t head_stride, const int32_t* table, int64_t start, int64_t len, int64_t block_size, int64_t H,
+                int64_t G, int64_t D, float scale, float softcap, const float* sinks, float* scores, float* acc,
+                float* qf, T* out, int64_t out_head_stride) {
+  const int64_t Hq = H * G;
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = to_float(q[hq * q_head_stride + d]) * scale;
   const int64_t n = len - start;
+  // Ask for the rows kAhead positions on while this one is used (blocks are scattered, so a stream prefetcher cannot).
+  constexpr int64_t kAhead = 8;
+  const auto row_at = [&](const T* cache, int64_t t) {
+    return cache + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+  };
+  const auto prefetch = [&](const T* cache, int64_t t) {
+    if (t >= len) return;
+    const T* r = row_at(cache, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const char* p = reinterpret_cast<const char*>(r + h * head_stride);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+  };
   for (int64_t t = start; t < len; ++t) {
-    const T* k = kc + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
-    for (int64_t g = 0; g < G; ++g) scores[g * n + (t - start)] = dot(qf + g * D, k, D);
+    prefetch(kc, t + kAhead);
+    const T* k = row_at(kc, t);
+    for (int64_t hq = 0; hq < Hq; ++hq) scores[hq * n + (t - start)] = dot(qf + hq * D, k + (hq / G) * head_stride, D);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* sg = scores + hq * n;
     if (softcap > 0.f)
       for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
-    float m = sinks ? sinks[g] : -std::numeric_limits<float>::max();
+    float m = sinks ? sinks[hq] : -std::numeric_limits<float>::max();
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-    float sum = sinks ? exp_any(sinks[g] - m) : 0.f;
+    float sum = sinks ? exp_any(sinks[hq] - m) : 0.f;
     for (int64_t i = 0; i < n; ++i) sg[i] = exp_any(sg[i] - m);
     for (int64_t i = 0; i < n; ++i) sum += sg[i];
     const float inv = n > 0 ? 1.f / sum : 0.f;
     for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
   }
-  std::fill(acc, acc + G * D, 0.f);
+  std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t t = start; t < len; ++t) {
-    const T* v = vc + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
-    for (int64_t g = 0; g < G; ++g) {
-      axpy(scores[g * n + (t - start)], v, acc + g * D, D);
-    }
+    prefetch(vc, t + kAhead);
+    const T* v = row_at(vc, t);
+    for (int64_t hq = 0; hq < Hq; ++hq) axpy(scores[hq * n + (t - start)], v + (hq / G) * head_stride, acc + hq * D, D);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = from_float<T>(acc[g * D + d]);
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int64_t d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d]);
 }
 
 #ifdef __AVX512F__
@@ -312,15 +353,17 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
     return;
   }
 #endif
-  // Tasks (decode, KV head); each thread keeps its own score and accumulator buffers.
-  at::parallel_for(0, num * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * max_len), acc(G * D), qf(G * D);
+  // Tasks: a decode with all its KV heads (each row read whole), or (fewer decodes than threads) a decode's KV head
+  // each, so that every thread has work; each thread keeps its own score and accumulator buffers.
+  const int64_t per_task = num >= at::get_num_threads() ? Hkv : 1, tasks_per_decode = Hkv / per_task;
+  at::parallel_for(0, num * tasks_per_decode, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per_task * G * max_len), acc(per_task * G * D), qf(per_task * G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / Hkv, h = task % Hkv;
+      const int64_t i = task / tasks_per_decode, h = (task % tasks_per_decode) * per_task;
       const int64_t len = lens[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok,
-                    tab + i * tables.size(1), start, len, block_size, G, D, static_cast<float>(scale),
+      attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok, head,
+                    tab + i * tables.size(1), start, len, block_size, per_task, G, D, static_cast<float>(scale),
                     static_cast<float>(softcap), sink ? sink + h * G : nullptr, scores.data(), acc.data(), qf.data(),
                     o + row[i] * o_tok + h * G * o_head, o_head);
     }
