@@ -107,12 +107,13 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 \
+            and x.device.type == "cpu" and (ops := cpu_ops.load()) is not None and not torch.compiler.is_compiling():
+        # the composite below in one pass: the same roundings, the float32 sum of squares in another order
+        return ops.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # One fused kernel instead of six ops; bit-identical to the composite below in float32.
         return F.rms_norm(x, weight.shape, weight, eps)
-    if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" \
-            and (ops := cpu_ops.load()) is not None and not torch.compiler.is_compiling():
-        return ops.rms_norm(x, weight, eps)  # the composite below in one pass (same roundings)
     # Statistics in float32 so bf16/fp16 activations don't lose precision; same cast order as HF.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -121,6 +121,12 @@ def test_rms_norm_equals_the_composite_up_to_summation_order():
     assert torch.equal(ops.rms_norm(x[::2], w, 1e-5), ops.rms_norm(x[::2].contiguous(), w, 1e-5))
 
 
+def test_rms_norm_in_float32_equals_torch_up_to_summation_order():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(300, 576, generator=g) * 3, torch.randn(576, generator=g)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_is_bit_identical_to_the_torch_expression(dtype):
     g = torch.Generator().manual_seed(2)
