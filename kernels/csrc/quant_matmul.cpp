@@ -32,13 +32,14 @@ torch::Tensor check_rows(const torch::Tensor& x, int64_t K, const char* op) {
 }
 
 // Rows [m0, m0 + R) of y for outputs [n0, n1), in AVX2 (8 float32 lanes; every x86-64 CPU of the last decade).
-// Per group the weights are made float32 (w = scale * q + zero) and multiplied into every row; A accumulators
-// per row so that consecutive multiply-adds do not wait on each other (AVX2 has 16 vector registers: 4 rows x 2,
-// or 2 rows x 4, next to the 4 weight vectors).
+// Per group the weights are made float32 (w = scale * q + zero) and multiplied into every row; two accumulators
+// per row so that consecutive multiply-adds do not wait on each other (AVX2 has 16 vector registers: 4 rows x 2
+// next to the 4 weight vectors). Every row is summed in the same order whatever the tile size, so a row's result
+// does not depend on the other rows of the batch.
 template <int R>
 void int4_tile(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* zero, int64_t n0,
                int64_t n1, float* y, int64_t N) {
-  constexpr int A = R <= 2 ? 4 : 2;
+  constexpr int A = 2;
   const int64_t G = K / kGroup;
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int64_t n = n0; n < n1; ++n) {

@@ -4,14 +4,22 @@ same greedy tokens over the first steps; bad combinations refused at start namin
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+from common.config import parse
+from protos import worker_pb2 as pb
 from tests.e2e.test_startup_validation import assert_fails, run_cli
 from tests.service.test_model import PROMPTS, PagedRunner
+from tests.support.driver import DriverRequest, run_requests
 from worker_svc import quant
+from worker_svc.config import WorkerConfig
 from worker_svc.loader import default_model_path, load_model_weights
 from worker_svc.model import LlamaModel
+from worker_svc.runner import ModelRunner, resolve_dtype
+from worker_svc.server import execute_step
 
 # The quantized model differs from the dequantized one by the int8 requantization of the Q8_0 embedding / head
 # (within half a step of each row's absmax / 127) and by bfloat16 rounding in other places: measured max |logit
@@ -49,6 +57,25 @@ def test_quantized_model_tracks_the_dequantized_one(models, hf_tokenizer):
         want, want_logits = greedy(dense, ids, SAME_TOKENS)
         assert (got_logits - want_logits).abs().max().item() < LOGIT_TOL, prompt
         assert got == want, (prompt, got, want)
+
+
+def test_the_worker_serves_the_quantized_model_in_its_auto_dtype(hf_tokenizer):
+    """--quantization gguf through the worker's own path (ModelRunner; chunked prefills next to decodes, requests
+    arriving over time, scattered blocks): `--dtype auto` picks what it picks without quantization where the
+    activations dtype is supported (float32 or bfloat16 with the project's CPU kernels), and each request's greedy
+    tokens equal the quantized model's decoding of it alone."""
+    runner = ModelRunner(parse(WorkerConfig, ["--model", default_model_path(), "--quantization", "gguf",
+                                              "--num-gpu-blocks-override", "64"]))
+    cpu = torch.device("cpu")
+    auto = resolve_dtype("auto", cpu)
+    assert runner.dtype == (auto if auto in quant.activation_dtypes(cpu) else torch.bfloat16)
+    reqs = [DriverRequest(f"r{i}", hf_tokenizer(p)["input_ids"], pb.SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=2 * i) for i, p in enumerate(PROMPTS[:3])]
+    run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size)
+    alone = LlamaModel(*load_model_weights(default_model_path(), quantization="gguf"), runner.dtype, "cpu")
+    for r in reqs:
+        assert r.output == greedy(alone, r.prompt_ids, 6)[0], r.request_id
 
 
 def test_quantized_weights_are_smaller():

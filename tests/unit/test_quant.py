@@ -103,6 +103,12 @@ def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(dtype, 
             torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
         else:  # one rounding of the float32 result to bfloat16
             torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=2 ** -7, atol=1e-5)
+    # a row's result does not depend on the rest of the batch (the tile it lands in)
+    last = x[-1:].clone()
+    assert torch.equal(ops.int4_matmul(x, quant.pack_int4_groups(q), w4.scale, w4.zero)[-1:],
+                       ops.int4_matmul(last, quant.pack_int4_groups(q), w4.scale, w4.zero))
+    assert torch.equal(ops.int8_matmul(x, w8.codes, w8.scale.reshape(-1))[-1:],
+                       ops.int8_matmul(last, w8.codes, w8.scale.reshape(-1)))
 
 
 def test_project_kernels_refuse_bad_shapes_naming_the_operand():
