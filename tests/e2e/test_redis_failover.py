@@ -235,6 +235,10 @@ def test_new_primary_behind_the_scheduler_is_detected_and_recomputed(tmp_path, w
         copy.save()
         cluster.kill(primary)
         cluster.stop(replica)
+        # The copy comes back once the scheduler has seen the primary gone (else a step may reconnect to the copy
+        # without noticing the outage: a take-over path this test does not cover).
+        wait_for("the scheduler to see the primary gone",
+                 lambda: "Redis cannot take writes" in sched.log_text()[sched.log_start:], timeout=60)
         restart_redis(replica.data_dir, port)  # the lagging copy, where the scheduler looks for its primary
         assert_equal_reference(streams.join(), reference)
         assert_clean(ledger_on(port, sched.namespace))
