@@ -17,7 +17,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_matmul.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("cpu_ops.cpp", "quant_matmul.cpp", "dense_matmul.cpp"))
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 import kernels
 from kernels import cpu_ops
 from worker_svc.config import ModelConfig
+from worker_svc.panel_linear import PanelLinear
 from worker_svc.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
 
 
 @dataclass
 class LayerWeights:
-    """Matmul weights are [out, in], dense or oneDNN-prepacked (`prepack_linear_weight`): use `linear`."""
+    """Matmul weights are [out, in]: dense, packed for the CPU (`pack_linear_weight`) or quantized: use `linear`."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(Hq + 2 * Hkv) * D, hidden]: q, k, v fused into one matmul
@@ -56,9 +57,14 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+def panels_available(dtype: torch.dtype) -> bool:
+    """Whether float32 matmuls can run the project's panel kernel (kernels/csrc/dense_matmul.cpp; AVX2 + FMA)."""
+    return dtype == torch.float32 and (ops := cpu_ops.load()) is not None and hasattr(ops, "dense_matmul")
+
+
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether matmuls can use oneDNN with prepacked weights: CPU, float32 (or bfloat16 on a CPU with native
-    bf16), a torch built with oneDNN.
+    """Whether matmul weights can be packed for the CPU (`pack_linear_weight`): float32 with the project's panel
+    kernel or oneDNN, bfloat16 with oneDNN on a CPU with native bf16.
 
     On CPU, F.linear goes to MKL's sgemm, which (measured on an AMD EPYC) runs 2-3x slower than oneDNN for
     the batch sizes a worker sees (8..512 rows); oneDNN also reads its blocked weight layout faster at 1 row
@@ -67,6 +73,8 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """
     if device.type != "cpu" or os.environ.get("LLMSERVE_PREPACK_LINEAR", "1") == "0":
         return False
+    if panels_available(dtype):
+        return True
     if dtype != torch.float32 and not (dtype == torch.bfloat16 and cpu_has_native_bf16()):
         return False
     if not torch.backends.mkldnn.is_available():
@@ -86,8 +94,19 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, for a dense, a prepacked or a quantized weight."""
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | PanelLinear:
+    """A [out, in] CPU weight in the layout its matmul runs fastest from: float32 in the project's panels where
+    that kernel is built (it beat oneDNN at 1 to 1024 rows on SmolLM2's shapes), else oneDNN's blocked copy."""
+    if panels_available(weight.dtype):
+        return PanelLinear(weight, cpu_ops.load())
+    return prepack_linear_weight(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PanelLinear | QuantLinear,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, for a dense, a packed or a quantized weight."""
+    if isinstance(weight, PanelLinear):
+        return weight(x, bias)
     if isinstance(weight, QuantLinear):
         y = weight(x)
         return y if bias is None else y.add_(bias)
@@ -96,11 +115,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tens
     return F.linear(x, weight, bias)
 
 
-def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_add(x: torch.Tensor, weight: torch.Tensor | PanelLinear | QuantLinear, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T + bias: fused into the matmul for a prepacked float32 weight (same result as a
+    """residual + x @ weight.T + bias: fused into the matmul for a packed float32 weight (same result as a
     separate add), in place into `residual` otherwise. Not fused in bfloat16: the fused add rounds once where
     Hugging Face rounds the product and then the sum, and parity with it matters more than one small add."""
+    if isinstance(weight, PanelLinear):
+        return weight(x, bias, residual)
     if isinstance(weight, torch.Tensor) and weight.is_mkldnn and weight.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
     return residual.add_(linear(x, weight, bias))
@@ -216,8 +237,8 @@ class LlamaModel:
         prepack: bool | None = None,
         tp: Collectives | None = None,
     ):
-        """prepack: oneDNN-prepacked matmul weights (None: where `prepack_supported`, i.e. float32 on CPU, and
-        bfloat16 on a CPU with native bf16)."""
+        """prepack: matmul weights packed for the CPU (`pack_linear_weight`; None: where `prepack_supported`, i.e.
+        float32 on CPU, and bfloat16 on a CPU with native bf16)."""
         self.config = config
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.dtype = dtype
@@ -251,7 +272,7 @@ class LlamaModel:
             """A matmul weight; the dense copy is dropped once packed."""
             if isinstance(t, QuantizedWeight):
                 return QuantLinear(t, dtype, self.device)
-            return prepack_linear_weight(t.contiguous()) if prepack else t
+            return pack_linear_weight(t.contiguous()) if prepack else t
 
         def cat(parts: list) -> torch.Tensor | QuantizedWeight:
             return cat_rows(parts) if isinstance(parts[0], QuantizedWeight) else torch.cat(parts)

@@ -640,6 +640,8 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& keys
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& zero);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale);
+torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,  // csrc/dense_matmul.cpp
+                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -652,5 +654,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX2__) && defined(__FMA__)
   m.def("int4_matmul", &int4_matmul);
   m.def("int8_matmul", &int8_matmul);
+  m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
 #endif
 }

@@ -1,0 +1,87 @@
+"""float32 matmuls over 16-output panels (worker_svc/panel_linear.py, kernels/csrc/dense_matmul.cpp) against
+torch's matmul in float64, at every tile shape; batch invariance; the fused bias and residual; bad operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from worker_svc.model import linear, linear_add, pack_linear_weight, panels_available
+from worker_svc.panel_linear import PanelLinear, pack_panels
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert panels_available(torch.float32), "kernels/csrc/dense_matmul.cpp needs AVX2 + FMA and a C++ compiler"
+    return cpu_ops.load()
+
+
+def test_panels_hold_the_matrix_padded_to_16_outputs():
+    w = torch.arange(21 * 3, dtype=torch.float32).reshape(21, 3)
+    p = pack_panels(w)
+    assert p.shape == (2, 3, 16)
+    assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 4], w[20])
+    assert not p[1, :, 5:].any()  # the padding is zeros
+
+
+@pytest.mark.parametrize("out, inp", [(16, 64), (100, 96), (3, 37), (576, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+def test_product_equals_torch_at_every_tile_shape(ops, out, inp, rows):
+    torch.manual_seed(out * rows + inp)
+    w, x, bias, res = torch.randn(out, inp), torch.randn(rows, inp), torch.randn(out), torch.randn(rows, out)
+    p = PanelLinear(w, ops)
+    assert p.shape == (out, inp)
+    ref = x.double() @ w.double().T
+    tol = dict(rtol=1e-5, atol=1e-5 * inp ** 0.5)
+    torch.testing.assert_close(p(x).double(), ref, **tol)
+    torch.testing.assert_close(p(x, bias).double(), ref + bias.double(), **tol)
+    torch.testing.assert_close(p(x, bias, res).double(), res.double() + ref + bias.double(), **tol)
+    # the fused residual is exactly the separate add of the same product
+    assert torch.equal(p(x, bias, res), res + p(x, bias))
+
+
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(ops):
+    torch.manual_seed(0)
+    p = PanelLinear(torch.randn(100, 96), ops)
+    x = torch.randn(17, 96)
+    full = p(x)
+    for i in (0, 5, 6, 16):  # first, last and middle of a 6-row tile, and the 1-row tail
+        assert torch.equal(full[i], p(x[i:i + 1])[0])
+        assert torch.equal(full[i], p(x[i:i + 3])[0])
+
+
+def test_leading_dimensions_and_strided_inputs(ops):
+    torch.manual_seed(1)
+    w = torch.randn(40, 32)
+    p = PanelLinear(w, ops)
+    x = torch.randn(2, 3, 64)[..., ::2]  # not contiguous
+    assert p(x).shape == (2, 3, 40)
+    torch.testing.assert_close(p(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_model_linear_uses_the_panels_for_float32(ops):
+    torch.manual_seed(2)
+    w, x, res = torch.randn(24, 32), torch.randn(3, 32), torch.randn(3, 24)
+    packed = pack_linear_weight(w)
+    assert isinstance(packed, PanelLinear)
+    torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear_add(x, packed, None, res.clone()), res + F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert not panels_available(torch.bfloat16)  # bfloat16 stays with oneDNN (on a CPU with native bf16)
+
+
+def test_bad_operands_are_refused_naming_them(ops):
+    panels = pack_panels(torch.randn(20, 32))
+    with pytest.raises(RuntimeError, match=r"dense_matmul: x must be \[rows, 32\] float32"):
+        ops.dense_matmul(torch.randn(2, 48), panels, 20)
+    with pytest.raises(RuntimeError, match=r"dense_matmul: x must be \[rows, 32\] float32"):
+        ops.dense_matmul(torch.randn(2, 32).bfloat16(), panels, 20)
+    with pytest.raises(RuntimeError, match="dense_matmul: panels"):
+        ops.dense_matmul(torch.randn(2, 32), panels, 40)  # 40 outputs need 3 panels
+    with pytest.raises(RuntimeError, match="dense_matmul: bias"):
+        ops.dense_matmul(torch.randn(2, 32), panels, 20, torch.zeros(19))
+    with pytest.raises(RuntimeError, match="dense_matmul: residual"):
+        ops.dense_matmul(torch.randn(2, 32), panels, 20, None, torch.zeros(3, 20))
+    with pytest.raises(ValueError, match="2-D float32"):
+        PanelLinear(torch.randn(4, 4).bfloat16(), ops)
