@@ -175,6 +175,130 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
     for (int64_t d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d]);
 }
 
+#ifdef LLMSERVE_AVX2_ONLY
+// exp_any on 8 lanes (inputs <= 0: softmax terms), the same steps as exp16
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one transpose-and-add
+inline __m256 sum8x8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// attend_one for head_dim a multiple of 64 on AVX2: the scores of 8 positions at a time (8 partial vectors summed
+// by one transpose-and-add, the key rows as memory operands), the softmax in 8 lanes, and each query head's
+// weighted sum of values in 8 registers (64 dims at a time) instead of a load-add-store per position.
+template <typename T>
+void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
+                     int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
+                     int64_t block_size, int64_t H, int64_t G, int64_t D, float scale, float softcap,
+                     const float* sinks, float* scores, float* qf, T* out, int64_t out_head_stride) {
+  const int64_t Hq = H * G, n = len - start;
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = to_float(q[hq * q_head_stride + d]) * scale;
+  const auto row_at = [&](const T* cache, int64_t t) {
+    return cache + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+  };
+  const auto prefetch_row = [&](const T* cache, int64_t t) {  // scattered blocks: no stream prefetcher helps
+    const T* r = row_at(cache, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const char* p = reinterpret_cast<const char*>(r + h * head_stride);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+  };
+  for (int64_t t0 = start; t0 < len; t0 += 8) {
+    const int m = static_cast<int>(std::min<int64_t>(8, len - t0));
+    const T* rows[8];
+    for (int j = 0; j < 8; ++j) rows[j] = row_at(kc, t0 + (j < m ? j : 0));  // past the end: any valid row
+    for (int64_t t = t0 + 8; t < std::min(t0 + 16, len); ++t) prefetch_row(kc, t);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        const float* qh = qf + hq * D;
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + d);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(rows[j] + h * head_stride + d), a[j]);
+        }
+        const __m256 sv = sum8x8(a);
+        float* dst = scores + hq * n + (t0 - start);
+        if (m == 8) {
+          _mm256_storeu_ps(dst, sv);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, sv);
+          std::copy(tmp, tmp + m, dst);
+        }
+      }
+  }
+  std::vector<float> inv(Hq);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* sg = scores + hq * n;
+    if (softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
+    float mx = sinks ? sinks[hq] : -std::numeric_limits<float>::max();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    const __m256 mb = _mm256_set1_ps(mx);
+    __m256 sumv = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mb));
+      _mm256_storeu_ps(sg + i, e);
+      sumv = _mm256_add_ps(sumv, e);
+    }
+    float sum = sum8(sumv) + (sinks ? exp_any(sinks[hq] - mx) : 0.f);
+    for (; i < n; ++i) sum += (sg[i] = exp_any(sg[i] - mx));
+    inv[hq] = n > 0 ? 1.f / sum : 0.f;
+  }
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t hq = h * G + g;
+      const float* p = scores + hq * n;
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int dv = 0; dv < 8; ++dv) acc[dv] = _mm256_setzero_ps();
+        for (int64_t t = start; t < len;) {  // one run of positions inside a block at a time
+          const int64_t run = std::min(block_size - t % block_size, len - t);
+          const T* v = row_at(vc, t) + h * head_stride + d0;
+          for (int64_t j = 0; j < run; ++j, v += tok_stride) {
+            if (g == 0 && d0 == 0 && t + j + 8 < len) _mm_prefetch(row_at(vc, t + j + 8) + h * head_stride, _MM_HINT_T0);
+            const __m256 pv = _mm256_set1_ps(p[t + j - start]);
+#pragma GCC unroll 8
+            for (int dv = 0; dv < 8; ++dv) acc[dv] = _mm256_fmadd_ps(pv, load8(v + dv * 8), acc[dv]);
+          }
+          t += run;
+        }
+        const __m256 iv = _mm256_set1_ps(inv[hq]);
+        alignas(32) float res[64];
+#pragma GCC unroll 8
+        for (int dv = 0; dv < 8; ++dv) _mm256_store_ps(res + dv * 8, _mm256_mul_ps(acc[dv], iv));
+        T* o = out + hq * out_head_stride + d0;
+        for (int d = 0; d < 64; ++d) o[d] = from_float<T>(res[d]);
+      }
+    }
+}
+#endif
+
 #ifdef __AVX512F__
 // exp_any on 16 lanes (inputs <= 0: softmax terms)
 inline __m512 exp16(__m512 x) {
@@ -362,6 +486,15 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
       const int64_t i = task / tasks_per_decode, h = (task % tasks_per_decode) * per_task;
       const int64_t len = lens[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+#ifdef LLMSERVE_AVX2_ONLY
+      if (D % 64 == 0) {
+        attend_one_avx2<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok, head,
+                           tab + i * tables.size(1), start, len, block_size, per_task, G, D,
+                           static_cast<float>(scale), static_cast<float>(softcap), sink ? sink + h * G : nullptr,
+                           scores.data(), qf.data(), o + row[i] * o_tok + h * G * o_head, o_head);
+        continue;
+      }
+#endif
       attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok, head,
                     tab + i * tables.size(1), start, len, block_size, per_task, G, D, static_cast<float>(scale),
                     static_cast<float>(softcap), sink ? sink + h * G : nullptr, scores.data(), acc.data(), qf.data(),
