@@ -37,8 +37,9 @@ def _cpu_flags() -> bytes:
 
 
 def build_dir() -> Path:
-    """Keyed by the sources and the CPU's flags: the build targets this CPU (-march=native)."""
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + _cpu_flags()).hexdigest()[:16]
+    """Keyed by the sources, their headers and the CPU's flags: the build targets this CPU (-march=native)."""
+    headers = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *headers)) + _cpu_flags()).hexdigest()[:16]
     return Path(os.path.expanduser("~")) / ".cache" / "llmserve" / "cpu_ops" / digest
 
 

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_sum.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -15,20 +17,14 @@ namespace {
 
 constexpr int64_t kGroup = 32;  // int4 values per (scale, zero) pair, packed in 16 bytes
 
-// x [M, K] (float32 or bfloat16) as float32, row-major: the activations are tiny next to the weights.
-torch::Tensor rows_as_float(const torch::Tensor& x) { return x.to(torch::kFloat32).contiguous(); }
+using llmserve::sum8;
 
-inline float sum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-}
-
+// x [M, K] (float32 or bfloat16) checked, as float32 row-major: the activations are tiny next to the weights.
 torch::Tensor check_rows(const torch::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, op, ": x must be [rows, ", K, "] on the CPU");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, op,
               ": x must be float32 or bfloat16");
-  return rows_as_float(x);
+  return x.to(torch::kFloat32).contiguous();
 }
 
 // Rows [m0, m0 + R) of y for outputs [n0, n1), in AVX2 (8 float32 lanes; every x86-64 CPU of the last decade).
