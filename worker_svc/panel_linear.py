@@ -2,7 +2,7 @@
 
 The [out, in] matrix is stored as [ceil(out / 16), in, 16]: 16 outputs side by side for every input, the last
 panel padded with zeros. On the 2-core AVX2 box the kernel read SmolLM2's weights at 17-27 GB/s at one row, where
-oneDNN's prepacked matmul reached 10-19 GB/s, and it was as fast or faster up to 1024 rows (docs/benchmarks.md).
+oneDNN's prepacked matmul reached 10-19 GB/s, and it was as fast or faster up to 1024 rows (kernels/README.md).
 Each (row, output) is summed over the inputs in order in one register lane, whatever the other rows: batch-
 invariant by construction.
 """
