@@ -29,6 +29,15 @@ def test_scheduler_overhead(tmp_path):
         assert row["commit_script_p50_ms"] > 0 and 0 < row["commit_payload_bytes"] < row["redis_in_bytes_per_step"]
 
 
+def test_dense_matmul(tmp_path):
+    out = tmp_path / "dm.json"
+    stdout = run_bench("dense_matmul", "--rows", "1,7", "--shapes", "100x96", "--repeats", 3, "--json", out)
+    res = json.loads(out.read_text())["results"]
+    assert [(r["n"], r["rows"]) for r in res] == [(100, 1), (100, 7)]
+    assert all(r["onednn_us"] > 0 and r["panels_us"] > 0 and r["max_abs_diff"] < 1e-4 for r in res)
+    assert "| 100 x 96 | 7 |" in stdout
+
+
 def test_tracing_overhead(tmp_path):
     out = tmp_path / "to.json"
     run_bench("tracing_overhead", "--running", 2, "--repeats", 1, "--warmup", 2, "--measure", 5, "--tail-tokens", 16,
