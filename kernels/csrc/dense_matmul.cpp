@@ -71,8 +71,8 @@ void dense_rows(int64_t R, const float* x, int64_t K, const float* panel, int64_
 
 }  // namespace
 
-// y = x @ w.T (+ bias) (+ residual, as residual + product) for float32 x [M, K] and w packed by `pack_dense`
-// (`panels` [ceil(N / 16), K, 16]); N is the unpadded output count.
+// y = x @ w.T (+ bias) (+ residual, as residual + product) for float32 x [M, K] and w packed by `pack_panels`
+// (worker_svc/panel_linear.py: `panels` [ceil(N / 16), K, 16]); N is the unpadded output count.
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual) {
   TORCH_CHECK(panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() && panels.dim() == 3 &&
