@@ -1,7 +1,7 @@
 """The bundled GGUF kept quantized (--quantization gguf) against the same weights dequantized: decode-step time
 at several batch sizes (float32, bfloat16, quantized with bfloat16 and, where the project's CPU kernels are built,
-float32 activations; interleaved in one run), weight bytes, and the greedy agreement of the quantized model with
-the dequantized one in bfloat16 over N prompts x T tokens.
+float32, int16 and int8 activations; interleaved in one run), weight bytes, and each quantized variant's greedy
+agreement with the dequantized model in its dtype over N prompts x T tokens, with the logit error after the prompt.
 
     python -m experiments.quantized_forward [--batch-sizes 1,16,64] [--prompts 16] [--tokens 64]
 """
@@ -65,21 +65,27 @@ def step_times(models: dict[str, LlamaModel], batch: int, context: int, repeats:
 
 
 def greedy_agreement(quantized: LlamaModel, dense: LlamaModel, prompts: list[list[int]], tokens: int) -> dict:
-    same_tokens, identical = 0, 0
+    """Greedy paths of both models from each prompt, and how far the quantized model's logits after the prompt
+    are from the dense model's (largest absolute difference, and that over the dense logits' spread)."""
+    same_tokens, identical, diffs, spreads = 0, 0, [], []
     for ids in prompts:
-        paths = []
+        paths, first = [], []
         for m in (quantized, dense):
             d = Decoder(m, len(ids) + tokens + 1, 1)
             logits, out = d.step({0: ids}), []
+            first.append(logits[0].float())
             for _ in range(tokens):
                 out.append(int(logits[0].argmax()))
                 logits = d.step({0: [out[-1]]})
             paths.append(out)
+        diffs.append(float((first[0] - first[1]).abs().max()))
+        spreads.append(float(first[1].max() - first[1].min()))
         prefix = next((i for i, (a, b) in enumerate(zip(*paths, strict=True)) if a != b), tokens)
         same_tokens += prefix
         identical += prefix == tokens
     return {"prompts": len(prompts), "tokens": tokens, "identical_paths": identical,
-            "mean_agreeing_prefix": same_tokens / len(prompts)}
+            "mean_agreeing_prefix": same_tokens / len(prompts), "max_abs_logit_diff": max(diffs),
+            "max_logit_diff_over_spread": max(d / s for d, s in zip(diffs, spreads, strict=True))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
               "quantized": LlamaModel(config, qweights, torch.bfloat16, "cpu")}
     if torch.float32 in quant.activation_dtypes(torch.device("cpu")):  # the project's CPU kernels are built
         models["quantized-float32"] = LlamaModel(config, qweights, torch.float32, "cpu")
+        for bits in (16, 8):
+            models[f"quantized-int{bits}-activations"] = LlamaModel(
+                config, quant.with_integer_activations(qweights, bits, torch.device("cpu")), torch.float32, "cpu")
     result["step_ms"] = {}
     for b in (int(x) for x in args.batch_sizes.split(",")):
         result["step_ms"][b] = step_times(models, b, args.context, args.repeats)
@@ -119,9 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
         prompts = [tok(f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}.")["input_ids"]
                    for i in range(args.prompts)]
-        result["greedy_vs_dequantized_bf16"] = greedy_agreement(models["quantized"], models["bfloat16"], prompts,
-                                                                args.tokens)
-        print("greedy agreement:", result["greedy_vs_dequantized_bf16"])
+        pairs = {"quantized_vs_dequantized_bf16": ("quantized", "bfloat16"),
+                 "quantized_float32_vs_dequantized_float32": ("quantized-float32", "float32"),
+                 "int16_activations_vs_dequantized_float32": ("quantized-int16-activations", "float32"),
+                 "int8_activations_vs_dequantized_float32": ("quantized-int8-activations", "float32")}
+        result["greedy"] = {}
+        for key, (q, dense_name) in pairs.items():
+            if q in models:
+                result["greedy"][key] = greedy_agreement(models[q], models[dense_name], prompts, args.tokens)
+                print(f"greedy, {key}:", result["greedy"][key], flush=True)
     print(json.dumps(result["weight_bytes"]))
     if args.json:
         with open(args.json, "w") as fh:

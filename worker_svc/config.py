@@ -140,6 +140,11 @@ class WorkerConfig:
         None, "gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls; activations in "
         "--dtype, auto as without it, bfloat16 where the CPU kernels are not built) instead of dequantizing them "
         "at load", aliases=("-q",), choices=("gguf",))
+    activation_quantization: str | None = setting(
+        None, "with --quantization gguf on CPU, each 32-value group of a matmul's input is made integers (one scale a "
+        "group) so the int4 / int8 weights multiply in integer instructions: int16 (logits within ~0.01 of float "
+        "activations) or int8 (as llama.cpp does: faster still, logits move by up to a few units); default: "
+        "activations stay in --dtype. docs/benchmarks.md has the speed and agreement", choices=("int16", "int8"))
     otlp_traces_endpoint: str | None = c.otlp_traces_endpoint()
     worker_token: str | None = c.worker_token()
     tls_cert: str | None = c.tls_cert()

@@ -37,6 +37,7 @@ class QuantizedWeight:
     zero: torch.Tensor | None
     bits: int
     source: str
+    activation_bits: int = 0  # 8 or 16: the CPU kernel makes x's 32-groups integers first (--activation-quantization)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,7 +75,8 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     first = weights[0]
     return QuantizedWeight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
                            None if first.zero is None else torch.cat([w.zero for w in weights]),
-                           first.bits, "+".join(sorted({w.source for w in weights})))
+                           first.bits, "+".join(sorted({w.source for w in weights})),
+                           min(w.activation_bits for w in weights))
 
 
 # ---------------------------------------------------------------------------- reading GGUF blocks
@@ -165,6 +167,7 @@ class QuantLinear:
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device):
         self.bits, self.source, self.dtype = weight.bits, weight.source, dtype
+        self.activation_bits = weight.activation_bits
         self.out_features, self.in_features = weight.shape
         self.on_cuda = device.type == "cuda"
         self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
@@ -189,8 +192,8 @@ class QuantLinear:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.ops is not None:
-            y = self.ops.int8_matmul(x, self.codes, self.scale) if self.bits == 8 else \
-                self.ops.int4_matmul(x, self.codes, self.scale, self.zero)
+            y = self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits) if self.bits == 8 else \
+                self.ops.int4_matmul(x, self.codes, self.scale, self.zero, self.activation_bits)
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         elif self.on_cuda:
@@ -200,6 +203,22 @@ class QuantLinear:
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, GROUP, self.scales_and_zeros)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def with_integer_activations(weights: dict, bits: int, device: torch.device) -> dict:
+    """--activation-quantization int8 / int16: every quantized weight's matmul makes its input's 32-groups integers
+    first. Refused, naming the flag, where the project's CPU kernels do not run."""
+    flag = f"--activation-quantization int{bits}"
+    if device.type != "cpu" or cpu_kernels() is None:
+        raise ValueError(f"{flag} runs on the project's CPU kernels (an x86-64 CPU with AVX2 and FMA); they are not "
+                         f"available on this {device.type} device")
+    quantized = {k: w for k, w in weights.items() if isinstance(w, QuantizedWeight)}
+    if not quantized:
+        raise ValueError(f"{flag} needs quantized weights: add --quantization gguf with a .gguf model")
+    odd = [k for k, w in quantized.items() if w.shape[1] % GROUP]
+    if odd:
+        raise ValueError(f"{flag}: {odd[0]} has {quantized[odd[0]].shape[1]} input columns, not a multiple of {GROUP}")
+    return weights | {k: dataclasses.replace(w, activation_bits=bits) for k, w in quantized.items()}
 
 
 def check_activation_dtype(dtype: torch.dtype, device: torch.device) -> None:

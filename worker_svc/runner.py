@@ -96,7 +96,16 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(opts.attention_backend, self.device)
         tp_size = group.size if group is not None else 1
         shard = Shard(group.rank, tp_size) if group else FULL
+        if opts.activation_quantization and not opts.quantization:
+            raise ConfigError(f"--activation-quantization {opts.activation_quantization} needs --quantization gguf "
+                              "(the activations of dense weights stay in --dtype)")
         self.config, weights = load_model_weights(opts.model, shard, opts.quantization)
+        if opts.activation_quantization:
+            try:
+                bits = int(opts.activation_quantization.removeprefix("int"))
+                weights = quant.with_integer_activations(weights, bits, self.device)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
         # The process's intra-op threads (all cores unless told); small steps may run on one fewer (cpu_threads.py).
         self.small_step_threads = SmallStepThreads(torch.get_num_threads())

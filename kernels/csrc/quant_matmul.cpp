@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
@@ -88,28 +89,185 @@ void int8_tile(const float* x, int64_t K, const int8_t* codes, const float* scal
   }
 }
 
-// Runs `tile<R>` over every row of x in tiles of at most 4 rows (4 rows x 2 accumulators + the weights stay in
-// registers), the outputs split between the threads and walked 32 at a time.
+// Runs `tile(R, m, n0, n1)` (rows [m, m + R) of y, outputs [n0, n1)) over every row in tiles of at most 4 rows
+// (4 rows x 2 accumulators + the weights stay in registers), the outputs split between the threads and walked 32
+// at a time.
 template <typename Tile>
-torch::Tensor over_rows(const torch::Tensor& xf, int64_t N, torch::ScalarType out_dtype, Tile tile) {
-  const int64_t M = xf.size(0), K = xf.size(1);
+torch::Tensor over_rows(int64_t M, int64_t N, torch::ScalarType out_dtype, Tile tile) {
   auto y = torch::empty({M, N}, torch::kFloat32);
-  const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t b = n0; b < n1; b += 32)  // 32 outputs' weights stay in L1 across the row tiles
-      for (int64_t m = 0; m < M; m += 4)
-        tile(std::min<int64_t>(4, M - m), xp + m * K, b, std::min(b + 32, n1), yp + m * N);
+      for (int64_t m = 0; m < M; m += 4) tile(std::min<int64_t>(4, M - m), m, b, std::min(b + 32, n1), yp + m * N);
   });
   return out_dtype == torch::kFloat32 ? y : y.to(out_dtype);  // round once, as a bfloat16 matmul does
+}
+
+// ---- integer activations (--activation-quantization): each 32-group of a row becomes int16 or int8 codes with
+// one step, so that a group's 32 products are integer multiply-adds in place of float conversions and fused
+// multiply-adds. Not exact: each activation moves by up to half its group's step (absmax / 32767 or / 127).
+
+struct QRows {
+  torch::Tensor q;    // int8 or int16 [M, K]: round(x / step) per 32-group
+  torch::Tensor d;    // float32 [M, K / 32]: the group's step, absmax / 127 or / 32767 (0 for an all-zero group)
+  torch::Tensor sum;  // float32 [M, K / 32]: the group's float sum (for the int4 weights' zero term, exactly)
+};
+
+template <typename T>
+QRows quantize_groups(const torch::Tensor& xf) {
+  constexpr float kMax = std::is_same_v<T, int8_t> ? 127.0f : 32767.0f;
+  const int64_t M = xf.size(0), K = xf.size(1), G = K / kGroup;
+  QRows out{torch::empty({M, K}, std::is_same_v<T, int8_t> ? torch::kInt8 : torch::kInt16),
+            torch::empty({M, G}, torch::kFloat32), torch::empty({M, G}, torch::kFloat32)};
+  const float* x = xf.data_ptr<float>();
+  T* q = out.q.data_ptr<T>();
+  float *d = out.d.data_ptr<float>(), *s = out.sum.data_ptr<float>();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' per-lane interleave
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* v = x + i * kGroup;
+    __m256 f[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
+    }
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float a = _mm_cvtss_f32(_mm_max_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    d[i] = a / kMax;
+    s[i] = sum8(_mm256_add_ps(_mm256_add_ps(f[0], f[1]), _mm256_add_ps(f[2], f[3])));
+    const __m256 inv = _mm256_set1_ps(a > 0.0f ? kMax / a : 0.0f);
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));  // to nearest, ties to even
+    const __m256i lo = _mm256_packs_epi32(c[0], c[1]), hi = _mm256_packs_epi32(c[2], c[3]);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order));
+    } else {  // each pack interleaves 64-bit quarters: 0, 2, 1, 3 back in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup), _mm256_permute4x64_epi64(lo, 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16), _mm256_permute4x64_epi64(hi, 0xD8));
+    }
+  }
+  return out;
+}
+
+// sum over g < G of a[g] * b[g]: 8 groups a step (a scalar chain would wait 4 cycles a group)
+inline float dot_groups(const float* a, const float* b, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+  float t = sum8(acc);
+  for (; g < G; ++g) t += a[g] * b[g];
+  return t;
+}
+
+// One weight group's 32 codes, readied once and multiplied into each row's 32 activation codes: `dot` gives 8
+// int32 partial sums. int4 codes (0..15) against int8 activations: one maddubs (u8 x s8, pairs summed to 16 bits:
+// at most 2 x 15 x 127, no saturation) and a madd by ones; against int16: the codes widened to 16 bits, two madds.
+// int8 codes: the same with |w| against x carrying w's sign (maddubs takes one unsigned operand) / widened.
+template <typename Act>
+struct Int4Group {
+  __m256i w0, w1;  // int8 activations: w0 holds all 32 codes (bytes 0-15 values 0-15, 16-31 the rest)
+  explicit Int4Group(const uint8_t* c) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), low4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    if constexpr (std::is_same_v<Act, int8_t>) {
+      w0 = _mm256_set_m128i(hi, lo);
+    } else {
+      w0 = _mm256_cvtepu8_epi16(lo), w1 = _mm256_cvtepu8_epi16(hi);
+    }
+  }
+  __m256i dot(const Act* x) const {
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+    if constexpr (std::is_same_v<Act, int8_t>)
+      return _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_loadu_si256(xv)), _mm256_set1_epi16(1));
+    else
+      return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                              _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+  }
+};
+
+template <typename Act>
+struct Int8Group {
+  __m256i w0, w1;
+  explicit Int8Group(const uint8_t* c) {
+    if constexpr (std::is_same_v<Act, int8_t>) {
+      w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), w1 = _mm256_abs_epi8(w0);
+    } else {
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)));
+    }
+  }
+  __m256i dot(const Act* x) const {
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+    if constexpr (std::is_same_v<Act, int8_t>)
+      return _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(_mm256_loadu_si256(xv), w0)),
+                               _mm256_set1_epi16(1));
+    else
+      return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                              _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+  }
+};
+
+// Rows [m0, m0 + R) of y for outputs [n0, n1) from quantized rows: per group the integer dot, times weight step x
+// activation step in one float multiply-add. int4 (a scale and a zero per group): plus zero x the group's float
+// sum, exactly. int8 (one scale per output): the group's step is the activation's, the output scale comes last.
+// Two accumulators per row take the even and the odd groups so that consecutive groups do not wait on each other;
+// each row is summed in the same order whatever the tile, so its result does not depend on the batch.
+template <int R, typename Group, typename Act>
+void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, int64_t row_bytes,
+                  const float* scale, const float* zero, int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr bool kInt4 = std::is_same_v<Group, Int4Group<Act>>;
+  const int64_t G = K / kGroup;
+  const Act* xc = xq.q.data_ptr<Act>() + m0 * K;
+  const float *xd = xq.d.data_ptr<float>() + m0 * G, *xs = xq.sum.data_ptr<float>() + m0 * G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * row_bytes;
+    __m256 acc[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const auto group = [&](int64_t g, int a) {
+      const Group w(c + g * (row_bytes / G));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 step = kInt4 ? _mm256_set1_ps(scale[n * G + g] * xd[r * G + g]) : _mm256_set1_ps(xd[r * G + g]);
+        acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w.dot(xc + r * K + g * kGroup)), step, acc[r][a]);
+      }
+    };
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) group(g, 0), group(g + 1, 1);
+    if (g < G) group(g, 0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float t = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+      y[r * N + n] = kInt4 ? t + dot_groups(zero + n * G, xs + r * G, G) : scale[n] * t;
+    }
+  }
+}
+
+// x quantized to Act, then integer_tile over every row.
+template <template <typename> class Group, typename Act>
+torch::Tensor integer_matmul(const torch::Tensor& xf, torch::ScalarType out_dtype, const uint8_t* codes,
+                             int64_t N, int64_t row_bytes, const float* scale, const float* zero) {
+  const QRows xq = quantize_groups<Act>(xf);
+  const int64_t K = xf.size(1);
+  return over_rows(xf.size(0), N, out_dtype, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+    switch (R) {
+      case 1: return integer_tile<1, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+      case 2: return integer_tile<2, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+      case 3: return integer_tile<3, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+      default: return integer_tile<4, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+    }
+  });
 }
 
 }  // namespace
 
 // y = x @ w.T for an int4 weight: codes [N, K / 2] uint8 (per 32-group, byte j = q[j] | q[j + 16] << 4), scale and
 // zero [N, K / 32] float32 (w = scale * q + zero); x [M <= 16, K] float32 or bfloat16, y [M, N] in x's dtype.
+// activation_bits 8 or 16: x's 32-groups made int8 / int16 first (above); 0: x as it is.
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& zero) {
+                          const torch::Tensor& zero, int64_t activation_bits) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && K % kGroup == 0,
               "int4_matmul: codes must be [N, K / 2] uint8 contiguous with K a multiple of 32");
@@ -117,36 +275,63 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == N &&
                     t->size(1) == K / kGroup,
                 "int4_matmul: scale and zero must be [N, K / 32] float32 contiguous");
+  TORCH_CHECK(activation_bits == 0 || activation_bits == 8 || activation_bits == 16,
+              "int4_matmul: activation_bits must be 0, 8 or 16");
   const torch::Tensor xf = check_rows(x, K, "int4_matmul");
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float *s = scale.data_ptr<float>(), *z = zero.data_ptr<float>();
-  return over_rows(xf, N, x.scalar_type(), [&](int64_t R, const float* xr, int64_t n0, int64_t n1, float* yr) {
+  if (activation_bits != 0) {
+    return activation_bits == 16 ? integer_matmul<Int4Group, int16_t>(xf, x.scalar_type(), c, N, K / 2, s, z)
+                                 : integer_matmul<Int4Group, int8_t>(xf, x.scalar_type(), c, N, K / 2, s, z);
+  }
+  const float* xp = xf.data_ptr<float>();
+  return over_rows(xf.size(0), N, x.scalar_type(), [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
     switch (R) {
-      case 1: return int4_tile<1>(xr, K, c, s, z, n0, n1, yr, N);
-      case 2: return int4_tile<2>(xr, K, c, s, z, n0, n1, yr, N);
-      case 3: return int4_tile<3>(xr, K, c, s, z, n0, n1, yr, N);
-      default: return int4_tile<4>(xr, K, c, s, z, n0, n1, yr, N);
+      case 1: return int4_tile<1>(xp + m * K, K, c, s, z, n0, n1, yr, N);
+      case 2: return int4_tile<2>(xp + m * K, K, c, s, z, n0, n1, yr, N);
+      case 3: return int4_tile<3>(xp + m * K, K, c, s, z, n0, n1, yr, N);
+      default: return int4_tile<4>(xp + m * K, K, c, s, z, n0, n1, yr, N);
     }
   });
 }
 
-// y = x @ w.T for an int8 weight with one scale per output: codes [N, K] int8 (K a multiple of 16), scale [N] float32.
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale) {
+// y = x @ w.T for an int8 weight with one scale per output: codes [N, K] int8 (K a multiple of 16; of 32 with
+// activation_bits), scale [N] float32.
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                          int64_t activation_bits) {
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && K % 16 == 0,
               "int8_matmul: codes must be [N, K] int8 contiguous with K a multiple of 16");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == N,
               "int8_matmul: scale must be [N] float32");
+  TORCH_CHECK(activation_bits == 0 || activation_bits == 8 || activation_bits == 16,
+              "int8_matmul: activation_bits must be 0, 8 or 16");
+  TORCH_CHECK(activation_bits == 0 || K % kGroup == 0, "int8_matmul: integer activations need K a multiple of 32");
   const torch::Tensor xf = check_rows(x, K, "int8_matmul");
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
-  return over_rows(xf, N, x.scalar_type(), [&](int64_t R, const float* xr, int64_t n0, int64_t n1, float* yr) {
+  if (activation_bits != 0) {
+    const auto* cb = reinterpret_cast<const uint8_t*>(c);
+    return activation_bits == 16 ? integer_matmul<Int8Group, int16_t>(xf, x.scalar_type(), cb, N, K, s, nullptr)
+                                 : integer_matmul<Int8Group, int8_t>(xf, x.scalar_type(), cb, N, K, s, nullptr);
+  }
+  const float* xp = xf.data_ptr<float>();
+  return over_rows(xf.size(0), N, x.scalar_type(), [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
     switch (R) {
-      case 1: return int8_tile<1>(xr, K, c, s, n0, n1, yr, N);
-      case 2: return int8_tile<2>(xr, K, c, s, n0, n1, yr, N);
-      case 3: return int8_tile<3>(xr, K, c, s, n0, n1, yr, N);
-      default: return int8_tile<4>(xr, K, c, s, n0, n1, yr, N);
+      case 1: return int8_tile<1>(xp + m * K, K, c, s, n0, n1, yr, N);
+      case 2: return int8_tile<2>(xp + m * K, K, c, s, n0, n1, yr, N);
+      case 3: return int8_tile<3>(xp + m * K, K, c, s, n0, n1, yr, N);
+      default: return int8_tile<4>(xp + m * K, K, c, s, n0, n1, yr, N);
     }
   });
+}
+
+// x's 32-groups as the int8 paths see them: (codes int8 [M, K], step [M, K / 32], float sum [M, K / 32]).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0, "quantize_activations: x must be [rows, K], K a multiple of 32");
+  TORCH_CHECK(bits == 8 || bits == 16, "quantize_activations: bits must be 8 or 16");
+  const torch::Tensor xf = check_rows(x, x.size(1), "quantize_activations");
+  const QRows q = bits == 8 ? quantize_groups<int8_t>(xf) : quantize_groups<int16_t>(xf);
+  return {q.q, q.d, q.sum};
 }
 #endif  // AVX2 + FMA

@@ -1,6 +1,7 @@
 """The bundled Q4_1 GGUF kept quantized (--quantization gguf) against the same file dequantized, in the same
 activation dtype (bfloat16, and float32 with the project's CPU kernels): logits within a stated tolerance and the
-same greedy tokens over the first steps; bad combinations refused at start naming the flag."""
+same greedy tokens over the first steps; integer activations (--activation-quantization) against float ones; bad
+combinations refused at start naming the flag."""
 
 from __future__ import annotations
 
@@ -78,6 +79,45 @@ def test_the_worker_serves_the_quantized_model_in_its_auto_dtype(hf_tokenizer):
         assert r.output == greedy(alone, r.prompt_ids, 6)[0], r.request_id
 
 
+# --activation-quantization against the same quantized weights with float32 activations, on PROMPTS: int16 moved
+# the logits by at most 0.014 and kept 16 of 16 greedy tokens on every prompt; int8 moved them by 1.3-2.0 (3.5 at
+# most over docs/benchmarks.md's 16 prompts) and kept 3-16 greedy tokens.
+INTEGER_LOGIT_TOL = {16: 0.1, 8: 4.0}
+INTEGER_SAME_TOKENS = {16: SAME_TOKENS, 8: 1}
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_integer_activations_track_float_activations(bits, hf_tokenizer):
+    config, weights = load_model_weights(default_model_path(), quantization="gguf")
+    integer = LlamaModel(config, quant.with_integer_activations(weights, bits, torch.device("cpu")), torch.float32,
+                         "cpu")
+    floating = LlamaModel(config, weights, torch.float32, "cpu")
+    steps = INTEGER_SAME_TOKENS[bits]
+    for prompt in PROMPTS[:2]:
+        ids = hf_tokenizer(prompt)["input_ids"]
+        got, got_logits = greedy(integer, ids, steps)
+        want, want_logits = greedy(floating, ids, steps)
+        assert (got_logits - want_logits).abs().max().item() < INTEGER_LOGIT_TOL[bits], prompt
+        assert got == want, (prompt, got, want)
+
+
+def test_the_worker_serves_integer_activations_batch_invariantly(hf_tokenizer):
+    """--activation-quantization int16 through ModelRunner: requests batched with chunked prefills get the greedy
+    tokens the same model gives each of them alone."""
+    runner = ModelRunner(parse(WorkerConfig, ["--model", default_model_path(), "--quantization", "gguf",
+                                              "--activation-quantization", "int16", "--dtype", "float32",
+                                              "--num-gpu-blocks-override", "64"]))
+    reqs = [DriverRequest(f"r{i}", hf_tokenizer(p)["input_ids"], pb.SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=2 * i) for i, p in enumerate(PROMPTS[:3])]
+    run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size)
+    config, weights = load_model_weights(default_model_path(), quantization="gguf")
+    alone = LlamaModel(config, quant.with_integer_activations(weights, 16, torch.device("cpu")), torch.float32,
+                       "cpu")
+    for r in reqs:
+        assert r.output == greedy(alone, r.prompt_ids, 6)[0], r.request_id
+
+
 def test_quantized_weights_are_smaller():
     config, weights = load_model_weights(default_model_path(), quantization="gguf")
     held = sum(w.nbytes for w in weights.values())
@@ -93,3 +133,7 @@ def test_quantization_refusals(tmp_path):
         load_model_weights(default_model_path(), quantization="awq")
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--quantization", "gguf", "--dtype", "float16"),
                  "--quantization gguf", "--dtype float16")
+    assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--activation-quantization", "int8"),
+                 "--activation-quantization int8 needs --quantization gguf")
+    assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--activation-quantization", "int4"),
+                 "--activation-quantization", "int4")

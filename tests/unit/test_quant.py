@@ -111,6 +111,80 @@ def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(dtype, 
                        ops.int8_matmul(last, w8.codes, w8.scale.reshape(-1)))
 
 
+def group_reference(x: torch.Tensor, levels: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the integer-activation paths make of x [M, K]: per 32-group codes round(x * levels / absmax), the
+    step absmax / levels and the float sum, in the same float32 operations as the kernel."""
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))  # one rounding
+    codes = torch.round(g * inv).to(torch.int8 if levels == 127 else torch.int16).view_as(x)
+    return codes, (amax / torch.full_like(amax, levels)).squeeze(-1), g.sum(-1)
+
+
+@pytest.mark.parametrize("bits,levels", [(8, 127.0), (16, 32767.0)])
+def test_activations_are_made_integers_per_group_as_stated(bits, levels):
+    ops = quant.cpu_kernels()
+    torch.manual_seed(bits)
+    x = torch.randn(5, 192) * torch.logspace(-3, 2, 192)  # groups of very different sizes
+    x[1, 32:64] = 0.0  # an all-zero group: step 0, codes 0
+    codes, step, total = ops.quantize_activations(x, bits)
+    want_codes, want_step, want_total = group_reference(x, levels)
+    assert torch.equal(codes, want_codes) and torch.equal(step, want_step)
+    torch.testing.assert_close(total, want_total, rtol=1e-5, atol=1e-6)  # summed in another order
+    assert step[1, 1] == 0 and not codes[1, 32:64].any()
+    # every value within half a step of its group's
+    back = (codes.double().view(5, -1, 32) * step.double().unsqueeze(-1)).view_as(x)
+    assert bool(((back - x.double()).abs() <= step.double().repeat_interleave(32, dim=1) * 0.5001 + 1e-12).all())
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 17])
+def test_integer_activation_matmuls_equal_the_matmul_of_the_quantized_activations(bits, rows):
+    """--activation-quantization: the kernel's result is the exact matmul of the activations it quantized (the
+    int4 zero term uses the group's float sum), each row's result independent of the batch, and the distance to
+    the float matmul within the quantization's own bound."""
+    ops = quant.cpu_kernels()
+    torch.manual_seed(rows)
+    out, inp = 100, 96
+    q = torch.randint(0, 16, (out, inp), dtype=torch.uint8)
+    w4 = quant.QuantizedWeight(q, torch.rand(out, inp // 32), torch.randn(out, inp // 32), 4, "test")
+    w8 = quant.requantize_int8(torch.randn(out, inp), "test")
+    x = torch.randn(rows, inp)
+    codes, step, total = ops.quantize_activations(x, bits)
+    xq = (codes.double().view(rows, -1, 32) * step.double().unsqueeze(-1)).view(rows, inp)
+    packed = quant.pack_int4_groups(q)
+    y4 = ops.int4_matmul(x, packed, w4.scale, w4.zero, activation_bits=bits)
+    scaled = (q.double().view(out, -1, 32) * w4.scale.double().unsqueeze(-1)).view(out, inp)
+    torch.testing.assert_close(y4.double(), xq @ scaled.T + total.double() @ w4.zero.double().T, rtol=1e-5,
+                               atol=1e-5)
+    y8 = ops.int8_matmul(x, w8.codes, w8.scale.reshape(-1), activation_bits=bits)
+    torch.testing.assert_close(y8.double(), xq @ w8.dequantize().double().T, rtol=1e-5, atol=1e-5)
+    for y, w in ((y4, w4), (y8, w8)):  # |error| <= sum over k of |w| * half the step of x's group
+        bound = (step.double().repeat_interleave(32, dim=1) * 0.5) @ w.dequantize().double().abs().T
+        assert bool(((y.double() - x.double() @ w.dequantize().double().T).abs() <= bound * 1.0001 + 1e-5).all())
+    last = x[-1:].clone()
+    assert torch.equal(y4[-1:], ops.int4_matmul(last, packed, w4.scale, w4.zero, activation_bits=bits))
+    assert torch.equal(y8[-1:], ops.int8_matmul(last, w8.codes, w8.scale.reshape(-1), activation_bits=bits))
+    bf16 = ops.int4_matmul(x.bfloat16(), packed, w4.scale, w4.zero, activation_bits=bits)
+    assert bf16.dtype == torch.bfloat16
+
+
+def test_quant_linear_runs_the_integer_activations_it_is_given():
+    torch.manual_seed(0)
+    data = random_rows("Q4_1", 64, 128)
+    weights = {"w": quant.from_gguf(data, "Q4_1", (64, 128), None), "norm": torch.ones(128)}
+    marked = quant.with_integer_activations(weights, 16, torch.device("cpu"))
+    assert marked["w"].activation_bits == 16 and marked["norm"] is weights["norm"]
+    layer = quant.QuantLinear(marked["w"], torch.float32, torch.device("cpu"))
+    x = torch.randn(3, 128)
+    ops = quant.cpu_kernels()
+    assert torch.equal(layer(x), ops.int4_matmul(x, quant.pack_int4_groups(marked["w"].codes), marked["w"].scale,
+                                                 marked["w"].zero, activation_bits=16))
+    assert quant.cat_rows([marked["w"], marked["w"]]).activation_bits == 16
+    with pytest.raises(ValueError, match="--activation-quantization int8 needs quantized weights"):
+        quant.with_integer_activations({"norm": torch.ones(4)}, 8, torch.device("cpu"))
+
+
 def test_project_kernels_refuse_bad_shapes_naming_the_operand():
     ops = quant.cpu_kernels()
     codes, scale = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1)
@@ -124,6 +198,10 @@ def test_project_kernels_refuse_bad_shapes_naming_the_operand():
         ops.int8_matmul(torch.randn(2, 32).half(), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4))
     with pytest.raises(RuntimeError, match="int8_matmul: scale"):
         ops.int8_matmul(torch.randn(2, 32), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="int4_matmul: activation_bits must be 0, 8 or 16"):
+        ops.int4_matmul(torch.randn(2, 32), codes, scale, scale, activation_bits=4)
+    with pytest.raises(RuntimeError, match="int8_matmul: integer activations need K a multiple of 32"):
+        ops.int8_matmul(torch.randn(2, 16), torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4), activation_bits=16)
 
 
 def test_triton_int4_gemm_equals_dequantize_then_matmul():
