@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -117,19 +118,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelLinear | QuantLinear,
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor | PanelLinear | QuantLinear, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T + bias: fused into the matmul for a packed float32 weight (same result as a
-    separate add), in place into `residual` otherwise. Not fused in bfloat16: the fused add rounds once where
+    """residual + x @ weight.T + bias: fused into the matmul for a packed or a quantized float32 weight (same result
+    as a separate add), in place into `residual` otherwise. Not fused in bfloat16: the fused add rounds once where
     Hugging Face rounds the product and then the sum, and parity with it matters more than one small add."""
     if isinstance(weight, PanelLinear):
         return weight(x, bias, residual)
     if isinstance(weight, torch.Tensor) and weight.is_mkldnn and weight.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+    if isinstance(weight, QuantLinear) and bias is None and weight.fuses_residual(x):
+        return weight(x, residual)
     return residual.add_(linear(x, weight, bias))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: ModuleType | None = None) -> torch.Tensor:
+    """`ops`: the C++ module where the caller holds it (the model: no look-up per call); None looks it up."""
     if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 \
-            and x.device.type == "cpu" and (ops := cpu_ops.load()) is not None and not torch.compiler.is_compiling():
+            and x.device.type == "cpu" and (ops := ops or cpu_ops.load()) is not None \
+            and not torch.compiler.is_compiling():
         # the composite below in one pass: the same roundings, the float32 sum of squares in another order
         return ops.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -341,7 +346,7 @@ class LlamaModel:
 
         h = self._embed(input_ids)  # a fresh tensor: linear_add may update it in place
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps, self.cpu_ops)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             if self.lora is not None:
                 self.lora.add(i, "qkv", x, qkv)
@@ -374,7 +379,7 @@ class LlamaModel:
             o = o.reshape(num_tokens, self.q_size)
             h = self._row_parallel_add(o, layer.o, layer.o_bias, h, (i, "o"))
 
-            h = self._feed_forward(i, layer, rms_norm(h, layer.post_norm, c.rms_norm_eps), h)
+            h = self._feed_forward(i, layer, rms_norm(h, layer.post_norm, c.rms_norm_eps, self.cpu_ops), h)
 
         pooled = None if pool_indices is None else rms_norm(h[pool_indices], self.norm, c.rms_norm_eps)
         # The head is the most expensive matmul per row: run it only where a token is sampled.

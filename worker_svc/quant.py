@@ -188,12 +188,22 @@ class QuantLinear:
             self.scales_and_zeros = torch.stack([weight.scale, weight.zero + 8 * weight.scale], dim=-1) \
                 .transpose(0, 1).contiguous().to(dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def fuses_residual(self, x: torch.Tensor) -> bool:
+        """Whether `self(x, residual=...)` adds the residual inside the kernel (float32 on the project's kernels)."""
+        return self.ops is not None and x.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T; with `residual` (only where `fuses_residual(x)`): residual + x @ w.T, as a separate add."""
+        if self.ops is not None and x.dim() == 2:  # the model's case, without the reshapes (a decode step's ~150 calls)
+            if self.bits == 8:
+                return self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits, residual)
+            return self.ops.int4_matmul(x, self.codes, self.scale, self.zero, self.activation_bits, residual)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.ops is not None:
-            y = self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits) if self.bits == 8 else \
-                self.ops.int4_matmul(x, self.codes, self.scale, self.zero, self.activation_bits)
+            res = None if residual is None else residual.reshape(-1, self.out_features)
+            y = self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits, res) if self.bits == 8 else \
+                self.ops.int4_matmul(x, self.codes, self.scale, self.zero, self.activation_bits, res)
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         elif self.on_cuda:

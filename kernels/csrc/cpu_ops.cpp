@@ -762,9 +762,10 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& keys
 
 #if defined(__AVX2__) && defined(__FMA__)  // csrc/quant_matmul.cpp
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& zero, int64_t activation_bits);
+                          const torch::Tensor& zero, int64_t activation_bits,
+                          const std::optional<torch::Tensor>& residual);
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          int64_t activation_bits);
+                          int64_t activation_bits, const std::optional<torch::Tensor>& residual);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,  // csrc/dense_matmul.cpp
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
@@ -779,9 +780,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv);
 #if defined(__AVX2__) && defined(__FMA__)
   m.def("int4_matmul", &int4_matmul, pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale"),
-        pybind11::arg("zero"), pybind11::arg("activation_bits") = 0);
+        pybind11::arg("zero"), pybind11::arg("activation_bits") = 0, pybind11::arg("residual") = pybind11::none());
   m.def("int8_matmul", &int8_matmul, pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale"),
-        pybind11::arg("activation_bits") = 0);
+        pybind11::arg("activation_bits") = 0, pybind11::arg("residual") = pybind11::none());
   m.def("quantize_activations", &quantize_activations);
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());

@@ -91,16 +91,37 @@ void int8_tile(const float* x, int64_t K, const int8_t* codes, const float* scal
 
 // Runs `tile(R, m, n0, n1)` (rows [m, m + R) of y, outputs [n0, n1)) over every row in tiles of at most 4 rows
 // (4 rows x 2 accumulators + the weights stay in registers), the outputs split between the threads and walked 32
-// at a time.
+// at a time. `residual` (float32 [M, N] or null) is added to each tile as it is finished: residual + product, the
+// sum a separate float32 add gives.
 template <typename Tile>
-torch::Tensor over_rows(int64_t M, int64_t N, torch::ScalarType out_dtype, Tile tile) {
+torch::Tensor over_rows(int64_t M, int64_t N, torch::ScalarType out_dtype, const float* residual, Tile tile) {
   auto y = torch::empty({M, N}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t b = n0; b < n1; b += 32)  // 32 outputs' weights stay in L1 across the row tiles
-      for (int64_t m = 0; m < M; m += 4) tile(std::min<int64_t>(4, M - m), m, b, std::min(b + 32, n1), yp + m * N);
+    for (int64_t b = n0; b < n1; b += 32) {  // 32 outputs' weights stay in L1 across the row tiles
+      const int64_t e = std::min(b + 32, n1);
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t R = std::min<int64_t>(4, M - m);
+        tile(R, m, b, e, yp + m * N);
+        if (residual)
+          for (int64_t r = m; r < m + R; ++r)
+            for (int64_t n = b; n < e; ++n) yp[r * N + n] = residual[r * N + n] + yp[r * N + n];
+      }
+    }
   });
   return out_dtype == torch::kFloat32 ? y : y.to(out_dtype);  // round once, as a bfloat16 matmul does
+}
+
+// The optional residual as a float32 [M, N] pointer (float32 x only: a bfloat16 add rounds twice, so it stays a
+// separate add there).
+const float* residual_rows(const std::optional<torch::Tensor>& residual, const torch::Tensor& x, int64_t N,
+                           const char* op) {
+  if (!residual) return nullptr;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && residual->scalar_type() == torch::kFloat32 &&
+                  residual->is_contiguous() && residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                  residual->size(1) == N,
+              op, ": residual must be [rows, N] float32 contiguous, with float32 x");
+  return residual->data_ptr<float>();
 }
 
 // ---- integer activations (--activation-quantization): each 32-group of a row becomes int16 or int8 codes with
@@ -247,11 +268,12 @@ void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, 
 
 // x quantized to Act, then integer_tile over every row.
 template <template <typename> class Group, typename Act>
-torch::Tensor integer_matmul(const torch::Tensor& xf, torch::ScalarType out_dtype, const uint8_t* codes,
-                             int64_t N, int64_t row_bytes, const float* scale, const float* zero) {
+torch::Tensor integer_matmul(const torch::Tensor& xf, torch::ScalarType out_dtype, const float* residual,
+                             const uint8_t* codes, int64_t N, int64_t row_bytes, const float* scale,
+                             const float* zero) {
   const QRows xq = quantize_groups<Act>(xf);
   const int64_t K = xf.size(1);
-  return over_rows(xf.size(0), N, out_dtype, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+  return over_rows(xf.size(0), N, out_dtype, residual, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
     switch (R) {
       case 1: return integer_tile<1, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
       case 2: return integer_tile<2, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
@@ -267,7 +289,8 @@ torch::Tensor integer_matmul(const torch::Tensor& xf, torch::ScalarType out_dtyp
 // zero [N, K / 32] float32 (w = scale * q + zero); x [M <= 16, K] float32 or bfloat16, y [M, N] in x's dtype.
 // activation_bits 8 or 16: x's 32-groups made int8 / int16 first (above); 0: x as it is.
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& zero, int64_t activation_bits) {
+                          const torch::Tensor& zero, int64_t activation_bits,
+                          const std::optional<torch::Tensor>& residual) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && K % kGroup == 0,
               "int4_matmul: codes must be [N, K / 2] uint8 contiguous with K a multiple of 32");
@@ -278,14 +301,15 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
   TORCH_CHECK(activation_bits == 0 || activation_bits == 8 || activation_bits == 16,
               "int4_matmul: activation_bits must be 0, 8 or 16");
   const torch::Tensor xf = check_rows(x, K, "int4_matmul");
+  const float* res = residual_rows(residual, x, N, "int4_matmul");
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float *s = scale.data_ptr<float>(), *z = zero.data_ptr<float>();
   if (activation_bits != 0) {
-    return activation_bits == 16 ? integer_matmul<Int4Group, int16_t>(xf, x.scalar_type(), c, N, K / 2, s, z)
-                                 : integer_matmul<Int4Group, int8_t>(xf, x.scalar_type(), c, N, K / 2, s, z);
+    return activation_bits == 16 ? integer_matmul<Int4Group, int16_t>(xf, x.scalar_type(), res, c, N, K / 2, s, z)
+                                 : integer_matmul<Int4Group, int8_t>(xf, x.scalar_type(), res, c, N, K / 2, s, z);
   }
   const float* xp = xf.data_ptr<float>();
-  return over_rows(xf.size(0), N, x.scalar_type(), [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+  return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
     switch (R) {
       case 1: return int4_tile<1>(xp + m * K, K, c, s, z, n0, n1, yr, N);
       case 2: return int4_tile<2>(xp + m * K, K, c, s, z, n0, n1, yr, N);
@@ -298,7 +322,7 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 // y = x @ w.T for an int8 weight with one scale per output: codes [N, K] int8 (K a multiple of 16; of 32 with
 // activation_bits), scale [N] float32.
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          int64_t activation_bits) {
+                          int64_t activation_bits, const std::optional<torch::Tensor>& residual) {
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && K % 16 == 0,
               "int8_matmul: codes must be [N, K] int8 contiguous with K a multiple of 16");
@@ -308,15 +332,16 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
               "int8_matmul: activation_bits must be 0, 8 or 16");
   TORCH_CHECK(activation_bits == 0 || K % kGroup == 0, "int8_matmul: integer activations need K a multiple of 32");
   const torch::Tensor xf = check_rows(x, K, "int8_matmul");
+  const float* res = residual_rows(residual, x, N, "int8_matmul");
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   if (activation_bits != 0) {
     const auto* cb = reinterpret_cast<const uint8_t*>(c);
-    return activation_bits == 16 ? integer_matmul<Int8Group, int16_t>(xf, x.scalar_type(), cb, N, K, s, nullptr)
-                                 : integer_matmul<Int8Group, int8_t>(xf, x.scalar_type(), cb, N, K, s, nullptr);
+    return activation_bits == 16 ? integer_matmul<Int8Group, int16_t>(xf, x.scalar_type(), res, cb, N, K, s, nullptr)
+                                 : integer_matmul<Int8Group, int8_t>(xf, x.scalar_type(), res, cb, N, K, s, nullptr);
   }
   const float* xp = xf.data_ptr<float>();
-  return over_rows(xf.size(0), N, x.scalar_type(), [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+  return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
     switch (R) {
       case 1: return int8_tile<1>(xp + m * K, K, c, s, n0, n1, yr, N);
       case 2: return int8_tile<2>(xp + m * K, K, c, s, n0, n1, yr, N);

@@ -169,6 +169,24 @@ def test_integer_activation_matmuls_equal_the_matmul_of_the_quantized_activation
     assert bf16.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("bits", [0, 8, 16])
+def test_the_residual_add_inside_the_kernel_equals_a_separate_add(bits):
+    ops = quant.cpu_kernels()
+    torch.manual_seed(bits)
+    out, inp, rows = 100, 96, 5
+    q = torch.randint(0, 16, (out, inp), dtype=torch.uint8)
+    packed, scale, zero = quant.pack_int4_groups(q), torch.rand(out, inp // 32), torch.randn(out, inp // 32)
+    w8 = quant.requantize_int8(torch.randn(out, inp), "test")
+    x, residual = torch.randn(rows, inp), torch.randn(rows, out)
+    for fn, args in ((ops.int4_matmul, (packed, scale, zero)), (ops.int8_matmul, (w8.codes, w8.scale.reshape(-1)))):
+        alone = fn(x, *args, activation_bits=bits)
+        assert torch.equal(fn(x, *args, activation_bits=bits, residual=residual), residual + alone)
+    with pytest.raises(RuntimeError, match="int4_matmul: residual must be"):
+        ops.int4_matmul(x.bfloat16(), packed, scale, zero, residual=residual)
+    layer = quant.QuantLinear(quant.QuantizedWeight(q, scale, zero, 4, "test"), torch.float32, torch.device("cpu"))
+    assert layer.fuses_residual(x) and torch.equal(layer(x, residual), residual + layer(x))
+
+
 def test_quant_linear_runs_the_integer_activations_it_is_given():
     torch.manual_seed(0)
     data = random_rows("Q4_1", 64, 128)
