@@ -1,7 +1,8 @@
 // Weight-only quantized matmuls for a few activation rows (decode steps), memory-bound by design: each weight group
 // is read once, turned into float32 in registers (w = scale * q + zero, the file's values exactly) and multiplied
-// into every row. torch's int4 and int8 weight-packed CPU kernels run these shapes at a fraction of the memory
-// bandwidth; they keep the larger row counts (worker_svc/quant.py picks).
+// into every row; or, with integer activations (--activation-quantization), multiplied in integers into rows
+// quantized per 32-group. torch's int4 and int8 weight-packed CPU kernels run these shapes at a fraction of the
+// memory bandwidth; they remain the fallback where this file is not built (worker_svc/quant.py picks).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
