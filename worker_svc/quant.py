@@ -4,9 +4,10 @@ quantized matmuls on them.
 Two in-memory forms, chosen by the GGUF type:
 - int4, groups of 32 along the input dim (Q4_0, Q4_1, Q4_K): exactly the file's values, w = scale * q + zero with
   q in 0..15 (Q4_K's sub-block scales and mins are such groups).
-- int8, one scale per output row (every other quantized type: Q8_0, Q5_*, Q6_K, ...): dequantized, then
-  requantized per row (torch's int8 weight-only kernel takes only per-row scales): a rounding step on top of the
-  file's, within half a code of the row's absmax / 127.
+- int8, groups of 32 along the input dim, w = scale * q: Q8_0 exactly the file's values; every other quantized
+  type (Q5_*, Q6_K, ...) dequantized, then requantized per group: a rounding step on top of the file's, within
+  half a code of the group's absmax / 127. (torch's int8 weight-only kernel takes one scale per output row: where
+  it runs instead of the project's kernels, `QuantLinear` requantizes per row once more.)
 
 The matmuls: on CPU the project's kernels (kernels/csrc/quant_matmul.cpp: float32 or bfloat16 activations, the
 weights turned into float32 in registers), or where they are not built torch's int4 / int8 weight-packed kernels
@@ -29,7 +30,7 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 @dataclasses.dataclass
 class QuantizedWeight:
     """A [out, in] matmul weight as integer codes. int4: codes uint8 [out, in] in 0..15, scale and zero
-    [out, in / 32] (w = scale * q + zero). int8: codes int8 [out, in], scale [out, 1], zero None (w = scale * q).
+    [out, in / 32] (w = scale * q + zero). int8: codes int8 [out, in], scale [out, in / 32], zero None (w = scale * q).
     `source` names the GGUF type it came from."""
 
     codes: torch.Tensor
@@ -49,11 +50,9 @@ class QuantizedWeight:
                                    zero=None if self.zero is None else fn(self.zero))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.bits == 8:
-            return (self.codes.float() * self.scale).to(dtype)
         out, inp = self.shape
-        q = self.codes.view(out, inp // GROUP, GROUP).float()
-        return (q * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).reshape(out, inp).to(dtype)
+        w = self.codes.view(out, inp // GROUP, GROUP).float() * self.scale.unsqueeze(-1)
+        return (w if self.zero is None else w + self.zero.unsqueeze(-1)).reshape(out, inp).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup)."""
@@ -116,9 +115,14 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int],
     """A [out, in] weight from its GGUF rows `data` (uint8 [out, bytes per row]). `dequantize_fn(data)` gives the
     file's float32 values (the gguf package's): used for the types read through int8."""
     out, inp = shape
+    if inp % GROUP:
+        raise ValueError(f"a {type_name} weight of {inp} input columns is not a whole number of {GROUP}-groups")
+    if type_name == "Q8_0":  # d, 32 int8 codes; w = d * q
+        blocks = np.ascontiguousarray(data).reshape(-1, 34)
+        return QuantizedWeight(torch.from_numpy(blocks[:, 2:].copy().view(np.int8).reshape(out, inp)),
+                               torch.from_numpy(_f16(blocks, 0).reshape(out, inp // GROUP).copy()), None, 8,
+                               type_name)
     if type_name in INT4_TYPES:
-        if inp % GROUP:
-            raise ValueError(f"a {type_name} weight of {inp} input columns is not a whole number of {GROUP}-groups")
         block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[type_name]
         codes, scale, zero = _int4_groups(type_name, np.ascontiguousarray(data).reshape(-1, block_bytes))
         groups = inp // GROUP
@@ -130,10 +134,18 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int],
 
 
 def requantize_int8(w: torch.Tensor, source: str) -> QuantizedWeight:
-    """Symmetric int8 with one scale per row."""
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-    return QuantizedWeight(codes, scale.float(), None, 8, source)
+    """Symmetric int8 with one scale per 32-group along the input dim."""
+    groups = w.reshape(w.shape[0], -1, GROUP)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+    codes = torch.round(groups / scale).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return QuantizedWeight(codes, scale.squeeze(-1).float(), None, 8, source)
+
+
+def per_row_int8(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [out, in], scale [out]) with one scale per row, for torch's int8 weight-only kernel."""
+    w = weight.dequantize()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scale
 
 
 # ---------------------------------------------------------------------------- the matmul
@@ -171,9 +183,11 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.on_cuda = device.type == "cuda"
         self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
-        if weight.bits == 8:
-            self.codes = weight.codes.to(device)
-            self.scale = weight.scale.reshape(-1).to(device=device, dtype=torch.float32 if self.ops else dtype)
+        if weight.bits == 8 and self.ops is not None:
+            self.codes, self.scale = weight.codes.contiguous(), weight.scale.float().contiguous()
+        elif weight.bits == 8:
+            codes, scale = per_row_int8(weight)
+            self.codes, self.scale = codes.to(device), scale.to(device=device, dtype=dtype)
         elif self.ops is not None:
             self.codes = pack_int4_groups(weight.codes)
             self.scale, self.zero = weight.scale.float().contiguous(), weight.zero.float().contiguous()

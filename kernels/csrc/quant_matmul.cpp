@@ -70,23 +70,34 @@ void int4_tile(const float* x, int64_t K, const uint8_t* codes, const float* sca
   }
 }
 
+// The same for int8 weights with a scale per 32-group (w = scale * q): the group's 32 codes made float32 weights
+// in registers, then multiplied into every row.
 template <int R>
 void int8_tile(const float* x, int64_t K, const int8_t* codes, const float* scale, int64_t n0, int64_t n1, float* y,
                int64_t N) {
+  constexpr int A = 2;
+  const int64_t G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* c = codes + n * K;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+    const float* s = scale + n * G;
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * kGroup));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * kGroup + 16));
+      const __m256 sv = _mm256_set1_ps(s[g]);
+      const __m256 w[4] = {  // values 0-7, 8-15, 16-23, 24-31
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), sv),
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b0, b0))), sv),
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), sv),
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b1, b1))), sv)};
       for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), acc[r][1]);
+        const float* xr = x + r * K + g * kGroup;
+        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = scale[n] * sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; ++r) y[r * N + n] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
   }
 }
 
@@ -233,7 +244,7 @@ struct Int8Group {
 
 // Rows [m0, m0 + R) of y for outputs [n0, n1) from quantized rows: per group the integer dot, times weight step x
 // activation step in one float multiply-add. int4 (a scale and a zero per group): plus zero x the group's float
-// sum, exactly. int8 (one scale per output): the group's step is the activation's, the output scale comes last.
+// sum, exactly. int8 (a scale per group): no zero term.
 // Two accumulators per row take the even and the odd groups so that consecutive groups do not wait on each other;
 // each row is summed in the same order whatever the tile, so its result does not depend on the batch.
 template <int R, typename Group, typename Act>
@@ -252,7 +263,7 @@ void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, 
       const Group w(c + g * (row_bytes / G));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256 step = kInt4 ? _mm256_set1_ps(scale[n * G + g] * xd[r * G + g]) : _mm256_set1_ps(xd[r * G + g]);
+        const __m256 step = _mm256_set1_ps(scale[n * G + g] * xd[r * G + g]);
         acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w.dot(xc + r * K + g * kGroup)), step, acc[r][a]);
       }
     };
@@ -262,7 +273,7 @@ void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float t = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
-      y[r * N + n] = kInt4 ? t + dot_groups(zero + n * G, xs + r * G, G) : scale[n] * t;
+      y[r * N + n] = kInt4 ? t + dot_groups(zero + n * G, xs + r * G, G) : t;
     }
   }
 }
@@ -320,18 +331,18 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
   });
 }
 
-// y = x @ w.T for an int8 weight with one scale per output: codes [N, K] int8 (K a multiple of 16; of 32 with
-// activation_bits), scale [N] float32.
+// y = x @ w.T for an int8 weight with a scale per 32-group: codes [N, K] int8 (K a multiple of 32), scale
+// [N, K / 32] float32 (w = scale * q).
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           int64_t activation_bits, const std::optional<torch::Tensor>& residual) {
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && K % 16 == 0,
-              "int8_matmul: codes must be [N, K] int8 contiguous with K a multiple of 16");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == N,
-              "int8_matmul: scale must be [N] float32");
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && K % kGroup == 0,
+              "int8_matmul: codes must be [N, K] int8 contiguous with K a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == N && scale.size(1) == K / kGroup,
+              "int8_matmul: scale must be [N, K / 32] float32 contiguous");
   TORCH_CHECK(activation_bits == 0 || activation_bits == 8 || activation_bits == 16,
               "int8_matmul: activation_bits must be 0, 8 or 16");
-  TORCH_CHECK(activation_bits == 0 || K % kGroup == 0, "int8_matmul: integer activations need K a multiple of 32");
   const torch::Tensor xf = check_rows(x, K, "int8_matmul");
   const float* res = residual_rows(residual, x, N, "int8_matmul");
   const int8_t* c = codes.data_ptr<int8_t>();

@@ -22,10 +22,11 @@ from worker_svc.model import LlamaModel
 from worker_svc.runner import ModelRunner, resolve_dtype
 from worker_svc.server import execute_step
 
-# The quantized model differs from the dequantized one by the int8 requantization of the Q8_0 embedding / head
-# (within half a step of each row's absmax / 127) and by bfloat16 rounding in other places: measured max |logit
-# difference| 0.6-0.9 on logits up to ~35; greedy paths agree for 17-32 tokens on these prompts.
-LOGIT_TOL = 2.0
+# The quantized model holds the file's values exactly (Q4_1 groups, the Q8_0 embedding / head with its 32-group
+# scales), so in float32 it differs from the dequantized one only by summation order (measured max |logit
+# difference| 8e-5 over 16 prompts, every greedy path equal for 64 tokens); in bfloat16 by where the activations
+# are rounded (0.7 on logits up to ~35).
+LOGIT_TOL = {torch.bfloat16: 2.0, torch.float32: 1e-3}
 SAME_TOKENS = 8
 
 
@@ -56,7 +57,7 @@ def test_quantized_model_tracks_the_dequantized_one(models, hf_tokenizer):
         ids = hf_tokenizer(prompt)["input_ids"]
         got, got_logits = greedy(quantized, ids, SAME_TOKENS)
         want, want_logits = greedy(dense, ids, SAME_TOKENS)
-        assert (got_logits - want_logits).abs().max().item() < LOGIT_TOL, prompt
+        assert (got_logits - want_logits).abs().max().item() < LOGIT_TOL[quantized.dtype], prompt
         assert got == want, (prompt, got, want)
 
 
@@ -80,8 +81,8 @@ def test_the_worker_serves_the_quantized_model_in_its_auto_dtype(hf_tokenizer):
 
 
 # --activation-quantization against the same quantized weights with float32 activations, on PROMPTS: int16 moved
-# the logits by at most 0.014 and kept 16 of 16 greedy tokens on every prompt; int8 moved them by 1.3-2.0 (3.5 at
-# most over docs/benchmarks.md's 16 prompts) and kept 3-16 greedy tokens.
+# the logits by at most 0.018 and kept 16 of 16 greedy tokens on every prompt; int8 moved them by 1.7-2.6 (2.1 at
+# most over docs/benchmarks.md's 16 prompts) and kept 6-16 greedy tokens.
 INTEGER_LOGIT_TOL = {16: 0.1, 8: 4.0}
 INTEGER_SAME_TOKENS = {16: SAME_TOKENS, 8: 1}
 

@@ -43,10 +43,13 @@ def test_codes_read_from_gguf_match_its_dequantization(type_name):
     if type_name in quant.INT4_TYPES:
         assert w.bits == 4 and int(w.codes.max()) <= 15
         torch.testing.assert_close(w.dequantize(), ref, rtol=1e-6, atol=1e-6)  # the file's values, exactly
+    elif type_name == "Q8_0":
+        assert w.bits == 8 and w.codes.dtype == torch.int8 and w.scale.shape == (out, inp // 32)
+        assert torch.equal(w.dequantize(), ref)  # the file's values, exactly
     else:
-        assert w.bits == 8 and w.codes.dtype == torch.int8
-        step = ref.abs().amax(dim=1, keepdim=True) / 127  # requantized per row: within half a step
-        assert bool(((w.dequantize() - ref).abs() <= step * 0.501).all())
+        assert w.bits == 8 and w.codes.dtype == torch.int8 and w.scale.shape == (out, inp // 32)
+        step = ref.view(out, -1, 32).abs().amax(dim=-1) / 127  # requantized per 32-group: within half a step
+        assert bool(((w.dequantize() - ref).abs() <= step.repeat_interleave(32, dim=1) * 0.501 + 1e-12).all())
 
 
 def test_row_operations_keep_codes_and_scales_together():
@@ -96,7 +99,7 @@ def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(dtype, 
     w8 = quant.requantize_int8(torch.randn(out, inp), "test")
     x = torch.randn(rows, inp).to(dtype)
     for y, w in ((ops.int4_matmul(x, quant.pack_int4_groups(q), w4.scale, w4.zero), w4),
-                 (ops.int8_matmul(x, w8.codes, w8.scale.reshape(-1)), w8)):
+                 (ops.int8_matmul(x, w8.codes, w8.scale), w8)):
         ref = x.double() @ w.dequantize().double().T
         assert y.dtype == dtype
         if dtype == torch.float32:
@@ -107,8 +110,8 @@ def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(dtype, 
     last = x[-1:].clone()
     assert torch.equal(ops.int4_matmul(x, quant.pack_int4_groups(q), w4.scale, w4.zero)[-1:],
                        ops.int4_matmul(last, quant.pack_int4_groups(q), w4.scale, w4.zero))
-    assert torch.equal(ops.int8_matmul(x, w8.codes, w8.scale.reshape(-1))[-1:],
-                       ops.int8_matmul(last, w8.codes, w8.scale.reshape(-1)))
+    assert torch.equal(ops.int8_matmul(x, w8.codes, w8.scale)[-1:],
+                       ops.int8_matmul(last, w8.codes, w8.scale))
 
 
 def group_reference(x: torch.Tensor, levels: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,14 +160,14 @@ def test_integer_activation_matmuls_equal_the_matmul_of_the_quantized_activation
     scaled = (q.double().view(out, -1, 32) * w4.scale.double().unsqueeze(-1)).view(out, inp)
     torch.testing.assert_close(y4.double(), xq @ scaled.T + total.double() @ w4.zero.double().T, rtol=1e-5,
                                atol=1e-5)
-    y8 = ops.int8_matmul(x, w8.codes, w8.scale.reshape(-1), activation_bits=bits)
+    y8 = ops.int8_matmul(x, w8.codes, w8.scale, activation_bits=bits)
     torch.testing.assert_close(y8.double(), xq @ w8.dequantize().double().T, rtol=1e-5, atol=1e-5)
     for y, w in ((y4, w4), (y8, w8)):  # |error| <= sum over k of |w| * half the step of x's group
         bound = (step.double().repeat_interleave(32, dim=1) * 0.5) @ w.dequantize().double().abs().T
         assert bool(((y.double() - x.double() @ w.dequantize().double().T).abs() <= bound * 1.0001 + 1e-5).all())
     last = x[-1:].clone()
     assert torch.equal(y4[-1:], ops.int4_matmul(last, packed, w4.scale, w4.zero, activation_bits=bits))
-    assert torch.equal(y8[-1:], ops.int8_matmul(last, w8.codes, w8.scale.reshape(-1), activation_bits=bits))
+    assert torch.equal(y8[-1:], ops.int8_matmul(last, w8.codes, w8.scale, activation_bits=bits))
     bf16 = ops.int4_matmul(x.bfloat16(), packed, w4.scale, w4.zero, activation_bits=bits)
     assert bf16.dtype == torch.bfloat16
 
@@ -178,7 +181,7 @@ def test_the_residual_add_inside_the_kernel_equals_a_separate_add(bits):
     packed, scale, zero = quant.pack_int4_groups(q), torch.rand(out, inp // 32), torch.randn(out, inp // 32)
     w8 = quant.requantize_int8(torch.randn(out, inp), "test")
     x, residual = torch.randn(rows, inp), torch.randn(rows, out)
-    for fn, args in ((ops.int4_matmul, (packed, scale, zero)), (ops.int8_matmul, (w8.codes, w8.scale.reshape(-1)))):
+    for fn, args in ((ops.int4_matmul, (packed, scale, zero)), (ops.int8_matmul, (w8.codes, w8.scale))):
         alone = fn(x, *args, activation_bits=bits)
         assert torch.equal(fn(x, *args, activation_bits=bits, residual=residual), residual + alone)
     with pytest.raises(RuntimeError, match="int4_matmul: residual must be"):
@@ -213,13 +216,13 @@ def test_project_kernels_refuse_bad_shapes_naming_the_operand():
     with pytest.raises(RuntimeError, match="int4_matmul: codes"):
         ops.int4_matmul(torch.randn(2, 32), codes.int(), scale, scale)
     with pytest.raises(RuntimeError, match="int8_matmul: x must be float32 or bfloat16"):
-        ops.int8_matmul(torch.randn(2, 32).half(), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4))
-    with pytest.raises(RuntimeError, match="int8_matmul: scale"):
-        ops.int8_matmul(torch.randn(2, 32), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(3))
+        ops.int8_matmul(torch.randn(2, 32).half(), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1))
+    with pytest.raises(RuntimeError, match=r"int8_matmul: scale must be \[N, K / 32\]"):
+        ops.int8_matmul(torch.randn(2, 32), torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4))
     with pytest.raises(RuntimeError, match="int4_matmul: activation_bits must be 0, 8 or 16"):
         ops.int4_matmul(torch.randn(2, 32), codes, scale, scale, activation_bits=4)
-    with pytest.raises(RuntimeError, match="int8_matmul: integer activations need K a multiple of 32"):
-        ops.int8_matmul(torch.randn(2, 16), torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4), activation_bits=16)
+    with pytest.raises(RuntimeError, match="int8_matmul: codes must be .* K a multiple of 32"):
+        ops.int8_matmul(torch.randn(2, 16), torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, 1))
 
 
 def test_triton_int4_gemm_equals_dequantize_then_matmul():
