@@ -5,6 +5,7 @@ loopback (`redis-server FILE --sentinel`), with short Sentinel timeouts so a fai
     group.sentinel_spec, group.master_name         # for --redis-sentinel / --redis-sentinel-master
     group.master_port()                            # the primary's port as a Sentinel reports it
     group.wait_failover(old_port)                  # until the Sentinels name another primary, which says so
+    group.wait_settled()                           # until one primary has every other data node replicating it
     group.restart(port)                            # a killed data node, on its port and append-only file
     group.stop()
 
@@ -120,12 +121,10 @@ class RedisHA:
 
     def master_port(self) -> int:
         """The primary as the first Sentinel that answers names it."""
-        for s in self.sentinels:
-            try:
-                return int(redis.Redis(port=s.port, socket_timeout=2).sentinel_get_master_addr_by_name(MASTER)[1])
-            except (redis.RedisError, TypeError):
-                continue
-        raise redis.ConnectionError("no Sentinel answered")
+        named = self._named_primaries()
+        if not named:
+            raise redis.ConnectionError("no Sentinel answered")
+        return named[0]
 
     def replica_port(self) -> int:
         return next(p for p in self.nodes if p != self.master_port())
@@ -133,23 +132,40 @@ class RedisHA:
     def role(self, port: int) -> str:
         return self.client(port).execute_command("ROLE")[0].decode()
 
+    def _named_primaries(self) -> list[int]:
+        """The primary's port as each Sentinel that answers names it."""
+        ports = []
+        for s in self.sentinels:
+            try:
+                addr = redis.Redis(port=s.port, socket_timeout=2).sentinel_get_master_addr_by_name(MASTER)
+                ports.append(int(addr[1]))
+            except (redis.RedisError, TypeError):
+                pass
+        return ports
+
+    def _replicates(self, port: int, primary: int) -> bool:
+        info = self.client(port).info("replication")
+        return (info.get("role") == "slave" and int(info.get("master_port", 0)) == primary
+                and info.get("master_link_status") == "up")
+
     def wait_failover(self, old_port: int, timeout: float = 60.0) -> int:
         """Until a majority of Sentinels name a primary other than `old_port` and that node is a primary."""
         def promoted():
-            ports = []
-            for s in self.sentinels:
-                try:
-                    ports.append(int(redis.Redis(port=s.port, socket_timeout=2)
-                                     .sentinel_get_master_addr_by_name(MASTER)[1]))
-                except (redis.RedisError, TypeError):
-                    pass
-            new = [p for p in ports if p != old_port]
+            new = [p for p in self._named_primaries() if p != old_port]
             return new[0] if len(new) >= 2 and self.role(new[0]) == "master" else None
         return _wait(f"a fail-over away from {old_port}", promoted, timeout)
 
     def wait_replica_of(self, port: int, primary: int, timeout: float = 60.0) -> None:
-        def synced():
-            info = self.client(port).info("replication")
-            return (info.get("role") == "slave" and int(info.get("master_port", 0)) == primary
-                    and info.get("master_link_status") == "up")
-        _wait(f"{port} replicating {primary}", synced, timeout)
+        _wait(f"{port} replicating {primary}", lambda: self._replicates(port, primary), timeout)
+
+    def wait_settled(self, timeout: float = 60.0) -> int:
+        """Until a majority of Sentinels name one primary, it says it is one, and every other data node replicates it
+        with its link up; that primary's port. Which node it is is the Sentinels' call: on a loaded machine a freshly
+        promoted primary can miss their pings for DOWN_AFTER_MS and be failed over again (back to a restarted node)."""
+        def settled():
+            named = self._named_primaries()
+            primary = max(set(named), key=named.count, default=None)
+            if primary is None or named.count(primary) < 2 or self.role(primary) != "master":
+                return None
+            return primary if all(self._replicates(p, primary) for p in self.nodes if p != primary) else None
+        return _wait("one primary with every other data node replicating it", settled, timeout)
