@@ -30,74 +30,37 @@ torch::Tensor check_rows(const torch::Tensor& x, int64_t K, const char* op) {
 }
 
 // Rows [m0, m0 + R) of y for outputs [n0, n1), in AVX2 (8 float32 lanes; every x86-64 CPU of the last decade).
-// Per group the weights are made float32 (w = scale * q + zero) and multiplied into every row; two accumulators
-// per row so that consecutive multiply-adds do not wait on each other (AVX2 has 16 vector registers: 4 rows x 2
-// next to the 4 weight vectors). Every row is summed in the same order whatever the tile size, so a row's result
-// does not depend on the other rows of the batch.
-template <int R>
-void int4_tile(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* zero, int64_t n0,
-               int64_t n1, float* y, int64_t N) {
-  constexpr int A = 2;
-  const int64_t G = K / kGroup;
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = codes + n * (K / 2);
-    const float* s = scale + n * G;
-    const float* z = zero + n * G;
-    __m256 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      // 16 bytes: byte j holds value j (low nibble) and value j + 16 (high nibble), GGUF's own order
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * 16));
-      const __m256i qa = _mm256_cvtepu8_epi32(b), qb = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
-      const __m256 sv = _mm256_set1_ps(s[g]), zv = _mm256_set1_ps(z[g]);
-      const __m256 w[4] = {  // values 0-7, 8-15, 16-23, 24-31
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qa, low4)), sv, zv),
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qb, low4)), sv, zv),
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), sv, zv),
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), sv, zv)};
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + g * kGroup;
-        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 t = acc[r][0];
-      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-      y[r * N + n] = sum8(t);
-    }
-  }
-}
-
-// The same for int8 weights with a scale per 32-group (w = scale * q): the group's 32 codes made float32 weights
-// in registers, then multiplied into every row.
-template <int R>
-void int8_tile(const float* x, int64_t K, const int8_t* codes, const float* scale, int64_t n0, int64_t n1, float* y,
-               int64_t N) {
-  constexpr int A = 2;
+// Per group `weights(n, g, w)` makes the group's 32 weights float32 in registers (w[0..3]: values 0-7, 8-15, 16-23,
+// 24-31), multiplied into every row; two accumulators per row so that consecutive multiply-adds do not wait on each
+// other (AVX2 has 16 vector registers: 4 rows x 2 next to the 4 weight vectors). Every row is summed in the same
+// order whatever the tile size, so a row's result does not depend on the other rows of the batch.
+template <int R, typename GroupWeights>
+void float_tile(const float* x, int64_t K, GroupWeights weights, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* c = codes + n * K;
-    const float* s = scale + n * G;
-    __m256 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * kGroup));
-      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * kGroup + 16));
-      const __m256 sv = _mm256_set1_ps(s[g]);
-      const __m256 w[4] = {  // values 0-7, 8-15, 16-23, 24-31
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), sv),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b0, b0))), sv),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), sv),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b1, b1))), sv)};
+      __m256 w[4];
+      weights(n, g, w);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * K + g * kGroup;
-        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
+        for (int i = 0; i < 4; ++i) acc[r][i % 2] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % 2]);
       }
     }
     for (int r = 0; r < R; ++r) y[r * N + n] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+// float_tile<R> for R = 1..4 as a runtime switch.
+template <typename GroupWeights>
+void float_rows(int64_t R, const float* x, int64_t K, GroupWeights weights, int64_t n0, int64_t n1, float* y,
+                int64_t N) {
+  switch (R) {
+    case 1: return float_tile<1>(x, K, weights, n0, n1, y, N);
+    case 2: return float_tile<2>(x, K, weights, n0, n1, y, N);
+    case 3: return float_tile<3>(x, K, weights, n0, n1, y, N);
+    default: return float_tile<4>(x, K, weights, n0, n1, y, N);
   }
 }
 
@@ -321,13 +284,19 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
                                  : integer_matmul<Int4Group, int8_t>(xf, x.scalar_type(), res, c, N, K / 2, s, z);
   }
   const float* xp = xf.data_ptr<float>();
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  const auto weights = [&](int64_t n, int64_t g, __m256 w[4]) {  // w = scale * q + zero
+    // 16 bytes: byte j holds value j (low nibble) and value j + 16 (high nibble), GGUF's own order
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + n * (K / 2) + g * 16));
+    const __m256i qa = _mm256_cvtepu8_epi32(b), qb = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
+    const __m256 sv = _mm256_set1_ps(s[n * (K / kGroup) + g]), zv = _mm256_set1_ps(z[n * (K / kGroup) + g]);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qa, low4)), sv, zv);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(qb, low4)), sv, zv);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), sv, zv);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), sv, zv);
+  };
   return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    switch (R) {
-      case 1: return int4_tile<1>(xp + m * K, K, c, s, z, n0, n1, yr, N);
-      case 2: return int4_tile<2>(xp + m * K, K, c, s, z, n0, n1, yr, N);
-      case 3: return int4_tile<3>(xp + m * K, K, c, s, z, n0, n1, yr, N);
-      default: return int4_tile<4>(xp + m * K, K, c, s, z, n0, n1, yr, N);
-    }
+    float_rows(R, xp + m * K, K, weights, n0, n1, yr, N);
   });
 }
 
@@ -353,17 +322,23 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
                                  : integer_matmul<Int8Group, int8_t>(xf, x.scalar_type(), res, cb, N, K, s, nullptr);
   }
   const float* xp = xf.data_ptr<float>();
+  const auto weights = [&](int64_t n, int64_t g, __m256 w[4]) {  // w = scale * q
+    const int8_t* q = c + n * K + g * kGroup;
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+    const __m256 sv = _mm256_set1_ps(s[n * (K / kGroup) + g]);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), sv);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b0, b0))), sv);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), sv);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b1, b1))), sv);
+  };
   return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    switch (R) {
-      case 1: return int8_tile<1>(xp + m * K, K, c, s, n0, n1, yr, N);
-      case 2: return int8_tile<2>(xp + m * K, K, c, s, n0, n1, yr, N);
-      case 3: return int8_tile<3>(xp + m * K, K, c, s, n0, n1, yr, N);
-      default: return int8_tile<4>(xp + m * K, K, c, s, n0, n1, yr, N);
-    }
+    float_rows(R, xp + m * K, K, weights, n0, n1, yr, N);
   });
 }
 
-// x's 32-groups as the int8 paths see them: (codes int8 [M, K], step [M, K / 32], float sum [M, K / 32]).
+// x's 32-groups as the integer paths see them: (codes int8 or int16 [M, K], step [M, K / 32], float sum
+// [M, K / 32]).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0, "quantize_activations: x must be [rows, K], K a multiple of 32");
   TORCH_CHECK(bits == 8 || bits == 16, "quantize_activations: bits must be 8 or 16");
