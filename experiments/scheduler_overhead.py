@@ -40,6 +40,7 @@ import json
 import os
 import pstats
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -96,8 +97,9 @@ class Stack(HarnessStack):
                  num_blocks: int | None,
                  max_model_len: int | None, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", block_size: int = 16, extra_scheduler_args: list[str] | None = None,
-                 worker_otlp_endpoint: str | None = None):
-        worker = ["--model", model, "--dtype", dtype, "--device", device, "--block-size", str(block_size)]
+                 worker_otlp_endpoint: str | None = None, extra_worker_args: list[str] | None = None):
+        worker = ["--model", model, "--dtype", dtype, "--device", device, "--block-size", str(block_size),
+                  *(extra_worker_args or [])]
         if num_blocks is not None:
             worker += ["--num-gpu-blocks-override", str(num_blocks)]
         if max_model_len is not None:
@@ -541,7 +543,7 @@ def run_mode(args, mode: str, model_dir: str, blocks: int, max_model_len: int) -
     flags = [] if mode == "async" else ["--no-async-scheduling"]
     with Stack(model_dir, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                num_blocks=blocks, max_model_len=max_model_len, dtype="float32", device=args.device,
-               extra_scheduler_args=flags) as stack:
+               extra_scheduler_args=flags, extra_worker_args=shlex.split(args.worker_args)) as stack:
         info = stack.driver.worker_info
         print(f"stack up: worker {info.model.num_layers} layers hidden {info.model.hidden_size} vocab "
               f"{info.model.vocab_size} on {info.device}, {info.num_blocks} KV blocks of {info.block_size}; "
@@ -600,6 +602,10 @@ def main() -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="worker KV blocks (default: enough for max(N) requests)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None,
+                   help="serve this model instead of the 2-layer random Llama (e.g. the bundled GGUF's path); "
+                        "prompts still draw ids below --vocab")
+    p.add_argument("--worker-args", default="", help="more worker flags, one string (e.g. '--quantization gguf')")
     p.add_argument("--direct", action="store_true",
                    help="submit straight to the driver (no gRPC streams): the loop alone, without the API layer")
     p.add_argument("--switch-interval", type=float, default=None,
@@ -623,8 +629,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="llmserve-tiny-")
     rows: list[dict] = []
     try:
-        model_dir = make_tiny_llama(os.path.join(tmp, "tiny-llama"), vocab_size=args.vocab, hidden_size=args.hidden,
-                                    max_position_embeddings=max(4096, max_model_len))
+        model_dir = args.model or make_tiny_llama(os.path.join(tmp, "tiny-llama"), vocab_size=args.vocab,
+                                                  hidden_size=args.hidden,
+                                                  max_position_embeddings=max(4096, max_model_len))
         for mode in args.scheduling:
             rows += run_mode(args, mode, model_dir, blocks, max_model_len)
     finally:

@@ -18,7 +18,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("cpu_ops.cpp", "quant_matmul.cpp", "dense_matmul.cpp"))
+                for name in ("cpu_ops.cpp", "quant_matmul.cpp", "dense_matmul.cpp", "decoder_layers.cpp"))
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False

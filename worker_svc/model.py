@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import cpu_ops
+from worker_svc import cpu_layers
 from worker_svc.config import ModelConfig
 from worker_svc.panel_linear import PanelLinear
 from worker_svc.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
@@ -319,6 +320,11 @@ class LlamaModel:
         self.cos_cache, self.sin_signed_cache = rope_tables(config, self.max_position, dtype, self.device)
         # The C++ CPU kernels (rope in place, and rms_norm / decode attention through their callers), or None.
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" else None
+        # The decoder layers as one C++ call where the step allows it (worker_svc/cpu_layers.py), or None; not for
+        # a family that overrides the layer code.
+        own_layers = all(getattr(type(self), f) is getattr(LlamaModel, f)
+                         for f in ("forward", "_layers", "_feed_forward", "_row_parallel_add"))
+        self.cpu_layers = cpu_layers.build(self) if own_layers else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config
@@ -336,15 +342,34 @@ class LlamaModel:
     ) -> torch.Tensor | None:  # [R, vocab] float32 (None on tensor-parallel ranks other than 0)
         """With `pool_indices`: (logits, [P, hidden] hidden states after the last norm) (embeddings)."""
         c = self.config
-        num_tokens = input_ids.shape[0]
+        h = self._embed(input_ids)  # a fresh tensor: linear_add may update it in place
+        rows = None if self.cpu_layers is None or self.lora is not None else \
+            cpu_layers.kernel_rows(attn_meta.plan, input_ids.shape[0])
+        if rows is not None:  # the loop below in one C++ call, bit-identical
+            h = self.cpu_layers.forward(h, positions.to(torch.int64).contiguous(), kv_cache, attn_meta.slot_mapping,
+                                        rows.rows, rows.tables, rows.seq_lens)
+        else:
+            h = self._layers(h, positions, kv_cache, attn_meta)
+
+        pooled = None if pool_indices is None else rms_norm(h[pool_indices], self.norm, c.rms_norm_eps)
+        # The head is the most expensive matmul per row: run it only where a token is sampled.
+        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
+        logits = linear(h, self.lm_head).float()
+        if self.tp is not None:
+            logits = self.tp.gather_to_first(logits)  # [R, size * vocab rows] on rank 0, padding rows last
+            logits = None if logits is None else logits[:, : c.vocab_size]
+        return logits if pooled is None else (logits, pooled)
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any) -> torch.Tensor:
+        """h [T, hidden] (the embeddings) through every decoder layer."""
+        c = self.config
+        num_tokens = h.shape[0]
         if self.cpu_ops is not None:
             positions = positions.to(torch.int64).contiguous()
         else:
             cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
             sin = self.sin_signed_cache[positions].unsqueeze(1)
         qk_heads = c.num_heads + c.num_kv_heads
-
-        h = self._embed(input_ids)  # a fresh tensor: linear_add may update it in place
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps, self.cpu_ops)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
@@ -380,15 +405,7 @@ class LlamaModel:
             h = self._row_parallel_add(o, layer.o, layer.o_bias, h, (i, "o"))
 
             h = self._feed_forward(i, layer, rms_norm(h, layer.post_norm, c.rms_norm_eps, self.cpu_ops), h)
-
-        pooled = None if pool_indices is None else rms_norm(h[pool_indices], self.norm, c.rms_norm_eps)
-        # The head is the most expensive matmul per row: run it only where a token is sampled.
-        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
-        logits = linear(h, self.lm_head).float()
-        if self.tp is not None:
-            logits = self.tp.gather_to_first(logits)  # [R, size * vocab rows] on rank 0, padding rows last
-            logits = None if logits is None else logits[:, : c.vocab_size]
-        return logits if pooled is None else (logits, pooled)
+        return h
 
     def _feed_forward_weights(self, i: int, weights: dict, w: Callable, mat: Callable) -> dict[str, Any]:
         """Layer i's feed-forward fields of LayerWeights, from `weights` through the constructor's `w` (to the

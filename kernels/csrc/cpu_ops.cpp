@@ -769,6 +769,7 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,  // csrc/dense_matmul.cpp
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
+void bind_decoder_layers(pybind11::module_& m);  // csrc/decoder_layers.cpp
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -786,5 +787,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations);
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
+  bind_decoder_layers(m);
 #endif
 }

@@ -1,0 +1,101 @@
+"""The decoder layers in one C++ call (worker_svc/cpu_layers.py, kernels/csrc/decoder_layers.cpp) against the Python
+layer loop on the bundled model: the same logits bit for bit over prefill chunks, decodes and mixed steps, dense
+float32 and quantized (float and int8 activations); steps the decode kernel does not wholly serve, LoRA steps and
+models the loop does not cover keep the Python loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.service.test_model import PagedRunner
+from worker_svc import quant
+from worker_svc.loader import default_model_path, load_model_weights
+from worker_svc.model import LlamaModel
+
+# (chunks per step): short prefill chunks, decodes of three sequences, a mixed step; then one chunk long enough
+# (past the decode kernel's 256-position limit for prefill rows) that attention needs SDPA: the Python loop.
+SCRIPT = [
+    {0: list(range(5, 60)), 1: list(range(100, 110)), 2: [3]},
+    *({0: [7 + i], 1: [9 + i], 2: [11 + i]} for i in range(6)),
+    {0: [1], 1: list(range(30, 50))},
+    {2: list(range(200, 500))},
+    {0: [2], 1: [4], 2: [6]},
+]
+PYTHON_STEPS = [8]  # the step indices whose attention is not all kernel rows
+
+
+def run(model: LlamaModel) -> tuple[list[torch.Tensor], list[int]]:
+    """Every step's logits, and the steps that ran the Python layer loop."""
+    python_steps, step = [], [0]
+    loop = model._layers
+
+    def counted(*args):
+        python_steps.append(step[0])
+        return loop(*args)
+
+    model._layers = counted
+    try:
+        runner = PagedRunner(model, 64)
+        out = []
+        for chunks in SCRIPT:
+            out.append(runner.step(chunks))
+            step[0] += 1
+        return out, python_steps
+    finally:
+        del model._layers
+
+
+@pytest.fixture(scope="module", params=["dense", "quantized", "int8-activations"])
+def model(request) -> LlamaModel:
+    quantization = None if request.param == "dense" else "gguf"
+    config, weights = load_model_weights(default_model_path(), quantization=quantization)
+    if request.param == "int8-activations":
+        weights = quant.with_integer_activations(weights, 8, torch.device("cpu"))
+    return LlamaModel(config, weights, torch.float32, "cpu")
+
+
+def test_cpu_layers_equal_the_python_loop_bit_for_bit(model):
+    assert model.cpu_layers is not None  # float32 on the project's kernels: the C++ loop is built
+    fused, python_steps = run(model)
+    assert python_steps == PYTHON_STEPS
+    layers, model.cpu_layers = model.cpu_layers, None
+    try:
+        plain, python_steps = run(model)
+    finally:
+        model.cpu_layers = layers
+    assert python_steps == list(range(len(SCRIPT)))
+    for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        assert torch.equal(a, b), f"step {i}: max diff {(a - b).abs().max().item()}"
+
+
+class NoLora:
+    """A LoRA pool with no adapter loaded (adds nothing): only whether the step takes the Python loop matters."""
+
+    def add(self, layer, group, x, out) -> None:
+        pass
+
+
+def test_a_lora_step_keeps_the_python_loop(model):
+    model.lora = NoLora()
+    try:
+        _, python_steps = run(model)
+    finally:
+        model.lora = None
+    assert python_steps == list(range(len(SCRIPT)))
+
+
+def test_models_the_loop_does_not_cover_keep_the_python_loop():
+    config, weights = load_model_weights(default_model_path())
+    assert LlamaModel(config, weights, torch.bfloat16, "cpu").cpu_layers is None  # float32 only
+    biased = weights | {f"model.layers.{i}.self_attn.{x}_proj.bias": torch.zeros(n)
+                        for i in range(config.num_layers)
+                        for x, n in (("q", config.num_heads * config.head_dim),
+                                     ("k", config.num_kv_heads * config.head_dim),
+                                     ("v", config.num_kv_heads * config.head_dim))}
+    assert LlamaModel(config, biased, torch.float32, "cpu").cpu_layers is None  # Qwen2's attention biases
+    windowed = dataclasses.replace(config, layer_types=["sliding_attention"] * config.num_layers, sliding_window=64)
+    assert LlamaModel(windowed, weights, torch.float32, "cpu").cpu_layers is None  # Mistral's sliding window
+    assert LlamaModel(config, weights, torch.float32, "cpu", prepack=False).cpu_layers is None  # F.linear weights
