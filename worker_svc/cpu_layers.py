@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kernels.reference import ReferencePlan, paged_attention
-from worker_svc.panel_linear import PanelLinear
+from worker_svc.panel_linear import PANEL, PanelLinear
 from worker_svc.quant import QuantLinear
 
 
@@ -28,6 +28,34 @@ def _matmul(ops: Any, weight: Any) -> Any | None:
             return ops.Matmul(1, weight.codes, weight.scale, weight.zero, weight.out_features, weight.activation_bits)
         return ops.Matmul(2, weight.codes, weight.scale, None, weight.out_features, weight.activation_bits)
     return None
+
+
+def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
+    """gate's and up's weights as one matmul of both outputs (one pass over x, one parallel region, with integer
+    activations x quantized once); gate and up then hold views of the joined tensors, so nothing is stored twice.
+    Only where the intermediate size is a multiple of 16 (whole panels; silu over a half of each row then runs the
+    vector loop the separate tensor does, the same bits)."""
+    if not isinstance(gate, (PanelLinear, QuantLinear)) or type(gate) is not type(up) \
+            or gate.in_features != up.in_features or gate.out_features % PANEL:
+        return None
+    if isinstance(gate, PanelLinear):
+        names, kind = ("panels",), 0
+    elif isinstance(gate, QuantLinear) and gate.ops is not None and up.ops is not None and gate.bits == up.bits \
+            and gate.activation_bits == up.activation_bits and gate.dtype == torch.float32:
+        names, kind = (("codes", "scale", "zero"), 1) if gate.bits == 4 else (("codes", "scale"), 2)
+    else:
+        return None
+    joined = []
+    for name in names:
+        both = torch.cat([getattr(gate, name), getattr(up, name)])
+        split = getattr(gate, name).shape[0]
+        setattr(gate, name, both[:split])
+        setattr(up, name, both[split:])
+        joined.append(both)
+    n = gate.out_features + up.out_features
+    if kind == 0:
+        return ops.Matmul(0, joined[0], out_features=n)
+    return ops.Matmul(kind, *joined, *([None] if kind == 2 else []), n, gate.activation_bits)
 
 
 def build(model: Any) -> Any | None:
@@ -45,11 +73,12 @@ def build(model: Any) -> Any | None:
         if layer.qkv_bias is not None or layer.o_bias is not None or layer.qk_norm is not None \
                 or layer.moe is not None or layer.gate is None:
             return None
-        mats = [_matmul(ops, getattr(layer, name)) for name in ("qkv", "o", "gate", "up", "down")]
+        mats = [_matmul(ops, layer.qkv), _matmul(ops, layer.o), _gate_up(ops, layer.gate, layer.up),
+                _matmul(ops, layer.down)]
         if any(m is None for m in mats):
             return None
-        qkv, o, gate, up, down = mats
-        layers.add_layer(layer.input_norm, qkv, o, layer.post_norm, gate, up, down)
+        qkv, o, gate_up, down = mats
+        layers.add_layer(layer.input_norm, qkv, o, layer.post_norm, gate_up, down)
     return layers
 
 

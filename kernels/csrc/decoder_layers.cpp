@@ -48,7 +48,7 @@ struct Matmul {
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  Matmul qkv, o, gate, up, down;
+  Matmul qkv, o, gate_up, down;  // gate_up: gate's outputs, then up's (one matmul, one pass over x)
 };
 
 class DecoderLayers {
@@ -58,12 +58,13 @@ class DecoderLayers {
       : eps_(eps), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), scale_(scale), cos_(std::move(cos)),
         sin_(std::move(sin)) {}
 
-  void add_layer(torch::Tensor input_norm, Matmul qkv, Matmul o, torch::Tensor post_norm, Matmul gate, Matmul up,
+  void add_layer(torch::Tensor input_norm, Matmul qkv, Matmul o, torch::Tensor post_norm, Matmul gate_up,
                  Matmul down) {
     TORCH_CHECK(qkv.out_features == (hq_ + 2 * hkv_) * d_, "DecoderLayers: qkv must have (heads + 2 kv heads) x "
                 "head_dim outputs");
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o), std::move(gate),
-                       std::move(up), std::move(down)});
+    TORCH_CHECK(gate_up.out_features % 2 == 0, "DecoderLayers: gate_up must hold gate's and up's outputs");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o), std::move(gate_up),
+                       std::move(down)});
   }
 
   // h [T, hidden] float32 (the embeddings) through every layer; attention for each row i of `rows` (all T rows)
@@ -88,9 +89,10 @@ class DecoderLayers {
       torch::Tensor o = torch::empty({T, hq_, d_}, q.options());
       decode_attention(q, rows, key_cache, value_cache, tables, seq_lens, scale_, 0, 0.0, c10::nullopt, o);
       h = L.o(o.view({T, hq_ * d_}), h);
-      const torch::Tensor x = rms_norm(h, L.post_norm, eps_);
-      torch::Tensor act = L.gate(x);
-      at::silu_(act).mul_(L.up(x));  // F.silu(gate, inplace=True).mul_(up), as the Python loop
+      const torch::Tensor gate_up = L.gate_up(rms_norm(h, L.post_norm, eps_));
+      const int64_t inter = gate_up.size(1) / 2;
+      torch::Tensor act = gate_up.narrow(1, 0, inter);
+      at::silu_(act).mul_(gate_up.narrow(1, inter, inter));  // F.silu(gate, inplace=True).mul_(up), as in Python
       h = L.down(act, h);
     }
     return h;
