@@ -82,6 +82,39 @@ def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_he
         assert bool((err <= exact.abs() * 2 ** -8 + 1e-6).all()) and float(err.max()) <= float(sdpa_err.max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 7, "sinks": True}])
+def test_decode_attention_is_the_same_bits_whatever_the_batch_and_threads(dtype, head_dim, num_heads, num_kv_heads,
+                                                                          extra):
+    # The kernel splits its work by whole decodes, KV heads or query heads depending on how many decodes there are
+    # and how many threads: a decode's output must not depend on that split.
+    seq_lens = [37, 1, 100, 16, 64, 5, 200, 48]
+    q, kc, vc, tables = _case(dtype, head_dim, num_heads, num_kv_heads, [1] * len(seq_lens), seq_lens)
+    sinks = torch.randn(num_heads) if extra.get("sinks") else None
+    window = extra.get("sliding_window", 0)
+
+    def attend(seqs: list[int]) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        ops.decode_attention(q, torch.tensor(seqs), kc, vc, tables[seqs].contiguous(),
+                             torch.tensor([seq_lens[s] for s in seqs], dtype=torch.int32), head_dim ** -0.5, window,
+                             0.0, sinks, out)
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = attend(list(range(len(seq_lens))))
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for size in (1, 2, 3, len(seq_lens)):
+                for first in range(0, len(seq_lens) - size + 1, size):
+                    seqs = list(range(first, first + size))
+                    assert torch.equal(attend(seqs)[seqs], want[seqs]), (n, seqs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_attention_of_an_empty_sequence_is_zero():
     q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1, 1], [0, 10])
     plan = build_reference_plan(tables, [1, 1], [0, 10], 16, decode_kernel=True)
