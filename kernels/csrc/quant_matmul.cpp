@@ -165,12 +165,13 @@ template <typename Act>
 struct Int4Group {
   __m256i w0, w1;  // int8 activations: w0 holds all 32 codes (bytes 0-15 values 0-15, 16-31 the rest)
   explicit Int4Group(const uint8_t* c) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), low4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    if constexpr (std::is_same_v<Act, int8_t>) {
-      w0 = _mm256_set_m128i(hi, lo);
+    if constexpr (std::is_same_v<Act, int8_t>) {  // the 16 bytes in both halves, the upper shifted by a nibble
+      const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+      w0 = _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
     } else {
-      w0 = _mm256_cvtepu8_epi16(lo), w1 = _mm256_cvtepu8_epi16(hi);
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), low4 = _mm_set1_epi8(0x0F);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, low4));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low4));
     }
   }
   __m256i dot(const Act* x) const {
