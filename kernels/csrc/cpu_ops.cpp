@@ -121,6 +121,25 @@ inline void axpy(float p, const T* v, float* acc, int64_t D) {
   for (; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
 
+// Where position t of a sequence lives in a paged cache (its block from the table), and a prefetch of its rows of
+// heads [0, H): the blocks are scattered, so no stream prefetcher can fetch them ahead.
+struct PagedRows {
+  const int32_t* table;
+  int64_t block_size, blk_stride, tok_stride, head_stride, H, row_bytes;
+  template <typename T>
+  const T* at(const T* cache, int64_t t) const {
+    return cache + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
+  }
+  template <typename T>
+  void prefetch(const T* cache, int64_t t) const {
+    const T* r = at(cache, t);
+    for (int64_t h = 0; h < H; ++h) {
+      const char* p = reinterpret_cast<const char*>(r + h * head_stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+  }
+};
+
 // One task: KV heads [0, H) of one sequence (head_stride apart in the cache), each with its G query heads, over
 // positions [start, len). Two passes over the keys (scores, then the weighted sum of values) with every score kept:
 // a decode's context is at most max_model_len rows, and the exact max makes the softmax match the one-pass float32
@@ -134,22 +153,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = to_float(q[hq * q_head_stride + d]) * scale;
   const int64_t n = len - start;
-  // Ask for the rows kAhead positions on while this one is used (blocks are scattered, so a stream prefetcher cannot).
+  // Ask for the rows kAhead positions on while this one is used.
   constexpr int64_t kAhead = 8;
-  const auto row_at = [&](const T* cache, int64_t t) {
-    return cache + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
-  };
-  const auto prefetch = [&](const T* cache, int64_t t) {
-    if (t >= len) return;
-    const T* r = row_at(cache, t);
-    for (int64_t h = 0; h < H; ++h) {
-      const char* p = reinterpret_cast<const char*>(r + h * head_stride);
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
-  };
+  const PagedRows rows{table, block_size, blk_stride, tok_stride, head_stride, H, D * static_cast<int64_t>(sizeof(T))};
   for (int64_t t = start; t < len; ++t) {
-    prefetch(kc, t + kAhead);
-    const T* k = row_at(kc, t);
+    if (t + kAhead < len) rows.prefetch(kc, t + kAhead);
+    const T* k = rows.at(kc, t);
     for (int64_t hq = 0; hq < Hq; ++hq) scores[hq * n + (t - start)] = dot(qf + hq * D, k + (hq / G) * head_stride, D);
   }
   for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -166,8 +175,8 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
   }
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t t = start; t < len; ++t) {
-    prefetch(vc, t + kAhead);
-    const T* v = row_at(vc, t);
+    if (t + kAhead < len) rows.prefetch(vc, t + kAhead);
+    const T* v = rows.at(vc, t);
     for (int64_t hq = 0; hq < Hq; ++hq) axpy(scores[hq * n + (t - start)], v + (hq / G) * head_stride, acc + hq * D, D);
   }
   for (int64_t hq = 0; hq < Hq; ++hq)
@@ -199,25 +208,17 @@ template <typename T>
 void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
                      int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
                      int64_t block_size, int64_t H, int64_t G, int64_t D, float scale, float softcap,
-                     const float* sinks, float* scores, float* qf, T* out, int64_t out_head_stride) {
+                     const float* sinks, float* scores, float* qf, float* inv, T* out, int64_t out_head_stride) {
   const int64_t Hq = H * G, n = len - start;
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = to_float(q[hq * q_head_stride + d]) * scale;
-  const auto row_at = [&](const T* cache, int64_t t) {
-    return cache + table[t / block_size] * blk_stride + (t % block_size) * tok_stride;
-  };
-  const auto prefetch_row = [&](const T* cache, int64_t t) {  // scattered blocks: no stream prefetcher helps
-    const T* r = row_at(cache, t);
-    for (int64_t h = 0; h < H; ++h) {
-      const char* p = reinterpret_cast<const char*>(r + h * head_stride);
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
-  };
+  const PagedRows paged{table, block_size, blk_stride, tok_stride, head_stride, H, D * static_cast<int64_t>(sizeof(T))};
+  const auto row_at = [&](const T* cache, int64_t t) { return paged.at(cache, t); };
   for (int64_t t0 = start; t0 < len; t0 += 8) {
     const int m = static_cast<int>(std::min<int64_t>(8, len - t0));
     const T* rows[8];
     for (int j = 0; j < 8; ++j) rows[j] = row_at(kc, t0 + (j < m ? j : 0));  // past the end: any valid row
-    for (int64_t t = t0 + 8; t < std::min(t0 + 16, len); ++t) prefetch_row(kc, t);
+    for (int64_t t = t0 + 8; t < std::min(t0 + 16, len); ++t) paged.prefetch(kc, t);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
@@ -241,7 +242,6 @@ void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc
         }
       }
   }
-  std::vector<float> inv(Hq);
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* sg = scores + hq * n;
     if (softcap > 0.f)
@@ -482,7 +482,7 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
         attend_one_avx2<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok, head,
                            tab + i * tables.size(1), start, len, block_size, per_task, G, D,
                            static_cast<float>(scale), static_cast<float>(softcap), sink ? sink + h * G : nullptr,
-                           scores.data(), qf.data(), o + row[i] * o_tok + h * G * o_head, o_head);
+                           scores.data(), qf.data(), acc.data(), o + row[i] * o_tok + h * G * o_head, o_head);
         continue;
       }
 #endif
