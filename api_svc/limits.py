@@ -42,7 +42,8 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if length.isdigit() and int(length) > self.max_bytes:
-                return await self._refuse(scope, receive, send, True, int(length) <= DRAIN_FACTOR * self.max_bytes)
+                return await self._refuse(scope, receive, send, more_body=True,
+                                          drain=int(length) <= DRAIN_FACTOR * self.max_bytes)
             return await self.app(scope, receive, send)
         chunks, seen = [], 0
         while True:
@@ -53,7 +54,7 @@ class BodyLimit:
             seen += len(chunks[-1])
             if seen > self.max_bytes:
                 chunks.clear()
-                return await self._refuse(scope, receive, send, message.get("more_body", False), True)
+                return await self._refuse(scope, receive, send, more_body=message.get("more_body", False), drain=True)
             if not message.get("more_body", False):
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
@@ -67,7 +68,9 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send, more_body: bool, drain: bool) -> None:
+    async def _refuse(self, scope, receive, send, *, more_body: bool, drain: bool) -> None:
+        """413 naming the limit; the rest of the body (`more_body`) read and dropped first where `drain` says it is
+        small enough, so that the client sees the answer rather than a reset."""
         budget = DRAIN_FACTOR * self.max_bytes
         while more_body and drain and budget > 0:
             message = await receive()

@@ -29,9 +29,13 @@ class SmallStepThreads:
     recent_s: dict[int, deque[float]] = field(default_factory=dict)  # threads -> its last small steps' seconds
     small_steps: int = 0
 
+    def _timed(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens has a choice (small, and more than one thread to choose from)."""
+        return num_tokens < SMALL_STEP_TOKENS and self.most > 1
+
     def choose(self, num_tokens: int) -> int:
         """The thread count for a step of `num_tokens` tokens."""
-        if num_tokens >= SMALL_STEP_TOKENS or self.most == 1:
+        if not self._timed(num_tokens):
             return self.most
         self.small_steps += 1
         counts = (self.most, self.most - 1)
@@ -43,6 +47,5 @@ class SmallStepThreads:
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """The time a step chosen by `choose` took."""
-        if num_tokens >= SMALL_STEP_TOKENS or self.most == 1:
-            return
-        self.recent_s.setdefault(threads, deque(maxlen=self.window)).append(seconds)
+        if self._timed(num_tokens):
+            self.recent_s.setdefault(threads, deque(maxlen=self.window)).append(seconds)
