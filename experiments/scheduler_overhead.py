@@ -21,6 +21,8 @@ comes from the server's own counters over the measured window: `INFO commandstat
     .venv/bin/python -m experiments.scheduler_overhead --repeats 3 --direct     # the loop alone
     .venv/bin/python -m experiments.scheduler_overhead --running 256 --profile  # + cProfile of the driver thread
     .venv/bin/python -m experiments.scheduler_overhead --running 2 --warmup 2 --measure 5 --tail-tokens 16  # smoke
+    .venv/bin/python -m experiments.scheduler_overhead --model PATH.gguf --worker-args '--quantization gguf' \
+        --running 1 --prompt-len 128 --warmup 10 --measure 100 --tail-tokens 40   # a real model: the low-load gap
 
 Results and how to read them: experiments/SCHEDULER.md.
 
