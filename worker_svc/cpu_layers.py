@@ -19,15 +19,28 @@ from worker_svc.panel_linear import PANEL, PanelLinear
 from worker_svc.quant import QuantLinear
 
 
+def _form(weight: Any) -> tuple[int, tuple[str, ...]] | None:
+    """(the C++ Matmul kind, the weight's tensor attributes it takes) for a matmul weight the C++ loop runs, else None:
+    float32 panels, or int4 / int8 groups on the project's CPU kernels with float32 activations."""
+    if isinstance(weight, PanelLinear):
+        return 0, ("panels",)
+    if isinstance(weight, QuantLinear) and weight.ops is not None and weight.dtype == torch.float32:
+        return (1, ("codes", "scale", "zero")) if weight.bits == 4 else (2, ("codes", "scale"))
+    return None
+
+
+def _cpp(ops: Any, kind: int, tensors: list[torch.Tensor], out_features: int, activation_bits: int) -> Any:
+    padded = [*tensors, *[None] * (3 - len(tensors))]  # weight, scale, zero
+    return ops.Matmul(kind, *padded, out_features, activation_bits)
+
+
 def _matmul(ops: Any, weight: Any) -> Any | None:
     """The C++ form of one matmul weight, or None where the C++ loop cannot run it."""
-    if isinstance(weight, PanelLinear):
-        return ops.Matmul(0, weight.panels, out_features=weight.out_features)
-    if isinstance(weight, QuantLinear) and weight.ops is not None and weight.dtype == torch.float32:
-        if weight.bits == 4:
-            return ops.Matmul(1, weight.codes, weight.scale, weight.zero, weight.out_features, weight.activation_bits)
-        return ops.Matmul(2, weight.codes, weight.scale, None, weight.out_features, weight.activation_bits)
-    return None
+    if (form := _form(weight)) is None:
+        return None
+    kind, names = form
+    return _cpp(ops, kind, [getattr(weight, n) for n in names], weight.out_features,
+                getattr(weight, "activation_bits", 0))
 
 
 def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
@@ -35,16 +48,12 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
     activations x quantized once); gate and up then hold views of the joined tensors, so nothing is stored twice.
     Only where the intermediate size is a multiple of 16 (whole panels; silu over a half of each row then runs the
     vector loop the separate tensor does, the same bits)."""
-    if not isinstance(gate, (PanelLinear, QuantLinear)) or type(gate) is not type(up) \
+    form = _form(gate)
+    bits = getattr(gate, "activation_bits", 0)
+    if form is None or form != _form(up) or bits != getattr(up, "activation_bits", 0) \
             or gate.in_features != up.in_features or gate.out_features % PANEL:
         return None
-    if isinstance(gate, PanelLinear):
-        names, kind = ("panels",), 0
-    elif isinstance(gate, QuantLinear) and gate.ops is not None and up.ops is not None and gate.bits == up.bits \
-            and gate.activation_bits == up.activation_bits and gate.dtype == torch.float32:
-        names, kind = (("codes", "scale", "zero"), 1) if gate.bits == 4 else (("codes", "scale"), 2)
-    else:
-        return None
+    kind, names = form
     joined = []
     for name in names:
         both = torch.cat([getattr(gate, name), getattr(up, name)])
@@ -52,10 +61,7 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
         setattr(gate, name, both[:split])
         setattr(up, name, both[split:])
         joined.append(both)
-    n = gate.out_features + up.out_features
-    if kind == 0:
-        return ops.Matmul(0, joined[0], out_features=n)
-    return ops.Matmul(kind, *joined, *([None] if kind == 2 else []), n, gate.activation_bits)
+    return _cpp(ops, kind, joined, gate.out_features + up.out_features, bits)
 
 
 def build(model: Any) -> Any | None:
