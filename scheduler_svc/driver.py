@@ -23,7 +23,7 @@ from scheduler_svc.observers import MetricsObserver, Observer, StepLogObserver, 
 from scheduler_svc.outbox import Published
 from scheduler_svc.outputs import SchedulerOutput, StepRecord
 from scheduler_svc.policy import PolicyConfig
-from scheduler_svc.store import LeaseLost, RedisLedger
+from scheduler_svc.store import LeaseLost, LedgerBehind, RedisLedger
 from scheduler_svc.worker_client import PlanRejected, WorkerClient, WorkerError, WorkerFenced, encode_plan
 
 log = logging.getLogger("llmserve.scheduler")
@@ -68,6 +68,7 @@ class Driver(Frontend):
         self.step_id = 0
         self.in_flight: StepRecord | None = None  # pipelined: the step sent last, whose result is not applied yet
         self.last_committed: int | None = None  # the last step id this process committed (failover.py compares)
+        self.ledger_holds: int | None = None  # the step id the ledger holds while we lead: each commit must follow it
         self.timings = StepTimes()
         self.step_stats = self.timings.stats
         self.tracer = TracingObserver()
@@ -110,6 +111,10 @@ class Driver(Frontend):
                 self.fatal = str(e)
                 self.stopping.set()
                 break
+            except LedgerBehind as e:
+                log.warning("Redis lacks steps this scheduler committed (%s); taking the pool over again from what "
+                            "it holds", e)
+                self._step_down()
             except (LeaseLost, WorkerFenced) as e:
                 log.warning("lost the lease on the pool (%s: %s); standing by", type(e).__name__, e)
                 self._step_down()
@@ -147,6 +152,7 @@ class Driver(Frontend):
         if led is None:
             return
         self.core, self.step_id, ledger_step = led
+        self.ledger_holds = ledger_step
         failover.report_behind(self.last_committed, ledger_step, self.ledger.prefix, self.metrics)
         self.tracer.model_name = self.worker.info.model.name
         self.tracer.token_budget = self.core.policy.max_num_batched_tokens
@@ -257,6 +263,7 @@ class Driver(Frontend):
         core, pool = self.core, self.core.pool
         commit = core.take_commit(record.step_id, record.output, record.outcome, self.cfg.debug_invariants,
                                   self.cfg.finished_ttl_s, also_changed)
+        commit.after_step_id = self.ledger_holds
         if self.cfg.debug_invariants:
             core.check_invariant()
         t0 = time.perf_counter()
@@ -265,7 +272,7 @@ class Driver(Frontend):
         except Exception:
             self._notify("step_failed", record)
             raise
-        self.last_committed = record.step_id
+        self.last_committed = self.ledger_holds = record.step_id
         record.end = time.perf_counter()
         record.commit_seconds = record.end - t0
         record.finished = commit.finished

@@ -163,8 +163,9 @@ class CommitEncoder:
         for b, st in commit.block_changes.items():
             blocks += (b, st.ref_count, st.lru_tick,
                        pack_cached_block(st.hash, st.tokens) if st.hash is not None else b"")
-        return msgpack.packb(
-            {"s": commit.step_id, "a": commit.arrival_seq, "ttl": commit.finished_ttl_s,
-             "check": int(commit.check_invariant), "new": new, "state": state, "computed": computed,
-             "blk_add": blk_add, "blk_set": blk_set, "out": out, "fin": fin, "blocks": blocks},
-            use_bin_type=False)  # Redis's cmsgpack reads raw strings, not the bin type
+        payload = {"s": commit.step_id, "a": commit.arrival_seq, "ttl": commit.finished_ttl_s,
+                   "check": int(commit.check_invariant), "new": new, "state": state, "computed": computed,
+                   "blk_add": blk_add, "blk_set": blk_set, "out": out, "fin": fin, "blocks": blocks}
+        if commit.after_step_id is not None:
+            payload["prev"] = commit.after_step_id
+        return msgpack.packb(payload, use_bin_type=False)  # Redis's cmsgpack reads raw strings, not the bin type

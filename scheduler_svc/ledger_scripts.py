@@ -94,6 +94,16 @@ local function req(rid) return pre .. 'req:' .. rid end
 local function out(seq) return pre .. 'out:' .. seq end
 local function blk(seq) return pre .. 'blk:' .. seq end
 
+-- The ledger must hold the step this one follows: a promoted replica that lacks the last commits, reached over a
+-- connection that never broke, is refused before any write (the scheduler then takes the pool over from it).
+if c.prev then
+  local held = redis.call('HGET', KEYS[2], 'step_id')
+  if tonumber(held) ~= c.prev then
+    return redis.error_reply('LEDGER_BEHIND the ledger holds step ' .. (held or '(none)') ..
+                             ', this commit follows step ' .. c.prev)
+  end
+end
+
 -- One command per up to 1000 arguments (Lua's unpack is bounded by its C stack); nothing for an empty list.
 local function bulk(cmd, key, list)
   for i = 1, #list, 1000 do redis.call(cmd, key, unpack(list, i, math.min(i + 999, #list))) end

@@ -161,6 +161,10 @@ class StepCommit:
     block_changes: dict[int, BlockState] = field(default_factory=dict)  # from BlockPool.take_changes()
     check_invariant: bool = False
     finished_ttl_s: int = 600
+    # The step the ledger must hold before this one (the last this leader committed), or None: unchecked. A
+    # fail-over to a lagging replica behind a connection that never broke would otherwise take this step's tokens
+    # on top of outputs that lack the steps before it.
+    after_step_id: int | None = None
 
     @property
     def empty(self) -> bool:

@@ -75,6 +75,11 @@ class LeaseLost(Exception):
     """The caller's lease expired or another scheduler took the pool over; it must stop writing."""
 
 
+class LedgerBehind(LeaseLost):
+    """The ledger lacks steps this scheduler committed (a fail-over promoted a lagging replica): nothing was
+    written; stop, and take the pool over again from what the ledger holds (scheduler_svc/failover.py)."""
+
+
 class SchemaMismatch(ConfigError):
     """The pool in Redis was written with another schema_version (or before versions were recorded)."""
 
@@ -160,6 +165,8 @@ def _binary_client(client: redis.Redis) -> redis.Redis:
 
 def _script_error(e: redis.ResponseError) -> Exception:
     msg = str(e)
+    if "LEDGER_BEHIND" in msg:
+        return LedgerBehind(msg)
     if "LEASE_LOST" in msg:
         return LeaseLost(msg)
     if "INVARIANT" in msg:
@@ -252,7 +259,8 @@ class RedisLedger:
     # ---- the step commit -------------------------------------------------------------------------------------
 
     def commit_step(self, holder: str, token: int, ttl_ms: int, commit: StepCommit) -> None:
-        """Write one step's effects atomically in one round trip, and renew the lease. Raises LeaseLost."""
+        """Write one step's effects atomically in one round trip, and renew the lease. Raises LeaseLost, or
+        LedgerBehind when the ledger does not hold `commit.after_step_id`."""
         if token != self._encoder_token:  # another lease may have written since: start from whole states
             self._encoder.forget()
             self._encoder_token = token

@@ -279,3 +279,54 @@ def test_unknown_sentinel_master_is_refused_at_start(group):
                           capture_output=True, text=True, timeout=60, cwd=cluster.ROOT)
     assert proc.returncode != 0
     assert "monitor no primary of that name; is --redis-sentinel-master right?" in proc.stderr
+
+
+# The ledger's step id, then every key of the pool with its serialized value and remaining time to live, read in
+# one script: one instant.
+SNAPSHOT = """
+local res = {redis.call('HGET', ARGV[1] .. 'meta', 'step_id')}
+for _, k in ipairs(redis.call('KEYS', ARGV[1] .. '*')) do
+  res[#res + 1] = k; res[#res + 1] = redis.call('DUMP', k); res[#res + 1] = redis.call('PTTL', k)
+end
+return res
+"""
+# The pool's keys replaced by a snapshot's in one script: between two commits, as a lagging copy taking the address.
+ROLL_BACK = """
+for _, k in ipairs(redis.call('KEYS', ARGV[1] .. '*')) do redis.call('DEL', k) end
+for i = 2, #ARGV, 3 do
+  local ttl = tonumber(ARGV[i + 2])
+  redis.call('RESTORE', ARGV[i], ttl > 0 and ttl or 0, ARGV[i + 1], 'REPLACE')
+end
+"""
+
+
+def test_ledger_rolled_back_behind_an_unbroken_connection_is_refused_and_recomputed(tmp_path, worker, reference):
+    """A fail-over the scheduler's connection never sees (a proxy or a service address moved to a replica that
+    missed the last commits): the pool's keys go back to an earlier step between two commits. The next commit is
+    refused before it writes (it follows a step the ledger lacks), the scheduler takes the pool over from what the
+    ledger holds, and every stream still ends as in the undisturbed run."""
+    port = cluster.free_port()
+    primary = start_redis(str(tmp_path / "primary"), port=port)
+    metrics_port = cluster.free_port()
+    sched = cluster.start_scheduler(primary.url, worker, [*SCHEDULER_ARGS, "--metrics-port", metrics_port])
+    try:
+        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
+        streams = Streams(sched.address, "rollback")
+        ledger = ledger_on(port, sched.namespace)
+        wait_mid_generation(ledger, streams)
+        frozen, *snapshot = ledger.client.eval(SNAPSHOT, 0, ledger.prefix)
+        wait_for("more commits", lambda: int(ledger.client.hget(ledger.k_meta, "step_id")) > int(frozen) + 2)
+        ledger.client.eval(ROLL_BACK, 0, ledger.prefix, *snapshot)
+        assert_equal_reference(streams.join(), reference)
+        assert_clean(ledger_on(port, sched.namespace))
+        # What the ledger kept of each finished request is what its client saw: no step missing in the middle.
+        stored = {name: list(ledger.get_request(rid).output_ids) for name, rid in streams.rids.items()}
+        assert_equal_reference(stored, reference)
+        assert scrape(metrics_port, "llmserve:redis_ledger_behind_total") >= 1
+        assert scrape(metrics_port, "llmserve:redis_ledger_lost_steps_total") >= 3
+        log_text = sched.log_text()[sched.log_start:]
+        assert "Redis lacks steps this scheduler committed" in log_text
+        assert "a fail-over promoted a replica that had not received" in log_text
+    finally:
+        cluster.stop(sched)
+        cluster.stop(primary)

@@ -15,7 +15,7 @@ from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
 from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.request import FINISH_LENGTH, Request, Status
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.store import InvariantViolation, LeaseLost, RedisLedger, SchemaMismatch, StepCommit
+from scheduler_svc.store import InvariantViolation, LeaseLost, LedgerBehind, RedisLedger, SchemaMismatch, StepCommit
 
 HOLDER = "sched-a"
 TTL_MS = 5000
@@ -105,6 +105,23 @@ def test_stale_token_commit_raises_and_changes_nothing(ledger, client):
     with pytest.raises(LeaseLost):  # right token, wrong holder
         ledger.commit_step(HOLDER, new_tok, TTL_MS, commit)
     assert snapshot(client) == before
+
+
+def test_commit_after_a_step_the_ledger_lacks_raises_and_changes_nothing(ledger, client):
+    # A promoted replica that missed the last commits: step 2 follows step 3, which the ledger never got.
+    tok = ledger.try_acquire_lease(HOLDER, TTL_MS)
+    req = make_request("r1", status=Status.RUNNING, block_ids=[0])
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(step_id=2, arrival_seq=1, new_requests=[req],
+                                                       appended={"r1": [5]}, block_changes=refs({0: 1}),
+                                                       after_step_id=0))
+    before = snapshot(client)
+    with pytest.raises(LedgerBehind, match="holds step 2, this commit follows step 3"):
+        ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(step_id=4, arrival_seq=1, appended={"r1": [7]},
+                                                           after_step_id=3))
+    assert snapshot(client) == before
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(step_id=3, arrival_seq=1, updated=[req], appended={"r1": [6]},
+                                                       after_step_id=2))
+    assert client.hget(ledger.k_meta, "step_id") == b"3"
 
 
 def test_set_worker_is_fenced_and_returns_previous_epoch(ledger, client):
