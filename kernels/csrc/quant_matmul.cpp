@@ -21,6 +21,15 @@ constexpr int64_t kGroup = 32;  // int4 values per (scale, zero) pair, packed in
 
 using llmserve::sum8;
 
+// Output rows ahead of the one being computed whose weight bytes are asked for (codes, scales, zeros: separate
+// arrays, each a stream of its own). Without it each row's first bytes waited on memory: the hardware prefetcher
+// stops at page ends and trails three streams; with it the batch-1 quantized forward ran ~8-10% faster.
+constexpr int64_t kAheadRows = 4;
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
 // x [M, K] (float32 or bfloat16) checked, as float32 row-major: the activations are tiny next to the weights.
 torch::Tensor check_rows(const torch::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, op, ": x must be [rows, ", K, "] on the CPU");
@@ -34,10 +43,12 @@ torch::Tensor check_rows(const torch::Tensor& x, int64_t K, const char* op) {
 // 24-31), multiplied into every row; two accumulators per row so that consecutive multiply-adds do not wait on each
 // other (AVX2 has 16 vector registers: 4 rows x 2 next to the 4 weight vectors). Every row is summed in the same
 // order whatever the tile size, so a row's result does not depend on the other rows of the batch.
-template <int R, typename GroupWeights>
-void float_tile(const float* x, int64_t K, GroupWeights weights, int64_t n0, int64_t n1, float* y, int64_t N) {
+template <int R, typename GroupWeights, typename Ahead>
+void float_tile(const float* x, int64_t K, GroupWeights weights, Ahead ahead, int64_t n0, int64_t n1, float* y,
+                int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
+    ahead(std::min(n + kAheadRows, N - 1));
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
@@ -53,14 +64,14 @@ void float_tile(const float* x, int64_t K, GroupWeights weights, int64_t n0, int
 }
 
 // float_tile<R> for R = 1..4 as a runtime switch.
-template <typename GroupWeights>
-void float_rows(int64_t R, const float* x, int64_t K, GroupWeights weights, int64_t n0, int64_t n1, float* y,
-                int64_t N) {
+template <typename GroupWeights, typename Ahead>
+void float_rows(int64_t R, const float* x, int64_t K, GroupWeights weights, Ahead ahead, int64_t n0, int64_t n1,
+                float* y, int64_t N) {
   switch (R) {
-    case 1: return float_tile<1>(x, K, weights, n0, n1, y, N);
-    case 2: return float_tile<2>(x, K, weights, n0, n1, y, N);
-    case 3: return float_tile<3>(x, K, weights, n0, n1, y, N);
-    default: return float_tile<4>(x, K, weights, n0, n1, y, N);
+    case 1: return float_tile<1>(x, K, weights, ahead, n0, n1, y, N);
+    case 2: return float_tile<2>(x, K, weights, ahead, n0, n1, y, N);
+    case 3: return float_tile<3>(x, K, weights, ahead, n0, n1, y, N);
+    default: return float_tile<4>(x, K, weights, ahead, n0, n1, y, N);
   }
 }
 
@@ -219,6 +230,10 @@ void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, 
   const Act* xc = xq.q.data_ptr<Act>() + m0 * K;
   const float *xd = xq.d.data_ptr<float>() + m0 * G, *xs = xq.sum.data_ptr<float>() + m0 * G;
   for (int64_t n = n0; n < n1; ++n) {
+    const int64_t a = std::min(n + kAheadRows, N - 1);
+    prefetch_bytes(codes + a * row_bytes, row_bytes);
+    prefetch_bytes(scale + a * G, G * 4);
+    if (kInt4) prefetch_bytes(zero + a * G, G * 4);
     const uint8_t* c = codes + n * row_bytes;
     __m256 acc[R][2];
 #pragma GCC unroll 4
@@ -296,8 +311,13 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), sv, zv);
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), sv, zv);
   };
+  const auto ahead = [&](int64_t n) {
+    prefetch_bytes(c + n * (K / 2), K / 2);
+    prefetch_bytes(s + n * (K / kGroup), K / kGroup * 4);
+    prefetch_bytes(z + n * (K / kGroup), K / kGroup * 4);
+  };
   return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    float_rows(R, xp + m * K, K, weights, n0, n1, yr, N);
+    float_rows(R, xp + m * K, K, weights, ahead, n0, n1, yr, N);
   });
 }
 
@@ -333,8 +353,12 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
     w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), sv);
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b1, b1))), sv);
   };
+  const auto ahead = [&](int64_t n) {
+    prefetch_bytes(c + n * K, K);
+    prefetch_bytes(s + n * (K / kGroup), K / kGroup * 4);
+  };
   return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    float_rows(R, xp + m * K, K, weights, n0, n1, yr, N);
+    float_rows(R, xp + m * K, K, weights, ahead, n0, n1, yr, N);
   });
 }
 
