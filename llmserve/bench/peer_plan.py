@@ -165,3 +165,28 @@ def markdown_table(measurements: list[Measurement], output_len: int) -> str:
             cells += [_ratio(row_of["llmserve"], row_of[o]) for o in ratios]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def cpu_per_token(cpu_seconds: dict[str, float], m: Measurement) -> dict[str, float]:
+    """Each process's CPU microseconds per output token of one load (empty when the load produced none)."""
+    tokens = m.completed * (m.mean_output_tokens or 0)
+    if tokens <= 0:
+        return {}
+    return {name: round(sec / tokens * 1e6, 1) for name, sec in sorted(cpu_seconds.items(), key=lambda kv: -kv[1])
+            if sec > 0}
+
+
+def cpu_table(measurements: list[Measurement]) -> str:
+    """CPU time per output token by process for each load that has it: the server's parts (llmserve's `serve` is
+    the scheduler's process) and the client, so that the front ends' share can be compared across servers."""
+    rows = [m for m in measurements if m.extra.get("cpu_us_per_token")]
+    if not rows:
+        return ""
+    lines = ["", "CPU per output token (us), by process (the client's includes its start-up):", "",
+             "| server | dtype | concurrency | total | by process |", "|---|---|---|---|---|"]
+    for m in rows:
+        cpu = m.extra["cpu_us_per_token"]
+        parts = ", ".join(f"{name} {us:,.0f}" for name, us in cpu.items())
+        total = sum(us for name, us in cpu.items() if name != "client")
+        lines.append(f"| {PEER_LABELS.get(m.peer, m.peer)} | {m.dtype} | {m.concurrency} | {total:,.0f} | {parts} |")
+    return "\n".join(lines) + "\n"

@@ -7,7 +7,9 @@ the other, each measured by vLLM's own client (`vllm bench serve`) with the same
     llmserve bench peers --install-only                     # the venvs and the model directory, nothing served
 
 The peers are installed in their own venvs under --peers-dir (hundreds of MB; a source build of llama.cpp) on first
-use (llmserve/bench/peer_env.py). The numbers depend on what else runs on the machine: compare within one run."""
+use (llmserve/bench/peer_env.py). The numbers depend on what else runs on the machine: compare within one run.
+A second table gives each server process's CPU time per output token during each load (llmserve's API, scheduler,
+worker and Redis; vLLM's API server and engine core) and the client's (llmserve/bench/proc_cpu.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
 import time
 
-from llmserve.bench import peer_plan
+from llmserve.bench import peer_plan, proc_cpu
 
 QUICK = {"concurrency": "1,4", "num_prompts": 4, "input_len": 32, "output_len": 16}
 
@@ -143,12 +146,12 @@ class _Results:
                 f"{self.meta['machine']['cpus']} CPUs, load average at start {self.meta['load_average_start']}; "
                 f"`vllm bench serve`: random prompts of {w.input_len} tokens, {w.output_len} output tokens, "
                 "--ignore-eos, /v1/completions. Cells: output tokens/s (median TPOT, median TTFT).\n\n"
-                + peer_plan.markdown_table(self.items, w.output_len))
+                + peer_plan.markdown_table(self.items, w.output_len) + peer_plan.cpu_table(self.items))
 
 
-def _run_load(vllm_cli, base_url, args, run, load, workload, result_dir) -> peer_plan.Measurement:
+def _run_load(vllm_cli, server, args, run, load, workload, result_dir) -> peer_plan.Measurement:
     name = f"{run.peer}-{run.dtype}-c{load.concurrency}.json"
-    argv = peer_plan.bench_serve_argv(vllm_cli, base_url, args.served_model_name, args.tokenizer_dir, load,
+    argv = peer_plan.bench_serve_argv(vllm_cli, server.base_url, args.served_model_name, args.tokenizer_dir, load,
                                       workload, result_dir, name)
     log_path = os.path.join(result_dir, f"client-{run.peer}-{run.dtype}-c{load.concurrency}.log")
     print(f"[peers] {run.peer} {run.dtype} concurrency {load.concurrency}: {load.num_prompts} prompts",
@@ -156,12 +159,15 @@ def _run_load(vllm_cli, base_url, args, run, load, workload, result_dir) -> peer
     path = os.path.join(result_dir, name)
     if os.path.exists(path):
         os.remove(path)
+    cpu_before, client_before = proc_cpu.snapshot(server.proc.pid), _children_cpu()
     with open(log_path, "w") as log:
         try:
             done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout)
             code = done.returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
+    cpu = proc_cpu.spent(cpu_before, proc_cpu.snapshot(server.proc.pid))
+    cpu["client"] = _children_cpu() - client_before
     if code != 0 or not os.path.exists(path):
         with open(log_path, errors="replace") as f:
             tail = f.read()[-300:].replace("\n", " ")
@@ -170,7 +176,15 @@ def _run_load(vllm_cli, base_url, args, run, load, workload, result_dir) -> peer
     with open(path) as f:
         m = peer_plan.parse_result(json.load(f), run.peer, run.dtype, load)
     m.extra["client_log"] = log_path
+    m.extra["cpu_us_per_token"] = peer_plan.cpu_per_token(cpu, m)
     return m
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children: the client runs one at a time (its start-up,
+    imports and tokenizer included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def merged_table(paths: list[str]) -> str:
@@ -237,7 +251,7 @@ def main(args: argparse.Namespace) -> None:
             with peer_servers.started(spec, args.served_model_name, log_path, args.start_timeout) as server:
                 print(f"[peers] {run.peer} ready in {server.startup_s:.0f} s", file=sys.stderr, flush=True)
                 for load in run.loads:
-                    m = _run_load(vllm_cli, server.base_url, args, run, load, workload, args.result_dir)
+                    m = _run_load(vllm_cli, server, args, run, load, workload, args.result_dir)
                     m.extra.update(startup_s=round(server.startup_s, 1), server_log=log_path, server_argv=spec.argv)
                     results.add(m)
         except RuntimeError as e:  # a server that did not start: its loads are reported as failed, the rest go on

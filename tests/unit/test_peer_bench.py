@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from llmserve.bench import peer_env, peer_plan, peers
+from llmserve.bench import peer_env, peer_plan, peers, proc_cpu
 from llmserve.cli import build_parser
 
 
@@ -160,3 +166,55 @@ def test_from_json_merges_earlier_runs(tmp_path):
     text = peers.merged_table(files)
     assert "`llmserve bench peers --peers vllm`" in text
     assert "| bfloat16 | 1 | 8 | 30.0 (20 ms, 90 ms) | 60.0 (20 ms, 90 ms) | 0.50x |" in text
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    (["/v/bin/python", "-m", "llmserve.cli", "worker", "--host", "127.0.0.1"], "worker"),
+    (["/v/bin/python3.11", "-m", "llmserve.cli", "api", "--port", "1"], "api"),
+    (["/v/bin/llmserve", "serve", "--model", "/m.gguf"], "serve"),
+    (["/p/vllm/bin/python", "/p/vllm/bin/vllm", "serve", "/models/x"], "vllm serve"),
+    (["VLLM::EngineCore"], "VLLM::EngineCore"),
+    (["redis-server", "127.0.0.1:6379"], "redis-server"),
+    (["/p/llamacpp/bin/python", "-m", "llama_cpp.server", "--model", "x.gguf"], "llama_cpp.server"),
+])
+def test_process_labels_name_the_role(argv, name):
+    assert proc_cpu.label(argv) == name
+
+
+def test_cpu_of_a_real_process_tree_by_label():
+    # A parent that starts a child burning CPU: both are found from the parent's pid, the child's time is counted.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
+                               f"subprocess.Popen([sys.executable, '-c', {burn!r}, 'burner'])\ntime.sleep(30)"])
+    try:
+        before = proc_cpu.snapshot(parent.pid)
+        deadline = time.monotonic() + 30
+        while sum(1 for name, sec in proc_cpu.snapshot(parent.pid).values() if sec >= 0.3) < 1:
+            assert time.monotonic() < deadline, proc_cpu.snapshot(parent.pid)
+            time.sleep(0.05)
+        after = proc_cpu.snapshot(parent.pid)
+        assert parent.pid in after and len(after) == 2, after
+        (child,) = set(after) - {parent.pid}
+        name, seconds = after[child]
+        assert seconds >= 0.3 and name == after[parent.pid][0] == "-c", after  # both are `python -c ...`
+        spent = proc_cpu.spent(before, after)
+        assert spent["-c"] == pytest.approx(seconds - before.get(child, (name, 0.0))[1]
+                                            + after[parent.pid][1] - before[parent.pid][1])
+    finally:
+        for pid in proc_cpu.snapshot(parent.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
+
+
+def test_cpu_table_per_token_by_process():
+    m = peer_plan.Measurement("llmserve", "float32", 16, 64, completed=64, mean_output_tokens=64.0)
+    m.extra["cpu_us_per_token"] = peer_plan.cpu_per_token({"worker": 40.96, "api": 1.2288, "client": 0.4096,
+                                                           "redis-server": 0.0}, m)
+    assert m.extra["cpu_us_per_token"] == {"worker": 10000.0, "api": 300.0, "client": 100.0}  # 4,096 tokens
+    vllm = peer_plan.Measurement("vllm", "float32", 16, 64, completed=0)
+    vllm.extra["cpu_us_per_token"] = peer_plan.cpu_per_token({"vllm serve": 1.0}, vllm)  # no tokens: no figures
+    table = peer_plan.cpu_table([m, vllm])
+    assert "| llmserve | float32 | 16 | 10,300 | worker 10,000, api 300, client 100 |" in table
+    assert "vLLM-CPU" not in table
+    assert peer_plan.cpu_table([vllm]) == ""
