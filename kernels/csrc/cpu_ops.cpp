@@ -140,6 +140,17 @@ struct PagedRows {
   }
 };
 
+// Where a task over part of a sequence's positions leaves its unnormalized result for merge_parts: per query
+// head, the weighted sum of values (D floats), the part's max score and its sum of exp(score - max). A null `acc`
+// means the task covers every position: it normalizes and writes the output itself.
+struct Partial {
+  float *acc = nullptr, *max = nullptr, *sum = nullptr;
+};
+
+// Positions per task of the portable decode attention: one decode at batch 1 still spreads over every thread, and
+// the scores of a task stay in L1.
+constexpr int64_t kPartLen = 128;
+
 // One task: KV heads [0, H) of one sequence (head_stride apart in the cache), each with its G query heads, over
 // positions [start, len). Two passes over the keys (scores, then the weighted sum of values) with every score kept:
 // a decode's context is at most max_model_len rows, and the exact max makes the softmax match the one-pass float32
@@ -148,7 +159,7 @@ template <typename T>
 void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride,
                 int64_t head_stride, const int32_t* table, int64_t start, int64_t len, int64_t block_size, int64_t H,
                 int64_t G, int64_t D, float scale, float softcap, const float* sinks, float* scores, float* acc,
-                float* qf, T* out, int64_t out_head_stride) {
+                float* qf, T* out, int64_t out_head_stride, Partial part) {
   const int64_t Hq = H * G;
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = to_float(q[hq * q_head_stride + d]) * scale;
@@ -170,6 +181,11 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
     float sum = sinks ? exp_any(sinks[hq] - m) : 0.f;
     for (int64_t i = 0; i < n; ++i) sg[i] = exp_any(sg[i] - m);
     for (int64_t i = 0; i < n; ++i) sum += sg[i];
+    if (part.acc) {
+      part.max[hq] = m;
+      part.sum[hq] = sum;
+      continue;
+    }
     const float inv = n > 0 ? 1.f / sum : 0.f;
     for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
   }
@@ -178,6 +194,10 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
     if (t + kAhead < len) rows.prefetch(vc, t + kAhead);
     const T* v = rows.at(vc, t);
     for (int64_t hq = 0; hq < Hq; ++hq) axpy(scores[hq * n + (t - start)], v + (hq / G) * head_stride, acc + hq * D, D);
+  }
+  if (part.acc) {
+    std::copy(acc, acc + Hq * D, part.acc);
+    return;
   }
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int64_t d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d]);
@@ -208,7 +228,8 @@ template <typename T>
 void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
                      int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
                      int64_t block_size, int64_t H, int64_t G, int64_t D, float scale, float softcap,
-                     const float* sinks, float* scores, float* qf, float* inv, T* out, int64_t out_head_stride) {
+                     const float* sinks, float* scores, float* qf, float* inv, T* out, int64_t out_head_stride,
+                     Partial part) {
   const int64_t Hq = H * G, n = len - start;
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = to_float(q[hq * q_head_stride + d]) * scale;
@@ -259,6 +280,11 @@ void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc
     float sum = sum8(sumv) + (sinks ? exp_any(sinks[hq] - mx) : 0.f);
     for (; i < n; ++i) sum += (sg[i] = exp_any(sg[i] - mx));
     inv[hq] = n > 0 ? 1.f / sum : 0.f;
+    if (part.acc) {  // the sum of values stays unnormalized (times 1: the same bits)
+      part.max[hq] = mx;
+      part.sum[hq] = sum;
+      inv[hq] = 1.f;
+    }
   }
   for (int64_t h = 0; h < H; ++h)
     for (int64_t g = 0; g < G; ++g) {
@@ -283,6 +309,10 @@ void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc
         alignas(32) float res[64];
 #pragma GCC unroll 8
         for (int dv = 0; dv < 8; ++dv) _mm256_store_ps(res + dv * 8, _mm256_mul_ps(acc[dv], iv));
+        if (part.acc) {
+          std::copy(res, res + 64, part.acc + hq * D + d0);
+          continue;
+        }
         T* o = out + hq * out_head_stride + d0;
         for (int d = 0; d < 64; ++d) o[d] = from_float<T>(res[d]);
       }
@@ -436,6 +466,29 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
 }
 #endif
 
+// A decode's output from the P partial results of its position parts (part_stride floats apart, each laid out as
+// Partial: Hq x D sums, Hq maxima, Hq sums of exponentials): every part rescaled to the overall max, the softmax's
+// exact combination.
+template <typename T>
+void merge_parts(float* parts, int64_t P, int64_t part_stride, int64_t Hq, int64_t D, T* out,
+                 int64_t out_head_stride) {
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float m = -std::numeric_limits<float>::max(), sum = 0.f;
+    for (int64_t p = 0; p < P; ++p) m = std::max(m, parts[p * part_stride + Hq * D + hq]);
+    for (int64_t p = 0; p < P; ++p) {  // each part's max becomes its weight exp(max - m)
+      float* part = parts + p * part_stride;
+      part[Hq * D + hq] = exp_any(part[Hq * D + hq] - m);
+      sum += part[Hq * D + hq] * part[Hq * D + Hq + hq];
+    }
+    const float inv = 1.f / sum;  // > 0: the part holding the max adds at least exp(0) = 1
+    for (int64_t d = 0; d < D; ++d) {
+      float o = 0.f;
+      for (int64_t p = 0; p < P; ++p) o += parts[p * part_stride + Hq * D + hq] * parts[p * part_stride + hq * D + d];
+      out[hq * out_head_stride + d] = from_float<T>(o * inv);
+    }
+  }
+}
+
 template <typename T>
 void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& tables,
@@ -469,28 +522,55 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
   }
 #endif
   // Tasks: a decode with all its KV heads (each row read whole), or (fewer decodes than threads) a decode's KV head
-  // each, so that every thread has work; each thread keeps its own score and accumulator buffers.
-  const int64_t per_task = num >= at::get_num_threads() ? Hkv : 1, tasks_per_decode = Hkv / per_task;
-  at::parallel_for(0, num * tasks_per_decode, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_task * G * max_len), acc(per_task * G * D), qf(per_task * G * D);
+  // each, times the decode's parts of kPartLen positions, so that a few long decodes still give every thread work.
+  // A decode of more than one part leaves partial results that merge_parts combines afterwards. The split depends
+  // on the decode's own length only, so its output is the same bits whatever else is in the batch.
+  const int64_t per_task = num >= at::get_num_threads() ? Hkv : 1, heads_split = Hkv / per_task;
+  std::vector<int64_t> first_task(num + 1, 0), first_part(num + 1, 0), starts(num);
+  for (int64_t i = 0; i < num; ++i) {
+    starts[i] = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+    const int64_t parts = std::max<int64_t>(1, (lens[i] - starts[i] + kPartLen - 1) / kPartLen);
+    first_task[i + 1] = first_task[i] + parts * heads_split;
+    first_part[i + 1] = first_part[i] + (parts > 1 ? parts : 0);
+  }
+  const int64_t part_stride = Hq * (D + 2);
+  std::vector<float> partials(first_part[num] * part_stride);
+  at::parallel_for(0, first_task[num], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per_task * G * kPartLen), acc(per_task * G * D), qf(per_task * G * D);
+    int64_t i = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / tasks_per_decode, h = (task % tasks_per_decode) * per_task;
-      const int64_t len = lens[i];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      while (task >= first_task[i + 1]) ++i;
+      const int64_t k = task - first_task[i], p = k / heads_split, h = (k % heads_split) * per_task;
+      const bool split = first_part[i + 1] > first_part[i];
+      const int64_t start = starts[i] + p * kPartLen, len = split ? std::min<int64_t>(start + kPartLen, lens[i])
+                                                                  : lens[i];
+      Partial part;
+      if (split) {
+        float* base = partials.data() + (first_part[i] + p) * part_stride;
+        part = {base + h * G * D, base + Hq * D + h * G, base + Hq * D + Hq + h * G};
+      }
+      const float* task_sinks = sink && p == 0 ? sink + h * G : nullptr;  // a sink counts once, in part 0
 #ifdef LLMSERVE_AVX2_ONLY
       if (D % 64 == 0) {
         attend_one_avx2<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok, head,
                            tab + i * tables.size(1), start, len, block_size, per_task, G, D,
-                           static_cast<float>(scale), static_cast<float>(softcap), sink ? sink + h * G : nullptr,
-                           scores.data(), qf.data(), acc.data(), o + row[i] * o_tok + h * G * o_head, o_head);
+                           static_cast<float>(scale), static_cast<float>(softcap), task_sinks, scores.data(),
+                           qf.data(), acc.data(), o + row[i] * o_tok + h * G * o_head, o_head, part);
         continue;
       }
 #endif
       attend_one<T>(q + row[i] * q_tok + h * G * q_head, q_head, kc + h * head, vc + h * head, blk, tok, head,
                     tab + i * tables.size(1), start, len, block_size, per_task, G, D, static_cast<float>(scale),
-                    static_cast<float>(softcap), sink ? sink + h * G : nullptr, scores.data(), acc.data(), qf.data(),
-                    o + row[i] * o_tok + h * G * o_head, o_head);
+                    static_cast<float>(softcap), task_sinks, scores.data(), acc.data(), qf.data(),
+                    o + row[i] * o_tok + h * G * o_head, o_head, part);
     }
+  });
+  if (first_part[num] == 0) return;
+  at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      if (first_part[i + 1] > first_part[i])
+        merge_parts(partials.data() + first_part[i] * part_stride, first_part[i + 1] - first_part[i], part_stride,
+                    Hq, D, o + row[i] * o_tok, o_head);
   });
 }
 

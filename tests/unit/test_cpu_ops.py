@@ -53,7 +53,8 @@ def _case(dtype, head_dim, num_heads, num_kv_heads, query_lens, seq_lens, seed=0
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (80, 6, 2)])
-@pytest.mark.parametrize("extra", [{}, {"sliding_window": 7}, {"sliding_window": 1}, {"softcap": 5.0}, "sinks"])
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 7}, {"sliding_window": 1}, {"sliding_window": 200},
+                                   {"softcap": 5.0}, "sinks"])
 def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_heads, num_kv_heads, extra):
     # decodes of many lengths (1, a block's worth, past several blocks) mixed with prefill chunks: short ones (the
     # kernel's, row by row) and one past KERNEL_PREFILL_MAX_CONTEXT (SDPA's)
