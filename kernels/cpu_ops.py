@@ -36,10 +36,17 @@ def _cpu_flags() -> bytes:
         return b""
 
 
+# -ffp-contract=off: no a*b+c fused where torch rounds twice. -fno-trapping-math: comparisons and selects may run on
+# every lane, so loops with a branch-free select (the sampler's race, exp_any's clamp) vectorize; no rounding changes.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+
+
 def build_dir() -> Path:
-    """Keyed by the sources, their headers and the CPU's flags: the build targets this CPU (-march=native)."""
+    """Keyed by the sources, their headers, the flags and the CPU's flags: the build targets this CPU
+    (-march=native)."""
     headers = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *headers)) + _cpu_flags()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *headers)) + " ".join(CFLAGS).encode()
+                            + _cpu_flags()).hexdigest()[:16]
     return Path(os.path.expanduser("~")) / ".cache" / "llmserve" / "cpu_ops" / digest
 
 
@@ -58,8 +65,7 @@ def load() -> ModuleType | None:
                 path = build_dir()
                 path.mkdir(parents=True, exist_ok=True)
                 _module = build(name="llmserve_cpu_ops", sources=[str(s) for s in SOURCES], build_directory=str(path),
-                                extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                              "-ffp-contract=off"],  # no a*b+c fused where torch rounds twice
+                                extra_cflags=CFLAGS,
                                 # at::parallel_for is OpenMP in the headers; libgomp.so.1 resolves to the copy
                                 # torch has already loaded (same soname), so both share one thread pool
                                 extra_ldflags=["-fopenmp"], verbose=False)

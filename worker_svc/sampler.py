@@ -58,8 +58,8 @@ def exponential_noise(keys: np.ndarray, vocab_size: int) -> torch.Tensor:
 def draw_tokens(scaled: torch.Tensor, keys: np.ndarray) -> np.ndarray:
     """Each row's token by the exponential race: argmax of softmax weight / Exp(1) draw, which samples from the
     softmax, and where masking a token that would not have won (-inf) never changes the winner (logit bias, bad
-    words and grammars change only the draws they must). The C++ kernel (kernels/cpu_ops.py) takes ~25 us a row of
-    49k; the torch form below, the same draws up to the last bits of exp and ln, is the fallback."""
+    words and grammars change only the draws they must). The C++ kernel (kernels/cpu_ops.py) takes ~0.12 ms a row of
+    49k (2-core AVX2 box); the torch form below, the same draws up to the last bits of exp and ln, is the fallback."""
     scaled = scaled.float().contiguous()
     if scaled.device.type == "cpu" and (ops := cpu_ops.load()) is not None:
         return ops.sample_rows(scaled, torch.from_numpy(keys.view(np.int64))).numpy()

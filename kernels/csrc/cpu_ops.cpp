@@ -783,21 +783,39 @@ inline float exponential_draw(uint64_t key, uint32_t i) {
   return -log_positive(u);
 }
 
-// The first index of the largest of x[0..n) (n >= 1; no NaN): a max pass, then the first lane equal to it.
-inline int64_t first_argmax(const float* x, int64_t n) {
+// The largest of x[0..n) (n >= 1; no NaN), in vector lanes: the compiler keeps a float max reduction scalar.
+inline float max_of(const float* x, int64_t n) {
   int64_t i = 0;
   float best = x[0];
 #ifdef __AVX512F__
   __m512 mv = _mm512_set1_ps(best);
   for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
   best = _mm512_reduce_max_ps(mv);
+#elif defined(LLMSERVE_AVX2_ONLY)
+  __m256 mv = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (const float v : lanes) best = std::max(best, v);
 #endif
   for (; i < n; ++i) best = std::max(best, x[i]);
-  i = 0;
+  return best;
+}
+
+// The first index of the largest of x[0..n) (n >= 1; no NaN): a max pass, then the first lane equal to it.
+inline int64_t first_argmax(const float* x, int64_t n) {
+  const float best = max_of(x, n);
+  int64_t i = 0;
 #ifdef __AVX512F__
   const __m512 bv = _mm512_set1_ps(best);
   for (; i + 16 <= n; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), bv, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#elif defined(LLMSERVE_AVX2_ONLY)
+  const __m256 bv = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), bv, _CMP_EQ_OQ));
     if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
   }
 #endif
@@ -821,13 +839,12 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& keys
   const int64_t* kp = keys.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(V);
+    thread_local std::vector<float> score;  // a vocabulary's worth: kept, not mapped and faulted in per call
+    score.resize(V);
     for (int64_t r = begin; r < end; ++r) {
       const float* x = lp + r * V;
       const uint64_t key = static_cast<uint64_t>(kp[r]);
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
+      float m = V > 0 ? max_of(x, V) : -std::numeric_limits<float>::infinity();
       if (!(m > -std::numeric_limits<float>::infinity())) m = 0.f;  // every logit -inf: all weights 0, token 0
 #pragma omp simd
       for (int64_t i = 0; i < V; ++i) {
