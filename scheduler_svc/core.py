@@ -197,9 +197,10 @@ class SchedulerCore:
 
     def take_commit(self, step_id: int, out: SchedulerOutput | None = None, outcome: StepOutcome | None = None,
                     check_invariant: bool = False, finished_ttl_s: int = 600,
-                    also_changed: SchedulerOutput | None = None) -> StepCommit:
+                    also_changed: SchedulerOutput | None = None, after_step_id: int | None = None) -> StepCommit:
         """Everything that changed since the last commit (this step's requests included), and reset the record.
-        `also_changed`: a step scheduled after `out` whose allocations are already in the pool's changes."""
+        `also_changed`: a step scheduled after `out` whose allocations are already in the pool's changes;
+        `after_step_id`: the step the ledger must already hold (StepCommit.after_step_id)."""
         finished = self._finished
         gone = {r.request_id for r in finished}
         changed = self._updated
@@ -211,7 +212,7 @@ class SchedulerCore:
             step_id=step_id, arrival_seq=self.arrival_seq, new_requests=self._new, updated=updated,
             appended={r.request_id: [t.token_id for t in toks] for r, toks in (outcome.appended if outcome else [])},
             finished=finished, block_changes=self.pool.take_changes(), check_invariant=check_invariant,
-            finished_ttl_s=finished_ttl_s)
+            finished_ttl_s=finished_ttl_s, after_step_id=after_step_id)
         self._new, self._updated, self._finished = [], [], []
         return commit
 

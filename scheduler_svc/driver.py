@@ -262,8 +262,7 @@ class Driver(Frontend):
         already scheduled (its block allocations are in the pool's changes, so its requests' tables go in too)."""
         core, pool = self.core, self.core.pool
         commit = core.take_commit(record.step_id, record.output, record.outcome, self.cfg.debug_invariants,
-                                  self.cfg.finished_ttl_s, also_changed)
-        commit.after_step_id = self.ledger_holds
+                                  self.cfg.finished_ttl_s, also_changed, after_step_id=self.ledger_holds)
         if self.cfg.debug_invariants:
             core.check_invariant()
         t0 = time.perf_counter()

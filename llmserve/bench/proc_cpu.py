@@ -32,6 +32,8 @@ def label(argv: list[str]) -> str:
     words = argv
     if os.path.basename(argv[0]).startswith("python"):
         rest = argv[1:]
+        if rest[:1] == ["-c"]:  # inline code: nothing names it but the interpreter
+            return "python -c"
         if rest[:1] == ["-m"]:
             rest = rest[1:]
         words = rest or argv

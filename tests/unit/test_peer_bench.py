@@ -176,6 +176,7 @@ def test_from_json_merges_earlier_runs(tmp_path):
     (["VLLM::EngineCore"], "VLLM::EngineCore"),
     (["redis-server", "127.0.0.1:6379"], "redis-server"),
     (["/p/llamacpp/bin/python", "-m", "llama_cpp.server", "--model", "x.gguf"], "llama_cpp.server"),
+    (["/usr/bin/python3", "-c", "import time; time.sleep(9)"], "python -c"),
 ])
 def test_process_labels_name_the_role(argv, name):
     assert proc_cpu.label(argv) == name
@@ -196,9 +197,9 @@ def test_cpu_of_a_real_process_tree_by_label():
         assert parent.pid in after and len(after) == 2, after
         (child,) = set(after) - {parent.pid}
         name, seconds = after[child]
-        assert seconds >= 0.3 and name == after[parent.pid][0] == "-c", after  # both are `python -c ...`
+        assert seconds >= 0.3 and name == after[parent.pid][0] == "python -c", after  # both are `python -c ...`
         spent = proc_cpu.spent(before, after)
-        assert spent["-c"] == pytest.approx(seconds - before.get(child, (name, 0.0))[1]
+        assert spent["python -c"] == pytest.approx(seconds - before.get(child, (name, 0.0))[1]
                                             + after[parent.pid][1] - before[parent.pid][1])
     finally:
         for pid in proc_cpu.snapshot(parent.pid):
