@@ -541,11 +541,9 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
     for (int64_t task = begin; task < end; ++task) {
       while (task >= first_task[i + 1]) ++i;
       const int64_t k = task - first_task[i], p = k / heads_split, h = (k % heads_split) * per_task;
-      const bool split = first_part[i + 1] > first_part[i];
-      const int64_t start = starts[i] + p * kPartLen, len = split ? std::min<int64_t>(start + kPartLen, lens[i])
-                                                                  : lens[i];
+      const int64_t start = starts[i] + p * kPartLen, len = std::min<int64_t>(start + kPartLen, lens[i]);
       Partial part;
-      if (split) {
+      if (first_part[i + 1] > first_part[i]) {  // more than one part: partial results for merge_parts
         float* base = partials.data() + (first_part[i] + p) * part_stride;
         part = {base + h * G * D, base + Hq * D + h * G, base + Hq * D + Hq + h * G};
       }
