@@ -243,11 +243,21 @@ def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
     apply_penalties(logits, b)
     apply_min_tokens(logits, b)
 
-    tokens = greedy_batch(logits).token_ids  # greedy rows: done
-    random_rows = np.flatnonzero(~b.greedy)
-    if len(random_rows):
-        idx = torch.from_numpy(random_rows)
-        scaled = logits[idx] / torch.from_numpy(b.temperature[random_rows])[:, None]
+    greedy = b.greedy
+    random_rows = np.flatnonzero(~greedy)
+    if not len(random_rows):
+        tokens = greedy_batch(logits).token_ids
+    else:
+        # The argmax only over the greedy rows; the random rows' copy and division only where they change something
+        # (x / 1 is x): together ~2 ms of a 64-row step at temperature 1, next to the draw's 4 ms.
+        tokens = np.empty(len(b), dtype=np.int64)
+        if len(random_rows) < len(b):
+            greedy_rows = np.flatnonzero(greedy)
+            tokens[greedy_rows] = greedy_batch(logits[torch.from_numpy(greedy_rows)]).token_ids
+        scaled = logits if len(random_rows) == len(b) else logits[torch.from_numpy(random_rows)]
+        temperature = b.temperature[random_rows]
+        if (temperature != 1.0).any():
+            scaled = scaled / torch.from_numpy(temperature)[:, None]
         top_k, top_p, min_p = b.top_k[random_rows], b.top_p[random_rows], b.min_p[random_rows]
         # All random rows are filtered when any needs it, as always: the filter is not exactly a no-op for a row
         # without top-k / top-p / min-p (its cumulative mass may round to >= 1 before the tail), so filtering only
