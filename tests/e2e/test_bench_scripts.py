@@ -38,6 +38,17 @@ def test_dense_matmul(tmp_path):
     assert "| 100 x 96 | 7 |" in stdout
 
 
+def test_quant_matmul_rate(tmp_path):
+    out = tmp_path / "qm.json"
+    stdout = run_bench("quant_matmul_rate", "--shapes", "o,head", "--repeats", 3, "--rotate-mb", 2, "--json", out)
+    res = json.loads(out.read_text())["results"]
+    assert [(r["name"], r["bits"]) for r in res] == [("o", 4), ("head", 8)]
+    # int4: 16 bytes of codes and two float32 per 32 weights; int8: 32 bytes and one float32
+    assert [r["bytes"] for r in res] == [576 * 18 * 24, 49152 * 18 * 36]
+    assert all(r["cache_us"] > 0 and r["memory_us"] > 0 and r["sum_us"] > 0 for r in res)
+    assert "| o | 576 x 576 | 4 |" in stdout
+
+
 def test_tracing_overhead(tmp_path):
     out = tmp_path / "to.json"
     run_bench("tracing_overhead", "--running", 2, "--repeats", 1, "--warmup", 2, "--measure", 5, "--tail-tokens", 16,
