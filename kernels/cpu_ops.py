@@ -7,10 +7,14 @@ C++ compiler, not x86-64) or LLMSERVE_CPU_KERNELS=0, `load()` returns None and t
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
+import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_ops.cpp", "quant_matmul.cpp", "dense_matmul.cpp", "decoder_layers.cpp"))
+NAME = "llmserve_cpu_ops"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -41,13 +46,50 @@ def _cpu_flags() -> bytes:
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
 
 
+def _files() -> tuple[Path, ...]:
+    """The sources and the headers they include."""
+    return (*SOURCES, *sorted((Path(__file__).parent / "csrc").glob("*.h")))
+
+
 def build_dir() -> Path:
     """Keyed by the sources, their headers, the flags and the CPU's flags: the build targets this CPU
     (-march=native)."""
-    headers = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *headers)) + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in _files()) + " ".join(CFLAGS).encode()
                             + _cpu_flags()).hexdigest()[:16]
     return Path(os.path.expanduser("~")) / ".cache" / "llmserve" / "cpu_ops" / digest
+
+
+def _import(library: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(library))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(NAME, loader))
+    loader.exec_module(module)
+    return module
+
+
+def _load_or_build(path: Path) -> ModuleType:
+    """Import a finished build, or build it first. The build runs under an flock, which the kernel releases if the
+    builder dies; torch's own lock file outlives a killed builder and every later load would wait on it forever.
+    The sources are copied into the build directory: torch writes their paths into its ninja file, so two checkouts
+    of the same sources (a clone next to a working tree) would otherwise rebuild each other's build."""
+    library, built = path / f"{NAME}.so", path / "built"
+    with open(path / "build.flock", "w") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)
+        if built.exists() and library.exists():
+            return _import(library)
+        from torch.utils.cpp_extension import load as build
+
+        (path / "lock").unlink(missing_ok=True)  # torch's, left by a killed builder: a live one holds the flock
+        src = path / "src"
+        src.mkdir(exist_ok=True)
+        for f in _files():
+            shutil.copyfile(f, src / f.name)
+        module = build(name=NAME, sources=[str(src / s.name) for s in SOURCES], build_directory=str(path),
+                       extra_cflags=CFLAGS,
+                       # at::parallel_for is OpenMP in the headers; libgomp.so.1 resolves to the copy torch has
+                       # already loaded (same soname), so both share one thread pool
+                       extra_ldflags=["-fopenmp"], verbose=False)
+        built.touch()
+        return module
 
 
 def load() -> ModuleType | None:
@@ -60,15 +102,9 @@ def load() -> ModuleType | None:
     with _lock:
         if not _tried:
             try:
-                from torch.utils.cpp_extension import load as build
-
                 path = build_dir()
                 path.mkdir(parents=True, exist_ok=True)
-                _module = build(name="llmserve_cpu_ops", sources=[str(s) for s in SOURCES], build_directory=str(path),
-                                extra_cflags=CFLAGS,
-                                # at::parallel_for is OpenMP in the headers; libgomp.so.1 resolves to the copy
-                                # torch has already loaded (same soname), so both share one thread pool
-                                extra_ldflags=["-fopenmp"], verbose=False)
+                _module = _load_or_build(path)
             except Exception as e:  # no compiler, no ninja, a failed build: the torch paths still serve
                 log.warning("C++ CPU kernels unavailable (%s: %s); using the torch paths", type(e).__name__, e)
                 _module = None

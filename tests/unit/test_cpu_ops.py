@@ -8,6 +8,12 @@ the exp approximation differs.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +29,24 @@ ops = cpu_ops.load()
 def test_kernels_are_built_here():
     # CI builds them (scripts/setup.sh); a machine where they silently failed would test only the torch paths.
     assert ops is not None, "kernels/csrc/cpu_ops.cpp did not build: see the warning logged by kernels.cpu_ops"
+
+
+def test_a_build_left_locked_by_a_killed_process_still_loads(tmp_path):
+    # A process killed while torch's builder held its lock file leaves the file behind; loading must not wait on it.
+    home = tmp_path / "home"
+    copy = home / cpu_ops.build_dir().relative_to(Path.home())
+    shutil.copytree(cpu_ops.build_dir(), copy)
+    (copy / "lock").touch()
+    code = "from kernels import cpu_ops; import sys; sys.exit(cpu_ops.load() is None)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(cpu_ops.__file__).parents[1],
+                          env={**os.environ, "HOME": str(home)}, timeout=300)
+    assert done.returncode == 0
+
+
+def test_the_build_does_not_name_the_checkout():
+    # Two checkouts of the same sources share one build directory (keyed by content); a build whose ninja file
+    # names one checkout's paths would be rebuilt by the other, and a load would wait minutes for it.
+    assert str(Path(cpu_ops.__file__).parent) not in (cpu_ops.build_dir() / "build.ninja").read_text()
 
 
 def test_switched_off_by_the_environment(monkeypatch):
