@@ -3,8 +3,9 @@ attention runs entirely in the decode kernel: every decode step, and prefill chu
 
 The C++ loop calls the kernels the Python loop calls, in the same order, so the hidden states are bit-identical; it
 saves the Python and torch dispatch around them (about 2 ms of a 10 ms batch-1 step of SmolLM2-135M on two cores,
-~40 us a layer) and runs without the GIL. Built only where the Python loop would run nothing else: float32, every
-matmul weight in panels or on the quantized CPU kernels, no biases, q/k norms, sliding windows, soft-capping,
+~40 us a layer) and runs without the GIL. Built only where the Python loop would run nothing else: float32 with every
+matmul weight in panels or on the quantized CPU kernels, or bfloat16 with every matmul weight on the quantized CPU
+kernels or a bfloat16 tensor (oneDNN's prepacked copy or plain), no biases, q/k norms, sliding windows, soft-capping,
 sparse layers, tensor parallelism or family overrides; per step, no LoRA adapters.
 """
 
@@ -18,14 +19,19 @@ from kernels.reference import ReferencePlan, paged_attention
 from worker_svc.panel_linear import PANEL, PanelLinear
 from worker_svc.quant import QuantLinear
 
+TORCH = 3  # the C++ Matmul kind of a bfloat16 tensor: oneDNN's matmul for a prepacked copy, F.linear for a plain one
+
 
 def _form(weight: Any) -> tuple[int, tuple[str, ...]] | None:
     """(the C++ Matmul kind, the weight's tensor attributes it takes) for a matmul weight the C++ loop runs, else None:
-    float32 panels, or int4 / int8 groups on the project's CPU kernels with float32 activations."""
+    float32 panels, int4 / int8 groups on the project's CPU kernels with float32 or bfloat16 activations, or a
+    bfloat16 CPU tensor (no attributes: the weight is the tensor)."""
     if isinstance(weight, PanelLinear):
         return 0, ("panels",)
-    if isinstance(weight, QuantLinear) and weight.ops is not None and weight.dtype == torch.float32:
+    if isinstance(weight, QuantLinear) and weight.ops is not None and weight.dtype in (torch.float32, torch.bfloat16):
         return (1, ("codes", "scale", "zero")) if weight.bits == 4 else (2, ("codes", "scale"))
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        return TORCH, ()
     return None
 
 
@@ -39,6 +45,8 @@ def _matmul(ops: Any, weight: Any) -> Any | None:
     if (form := _form(weight)) is None:
         return None
     kind, names = form
+    if kind == TORCH:
+        return _cpp(ops, kind, [weight], weight.shape[0], 0)
     return _cpp(ops, kind, [getattr(weight, n) for n in names], weight.out_features,
                 getattr(weight, "activation_bits", 0))
 
@@ -50,7 +58,7 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
     vector loop the separate tensor does, the same bits)."""
     form = _form(gate)
     bits = getattr(gate, "activation_bits", 0)
-    if form is None or form != _form(up) or bits != getattr(up, "activation_bits", 0) \
+    if form is None or form[0] == TORCH or form != _form(up) or bits != getattr(up, "activation_bits", 0) \
             or gate.in_features != up.in_features or gate.out_features % PANEL:
         return None
     kind, names = form
@@ -69,7 +77,8 @@ def build(model: Any) -> Any | None:
     object (`forward(h, positions, kv_cache, slot_mapping, rows, tables, seq_lens)`), or None where its forward
     needs the Python loop."""
     ops = model.cpu_ops
-    if (ops is None or not hasattr(ops, "DecoderLayers") or model.dtype != torch.float32 or model.tp is not None
+    if (ops is None or not hasattr(ops, "DecoderLayers") or model.dtype not in (torch.float32, torch.bfloat16)
+            or model.tp is not None
             or model.attention.paged_attention is not paged_attention or any(model.attn_kwargs)):
         return None
     c = model.config
@@ -79,12 +88,14 @@ def build(model: Any) -> Any | None:
         if layer.qkv_bias is not None or layer.o_bias is not None or layer.qk_norm is not None \
                 or layer.moe is not None or layer.gate is None:
             return None
-        mats = [_matmul(ops, layer.qkv), _matmul(ops, layer.o), _gate_up(ops, layer.gate, layer.up),
-                _matmul(ops, layer.down)]
-        if any(m is None for m in mats):
+        # gate and up joined, or (oneDNN's packed copies cannot be joined) each on its own
+        joined = _gate_up(ops, layer.gate, layer.up)
+        gate_up, up = (joined, None) if joined is not None else (_matmul(ops, layer.gate), _matmul(ops, layer.up))
+        mats = [_matmul(ops, layer.qkv), _matmul(ops, layer.o), gate_up, _matmul(ops, layer.down)]
+        if any(m is None for m in mats) or (joined is None and up is None):
             return None
         qkv, o, gate_up, down = mats
-        layers.add_layer(layer.input_norm, qkv, o, layer.post_norm, gate_up, down)
+        layers.add_layer(layer.input_norm, qkv, o, layer.post_norm, gate_up, down, up)
     return layers
 
 

@@ -4,6 +4,8 @@
 // layer around them (about 2 ms of a 10 ms batch-1 step of SmolLM2-135M). The caller holds the GIL only to enter.
 #include <torch/extension.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <optional>
 #include <utility>
 #include <vector>
@@ -17,6 +19,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
                       const torch::Tensor& value_cache, const torch::Tensor& tables, const torch::Tensor& seq_lens,
                       double scale, int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks,
                       torch::Tensor out);
+void silu_mul_(torch::Tensor gate, const torch::Tensor& up);
 #if defined(__AVX2__) && defined(__FMA__)
 torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& zero, int64_t activation_bits,
@@ -28,28 +31,51 @@ torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
 
 namespace {
 
-// One matmul weight as the model holds it: float32 panels (worker_svc/panel_linear.py) or int4 / int8 groups
-// (worker_svc/quant.py's QuantLinear on the CPU kernels).
+// x @ w.T as worker_svc.model.linear runs a bfloat16 weight: oneDNN's matmul for its prepacked copy (the op
+// TorchInductor's CPU freezing uses, called through the dispatcher), F.linear for a plain tensor.
+torch::Tensor torch_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  if (!w.is_mkldnn()) return at::linear(x, w);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, c10::IValue(), std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One matmul weight as the model holds it: float32 panels (worker_svc/panel_linear.py), int4 / int8 groups
+// (worker_svc/quant.py's QuantLinear on the CPU kernels) or a bfloat16 tensor (oneDNN-prepacked or plain).
 struct Matmul {
-  enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2 };
+  enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2, kTorch = 3 };
   int64_t kind;
-  torch::Tensor weight, scale, zero;  // panels | codes; the groups' scales and (int4) zeros
+  torch::Tensor weight, scale, zero;  // panels | codes | the tensor; the groups' scales and (int4) zeros
   int64_t out_features, activation_bits;
 
-  // x @ w.T, plus `residual` when given (residual + product, as worker_svc.model.linear_add)
+  // x @ w.T, plus `residual` when given (residual + product, as worker_svc.model.linear_add: inside the float32
+  // kernels, which give the sum a separate add gives; a separate in-place add in bfloat16, which rounds the
+  // product first as Hugging Face does)
   torch::Tensor operator()(const torch::Tensor& x, const std::optional<torch::Tensor>& residual = std::nullopt) const {
+    if (residual && (kind == kTorch || x.scalar_type() != torch::kFloat32)) return residual->add_((*this)(x));
     switch (kind) {
       case kPanels: return dense_matmul(x, weight, out_features, std::nullopt, residual);
       case kInt4: return int4_matmul(x, weight, scale, zero, activation_bits, residual);
-      default: return int8_matmul(x, weight, scale, activation_bits, residual);
+      case kInt8: return int8_matmul(x, weight, scale, activation_bits, residual);
+      default: return torch_linear(x, weight);
     }
   }
 };
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  Matmul qkv, o, gate_up, down;  // gate_up: gate's outputs, then up's (one matmul, one pass over x)
+  Matmul qkv, o, gate_up, down;  // gate_up: gate's outputs, then up's (one matmul, one pass over x); or gate's only,
+  std::optional<Matmul> up;      // with up's here (oneDNN's packed copies are not joined)
 };
+
+// silu(gate) * up in place into gate, with the ops worker_svc.model's _feed_forward runs for the dtype.
+void silu_mul(torch::Tensor gate, const torch::Tensor& up) {
+  if (gate.scalar_type() == torch::kBFloat16) return silu_mul_(gate, up);
+  at::silu_(gate).mul_(up);  // F.silu(gate, inplace=True).mul_(up)
+}
 
 class DecoderLayers {
  public:
@@ -59,15 +85,16 @@ class DecoderLayers {
         sin_(std::move(sin)) {}
 
   void add_layer(torch::Tensor input_norm, Matmul qkv, Matmul o, torch::Tensor post_norm, Matmul gate_up,
-                 Matmul down) {
+                 Matmul down, std::optional<Matmul> up) {
     TORCH_CHECK(qkv.out_features == (hq_ + 2 * hkv_) * d_, "DecoderLayers: qkv must have (heads + 2 kv heads) x "
                 "head_dim outputs");
-    TORCH_CHECK(gate_up.out_features % 2 == 0, "DecoderLayers: gate_up must hold gate's and up's outputs");
+    TORCH_CHECK(up ? up->out_features == gate_up.out_features : gate_up.out_features % 2 == 0,
+                "DecoderLayers: gate_up must hold gate's and up's outputs, or gate's with up's as `up`");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o), std::move(gate_up),
-                       std::move(down)});
+                       std::move(down), std::move(up)});
   }
 
-  // h [T, hidden] float32 (the embeddings) through every layer; attention for each row i of `rows` (all T rows)
+  // h [T, hidden] float32 or bfloat16 (the embeddings) through every layer; attention for each row i of `rows` (all T rows)
   // over tables[i] / seq_lens[i]. kv_cache [L, 2, blocks, block_size, Hkv, D]; slot_mapping [T] int64.
   torch::Tensor forward(torch::Tensor h, const torch::Tensor& positions, const torch::Tensor& kv_cache,
                         const torch::Tensor& slot_mapping, const torch::Tensor& rows, const torch::Tensor& tables,
@@ -89,10 +116,16 @@ class DecoderLayers {
       torch::Tensor o = torch::empty({T, hq_, d_}, q.options());
       decode_attention(q, rows, key_cache, value_cache, tables, seq_lens, scale_, 0, 0.0, c10::nullopt, o);
       h = L.o(o.view({T, hq_ * d_}), h);
-      const torch::Tensor gate_up = L.gate_up(rms_norm(h, L.post_norm, eps_));
-      const int64_t inter = gate_up.size(1) / 2;
-      torch::Tensor act = gate_up.narrow(1, 0, inter);
-      at::silu_(act).mul_(gate_up.narrow(1, inter, inter));  // F.silu(gate, inplace=True).mul_(up), as in Python
+      const torch::Tensor x = rms_norm(h, L.post_norm, eps_);
+      torch::Tensor act = L.gate_up(x);
+      if (L.up) {
+        silu_mul(act, (*L.up)(x));
+      } else {
+        const int64_t inter = act.size(1) / 2;
+        const torch::Tensor up = act.narrow(1, inter, inter);
+        act = act.narrow(1, 0, inter);
+        silu_mul(act, up);
+      }
       h = L.down(act, h);
     }
     return h;
@@ -113,8 +146,9 @@ void bind_decoder_layers(pybind11::module_& m) {
   py::class_<Matmul>(m, "Matmul")
       .def(py::init([](int64_t kind, torch::Tensor weight, std::optional<torch::Tensor> scale,
                        std::optional<torch::Tensor> zero, int64_t out_features, int64_t activation_bits) {
-             TORCH_CHECK(kind >= Matmul::kPanels && kind <= Matmul::kInt8, "Matmul: kind 0 (panels), 1 or 2");
-             TORCH_CHECK(kind == Matmul::kPanels || scale, "Matmul: a quantized weight needs its scales");
+             TORCH_CHECK(kind >= Matmul::kPanels && kind <= Matmul::kTorch, "Matmul: kind 0 (panels), 1, 2 or 3");
+             TORCH_CHECK(kind == Matmul::kPanels || kind == Matmul::kTorch || scale,
+                         "Matmul: a quantized weight needs its scales");
              TORCH_CHECK(kind != Matmul::kInt4 || zero, "Matmul: an int4 weight needs its zeros");
              return Matmul{kind, std::move(weight), scale.value_or(torch::Tensor()), zero.value_or(torch::Tensor()),
                            out_features, activation_bits};
@@ -125,7 +159,8 @@ void bind_decoder_layers(pybind11::module_& m) {
       .def(py::init<double, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>(), py::arg("eps"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("cos"),
            py::arg("sin"))
-      .def("add_layer", &DecoderLayers::add_layer)
+      .def("add_layer", &DecoderLayers::add_layer, py::arg("input_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("post_norm"), py::arg("gate_up"), py::arg("down"), py::arg("up") = py::none())
       .def("forward", &DecoderLayers::forward, py::call_guard<py::gil_scoped_release>());
 }
 #endif  // AVX2 + FMA

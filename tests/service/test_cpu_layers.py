@@ -1,7 +1,7 @@
 """The decoder layers in one C++ call (worker_svc/cpu_layers.py, kernels/csrc/decoder_layers.cpp) against the Python
 layer loop on the bundled model: the same logits bit for bit over prefill chunks, decodes and mixed steps, dense
-float32 and quantized (float and int8 activations); steps the decode kernel does not wholly serve, LoRA steps and
-models the loop does not cover keep the Python loop."""
+float32 and bfloat16 and quantized (float and int8 activations, float32 and bfloat16); steps the decode kernel does
+not wholly serve, LoRA steps and models the loop does not cover keep the Python loop."""
 
 from __future__ import annotations
 
@@ -48,17 +48,20 @@ def run(model: LlamaModel) -> tuple[list[torch.Tensor], list[int]]:
         del model._layers
 
 
-@pytest.fixture(scope="module", params=["dense", "quantized", "int8-activations"])
+@pytest.fixture(scope="module", params=["dense", "quantized", "int8-activations", "dense-bfloat16",
+                                        "quantized-bfloat16", "int8-activations-bfloat16"])
 def model(request) -> LlamaModel:
-    quantization = None if request.param == "dense" else "gguf"
+    # bfloat16 dense weights are oneDNN's packed copies on a CPU with native bfloat16, plain tensors elsewhere
+    kind = request.param.removesuffix("-bfloat16")
+    quantization = None if kind == "dense" else "gguf"
     config, weights = load_model_weights(default_model_path(), quantization=quantization)
-    if request.param == "int8-activations":
+    if kind == "int8-activations":
         weights = quant.with_integer_activations(weights, 8, torch.device("cpu"))
-    return LlamaModel(config, weights, torch.float32, "cpu")
+    return LlamaModel(config, weights, torch.bfloat16 if request.param.endswith("bfloat16") else torch.float32, "cpu")
 
 
 def test_cpu_layers_equal_the_python_loop_bit_for_bit(model):
-    assert model.cpu_layers is not None  # float32 on the project's kernels: the C++ loop is built
+    assert model.cpu_layers is not None  # on the project's kernels: the C++ loop is built
     fused, python_steps = run(model)
     assert python_steps == PYTHON_STEPS
     layers, model.cpu_layers = model.cpu_layers, None
@@ -89,7 +92,7 @@ def test_a_lora_step_keeps_the_python_loop(model):
 
 def test_models_the_loop_does_not_cover_keep_the_python_loop():
     config, weights = load_model_weights(default_model_path())
-    assert LlamaModel(config, weights, torch.bfloat16, "cpu").cpu_layers is None  # float32 only
+    assert LlamaModel(config, weights, torch.float16, "cpu").cpu_layers is None  # float32 and bfloat16 only
     biased = weights | {f"model.layers.{i}.self_attn.{x}_proj.bias": torch.zeros(n)
                         for i in range(config.num_layers)
                         for x, n in (("q", config.num_heads * config.head_dim),
