@@ -268,9 +268,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     @app.get("/health", responses=openapi.HEALTH, response_class=PlainTextResponse)
     async def health(request: Request):
-        status = await bridge_of(request).health()
-        if status != "SERVING":
-            return errors.unavailable(f"the scheduler at {cfg.scheduler} is {status}").response()
+        if (why_not := await bridge_of(request).health()) is not None:
+            return errors.unavailable(why_not).response()
         return PlainTextResponse("")
 
     @app.get("/version", responses=openapi.json_route(openapi.Version))

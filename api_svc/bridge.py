@@ -262,8 +262,15 @@ class Bridge:
             except APIError:
                 await asyncio.sleep(0.5)
 
-    async def health(self) -> str:
-        return await self.client.health()
+    async def health(self) -> str | None:
+        """None when this API can serve at once; else why not. Not while its tokenizer is still loading: that takes
+        the process's CPU (and the GIL) for 1-2 s, which a first request would wait behind."""
+        status = await self.client.health()
+        if status != "SERVING":
+            return f"the scheduler at {self.address} is {status}"
+        if self._tokenizer_future is not None and not self._tokenizer_future.done():
+            return "the API is still loading its tokenizer"
+        return None
 
     def generation(self, req: pb.GenerateRequest, chat: bool = False) -> Generation:
         return Generation(self, req, chat)

@@ -4,11 +4,14 @@ Modes: float32 (oneDNN-prepacked weights, the CPU default before bfloat16), bflo
 `--dtype bfloat16` ran before its weights were prepacked) and bfloat16 prepacked (`--dtype auto` on a CPU with
 AVX512-BF16 or AMX). Every repetition runs each mode once, in rotating order, so a shared machine's load hits all
 modes alike; the table shows medians and the ratio to the first mode. The attention share is the time inside
-`write_kv_cache` + `paged_attention` over the whole forward (a perf_counter around each call).
+`write_kv_cache` + `paged_attention` over the whole forward (a perf_counter around each call). The timer keeps those
+modes on the Python layer loop; the `-cpp` modes run the same weights through the C++ layer loop
+(worker_svc/cpu_layers.py, bit-identical), untimed inside.
 
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16,64 --context 256
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16 --context 2048 --modes bfloat16-packed
     .venv/bin/python -m experiments.forward_modes --modes float32,float32-compiled,bfloat16-packed,bfloat16-compiled
+    .venv/bin/python -m experiments.forward_modes --modes bfloat16-packed,bfloat16-packed-cpp,float32,float32-cpp
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ BLOCK_SIZE = 16
 # name: (dtype, prepack, compiled): the compiled modes run `-O1`'s forward (dense weights) at the batch sizes
 MODES = {"float32": (torch.float32, None, False), "bfloat16-linear": (torch.bfloat16, False, False),
          "bfloat16-packed": (torch.bfloat16, True, False), "float32-compiled": (torch.float32, False, True),
-         "bfloat16-compiled": (torch.bfloat16, False, True)}
+         "bfloat16-compiled": (torch.bfloat16, False, True), "float32-cpp": (torch.float32, None, False),
+         "bfloat16-packed-cpp": (torch.bfloat16, True, False)}
 
 
 class TimedAttention:
@@ -73,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in modes:
         dtype, prepack, compiled = MODES[name]
         timers[name] = TimedAttention()
-        models[name] = LlamaModel(config, weights, dtype, "cpu", attention=timers[name], prepack=prepack)
+        cpp = name.endswith("-cpp")  # the default backend: the C++ loop is built for it
+        models[name] = LlamaModel(config, weights, dtype, "cpu", prepack=prepack,
+                                  **({} if cpp else {"attention": timers[name]}))
+        if cpp and models[name].cpu_layers is None:
+            raise SystemExit(f"{name}: the C++ layer loop is not built here (kernels/cpu_ops.py)")
         if compiled:
             models[name] = CompiledForward(models[name], CompilationConfig(tuple(batch_sizes), cache_dir=a.cache_dir))
             t = time.perf_counter()
@@ -105,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in modes:
             m = statistics.median(wall[name])
             share = statistics.median(x / w for x, w in zip(attn[name], wall[name], strict=True))
-            cells.append(f"{name} {m * 1e3:.1f} ms ({m / base:.2f}x) attn {share:.0%}")
+            shown = "-" if name.endswith("-cpp") else f"{share:.0%}"
+            cells.append(f"{name} {m * 1e3:.1f} ms ({m / base:.2f}x) attn {shown}")
         print(f"batch {b:3d}: " + " | ".join(cells), flush=True)
 
 

@@ -380,6 +380,8 @@ class PublicServer:
             self._close_loop()
             raise SystemExit(f"cannot listen on {address}")
         driver.outbox.attach(self.loop)
+        self._health_lock = threading.Lock()  # health reports in the order of the readiness changes
+        self._serving = False
         driver.on_ready_change = self._on_ready
 
     async def _build(self, address: str, api_key: str | None, tokenizer_path: str | None,
@@ -413,11 +415,25 @@ class PublicServer:
             await self.health.set(name, status)
 
     def _on_ready(self, ready: bool) -> None:
-        """From the driver thread: health follows the driver's readiness."""
-        if ready:
-            # Load the tokenizer now rather than on the first request (seconds for a GGUF's vocabulary).
-            threading.Thread(target=self.servicer.tokenizer, daemon=True).start()
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        """From the driver thread: health follows the driver's readiness, SERVING once the tokenizer is loaded too
+        (1-2 s for a GGUF's vocabulary, which a first request arriving at SERVING used to wait for)."""
+        with self._health_lock:
+            self._serving = ready
+            if ready:
+                threading.Thread(target=self._serve_with_tokenizer, name="load-tokenizer", daemon=True).start()
+            else:
+                self._report(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _serve_with_tokenizer(self) -> None:
+        try:
+            self.servicer.tokenizer()
+        except Exception as e:  # noqa: BLE001  (requests will name the error; health still follows the worker)
+            log.warning("cannot load the tokenizer: %s", e)
+        with self._health_lock:  # not if the worker went away or a drain began meanwhile
+            if self._serving:
+                self._report(health_pb2.HealthCheckResponse.SERVING)
+
+    def _report(self, status) -> None:
         if not self.loop.is_closed():
             asyncio.run_coroutine_threadsafe(self._set_health(status), self.loop)
 
