@@ -1,10 +1,12 @@
-"""The float32 matmul over 16-output panels (kernels/csrc/dense_matmul.cpp) against oneDNN's prepacked matmul, on
-SmolLM2-135M's weight shapes at several row counts: the numbers in kernels/README.md.
+"""The matmul over panels (kernels/csrc/dense_matmul.cpp; float32, or bfloat16 on a CPU with AVX512-BF16) against
+oneDNN's prepacked matmul in the same dtype, on SmolLM2-135M's weight shapes at several row counts: the numbers in
+kernels/README.md.
 
 Each shape's weights are rotated through ~64 MB of copies so that every call reads them from memory, as a decode
 step does; the two kernels run back to back per shape and row count, and the table shows medians.
 
-    python -m experiments.dense_matmul [--rows 1,4,16,64,256] [--repeats 100] [--json out.json]
+    python -m experiments.dense_matmul [--dtype float32|bfloat16] [--rows 1,4,16,64,256] [--repeats 100]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def onednn_matmul(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rows", default="1,4,16,64,256", help="activation rows, comma-separated")
     p.add_argument("--shapes", default=None, help="N x K pairs, e.g. 576x576,49152x576 (default: SmolLM2's)")
     p.add_argument("--repeats", type=int, default=100)
@@ -49,24 +52,28 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if not panels_available(torch.float32):
-        raise SystemExit("the panel kernel is not built here (needs AVX2 + FMA and a C++ compiler)")
+    dtype = getattr(torch, args.dtype)
+    if not panels_available(dtype):
+        raise SystemExit(f"the {args.dtype} panel kernel is not built here (float32 needs AVX2 + FMA, bfloat16 "
+                         "AVX512-BF16, both a C++ compiler)")
     torch.set_num_threads(args.threads)
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     ops = cpu_ops.load()
     results = []
-    print("| N x K | rows | oneDNN us (GB/s) | panels us (GB/s) | oneDNN / panels | max abs diff |\n"
+    print("| N x K | rows | oneDNN us (GB/s) | panels us (GB/s) | oneDNN / panels | max abs diff from float64 |\n"
           "|---|---:|---:|---:|---:|---:|")
     for n, k in shapes:
-        copies = max(1, int(args.rotate_mb * 1e6 / (n * k * 4)))
-        dense = [torch.randn(n, k) for _ in range(copies)]
+        size = dtype.itemsize
+        copies = max(1, int(args.rotate_mb * 1e6 / (n * k * size)))
+        dense = [torch.randn(n, k).to(dtype) for _ in range(copies)]
         onednn = [onednn_matmul(prepack_linear_weight(w)) for w in dense]
         panels = [PanelLinear(w, ops) for w in dense]
-        gb = n * k * 4 / 1e9
+        gb = n * k * size / 1e9
         for m in rows:
-            x = torch.randn(m, k)
-            diff = (panels[0](x) - torch.nn.functional.linear(x, dense[0])).abs().max().item()
+            x = torch.randn(m, k).to(dtype)
+            exact = torch.nn.functional.linear(x.double(), dense[0].double())
+            diff = (panels[0](x).double() - exact).abs().max().item()
             a = median_us(onednn, x, args.repeats)
             b = median_us(panels, x, args.repeats)
             results.append({"n": n, "k": k, "rows": m, "onednn_us": a, "panels_us": b, "max_abs_diff": diff})
@@ -74,7 +81,7 @@ def main() -> None:
                   f"| {diff:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "results": results}, f, indent=1)
+            json.dump({"threads": args.threads, "dtype": args.dtype, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

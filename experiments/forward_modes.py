@@ -6,20 +6,24 @@ AVX512-BF16 or AMX). Every repetition runs each mode once, in rotating order, so
 modes alike; the table shows medians and the ratio to the first mode. The attention share is the time inside
 `write_kv_cache` + `paged_attention` over the whole forward (a perf_counter around each call). The timer keeps those
 modes on the Python layer loop; the `-cpp` modes run the same weights through the C++ layer loop
-(worker_svc/cpu_layers.py, bit-identical), untimed inside.
+(worker_svc/cpu_layers.py, bit-identical), untimed inside. `bfloat16-onednn-cpp` packs the bfloat16 weights for
+oneDNN instead of the project's panels (what `--dtype auto` ran before the bfloat16 panel kernel).
 
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16,64 --context 256
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16 --context 2048 --modes bfloat16-packed
     .venv/bin/python -m experiments.forward_modes --modes float32,float32-compiled,bfloat16-packed,bfloat16-compiled
     .venv/bin/python -m experiments.forward_modes --modes bfloat16-packed,bfloat16-packed-cpp,float32,float32-cpp
+    .venv/bin/python -m experiments.forward_modes --modes bfloat16-onednn-cpp,bfloat16-packed-cpp
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
+from unittest import mock
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/worker_forward.py
 
@@ -37,7 +41,7 @@ BLOCK_SIZE = 16
 MODES = {"float32": (torch.float32, None, False), "bfloat16-linear": (torch.bfloat16, False, False),
          "bfloat16-packed": (torch.bfloat16, True, False), "float32-compiled": (torch.float32, False, True),
          "bfloat16-compiled": (torch.bfloat16, False, True), "float32-cpp": (torch.float32, None, False),
-         "bfloat16-packed-cpp": (torch.bfloat16, True, False)}
+         "bfloat16-packed-cpp": (torch.bfloat16, True, False), "bfloat16-onednn-cpp": (torch.bfloat16, True, False)}
 
 
 class TimedAttention:
@@ -78,8 +82,12 @@ def main(argv: list[str] | None = None) -> None:
         dtype, prepack, compiled = MODES[name]
         timers[name] = TimedAttention()
         cpp = name.endswith("-cpp")  # the default backend: the C++ loop is built for it
-        models[name] = LlamaModel(config, weights, dtype, "cpu", prepack=prepack,
-                                  **({} if cpp else {"attention": timers[name]}))
+        # oneDNN's packing: the panel kernel hidden from the model's packing for bfloat16
+        onednn = mock.patch("worker_svc.model.panels_available", lambda d: d == torch.float32) \
+            if "onednn" in name else contextlib.nullcontext()
+        with onednn:
+            models[name] = LlamaModel(config, weights, dtype, "cpu", prepack=prepack,
+                                      **({} if cpp else {"attention": timers[name]}))
         if cpp and models[name].cpu_layers is None:
             raise SystemExit(f"{name}: the C++ layer loop is not built here (kernels/cpu_ops.py)")
         if compiled:

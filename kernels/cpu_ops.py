@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
@@ -52,10 +54,10 @@ def _files() -> tuple[Path, ...]:
 
 
 def build_dir() -> Path:
-    """Keyed by the sources, their headers, the flags and the CPU's flags: the build targets this CPU
-    (-march=native)."""
+    """Keyed by the sources, their headers, the flags, torch's version (the build links against its C++ library)
+    and the CPU's flags: the build targets this CPU (-march=native)."""
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in _files()) + " ".join(CFLAGS).encode()
-                            + _cpu_flags()).hexdigest()[:16]
+                            + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
     return Path(os.path.expanduser("~")) / ".cache" / "llmserve" / "cpu_ops" / digest
 
 

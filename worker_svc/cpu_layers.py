@@ -3,9 +3,9 @@ attention runs entirely in the decode kernel: every decode step, and prefill chu
 
 The C++ loop calls the kernels the Python loop calls, in the same order, so the hidden states are bit-identical; it
 saves the Python and torch dispatch around them (about 2 ms of a 10 ms batch-1 step of SmolLM2-135M on two cores,
-~40 us a layer) and runs without the GIL. Built only where the Python loop would run nothing else: float32 with every
-matmul weight in panels or on the quantized CPU kernels, or bfloat16 with every matmul weight on the quantized CPU
-kernels or a bfloat16 tensor (oneDNN's prepacked copy or plain), no biases, q/k norms, sliding windows, soft-capping,
+~40 us a layer) and runs without the GIL. Built only where the Python loop would run nothing else: float32 or bfloat16
+with every matmul weight in panels, on the quantized CPU kernels or (bfloat16) a plain or oneDNN-prepacked tensor,
+no biases, q/k norms, sliding windows, soft-capping,
 sparse layers, tensor parallelism or family overrides; per step, no LoRA adapters.
 """
 
@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from kernels.reference import ReferencePlan, paged_attention
-from worker_svc.panel_linear import PANEL, PanelLinear
+from worker_svc.panel_linear import PANEL_WIDTH, PanelLinear
 from worker_svc.quant import QuantLinear
 
 TORCH = 3  # the C++ Matmul kind of a bfloat16 tensor: oneDNN's matmul for a prepacked copy, F.linear for a plain one
 
 
 def _form(weight: Any) -> tuple[int, tuple[str, ...]] | None:
-    """(the C++ Matmul kind, the weight's tensor attributes it takes) for a matmul weight the C++ loop runs, else None:
-    float32 panels, int4 / int8 groups on the project's CPU kernels with float32 or bfloat16 activations, or a
-    bfloat16 CPU tensor (no attributes: the weight is the tensor)."""
+    """(the C++ Matmul kind, the weight's tensor attributes it takes) for a matmul weight the C++ loop runs, else
+    None: float32 or bfloat16 panels, int4 / int8 groups on the project's CPU kernels with float32 or bfloat16
+    activations, or a bfloat16 CPU tensor (no attributes: the weight is the tensor)."""
     if isinstance(weight, PanelLinear):
         return 0, ("panels",)
     if isinstance(weight, QuantLinear) and weight.ops is not None and weight.dtype in (torch.float32, torch.bfloat16):
@@ -54,12 +54,13 @@ def _matmul(ops: Any, weight: Any) -> Any | None:
 def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
     """gate's and up's weights as one matmul of both outputs (one pass over x, one parallel region, with integer
     activations x quantized once); gate and up then hold views of the joined tensors, so nothing is stored twice.
-    Only where the intermediate size is a multiple of 16 (whole panels; silu over a half of each row then runs the
-    vector loop the separate tensor does, the same bits)."""
+    Only where the intermediate size is a multiple of the panel width (whole panels; silu over a half of each row
+    then runs the vector loop the separate tensor does, the same bits)."""
     form = _form(gate)
     bits = getattr(gate, "activation_bits", 0)
     if form is None or form[0] == TORCH or form != _form(up) or bits != getattr(up, "activation_bits", 0) \
-            or gate.in_features != up.in_features or gate.out_features % PANEL:
+            or gate.in_features != up.in_features \
+            or gate.out_features % getattr(gate, "panel_width", PANEL_WIDTH[torch.float32]):
         return None
     kind, names = form
     joined = []

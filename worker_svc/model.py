@@ -60,13 +60,17 @@ def cpu_has_native_bf16() -> bool:
 
 
 def panels_available(dtype: torch.dtype) -> bool:
-    """Whether float32 matmuls can run the project's panel kernel (kernels/csrc/dense_matmul.cpp; AVX2 + FMA)."""
-    return dtype == torch.float32 and (ops := cpu_ops.load()) is not None and hasattr(ops, "dense_matmul")
+    """Whether matmuls of `dtype` can run the project's panel kernel (kernels/csrc/dense_matmul.cpp): float32 with
+    AVX2 + FMA, bfloat16 with AVX512-BF16."""
+    if dtype not in (torch.float32, torch.bfloat16) or (ops := cpu_ops.load()) is None \
+            or not hasattr(ops, "dense_matmul"):
+        return False
+    return dtype == torch.float32 or bool(getattr(ops, "dense_bfloat16", False))
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether matmul weights can be packed for the CPU (`pack_linear_weight`): float32 with the project's panel
-    kernel or oneDNN, bfloat16 with oneDNN on a CPU with native bf16.
+    """Whether matmul weights can be packed for the CPU (`pack_linear_weight`): float32 and bfloat16 in the project's
+    panels where that kernel is built, else with oneDNN (bfloat16 only on a CPU with native bf16).
 
     On CPU, F.linear goes to MKL's sgemm, which (measured on an AMD EPYC) runs 2-3x slower than oneDNN for
     the batch sizes a worker sees (8..512 rows); oneDNN also reads its blocked weight layout faster at 1 row
@@ -97,8 +101,9 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | PanelLinear:
-    """A [out, in] CPU weight in the layout its matmul runs fastest from: float32 in the project's panels where
-    that kernel is built (it beat oneDNN at 1 to 1024 rows on SmolLM2's shapes), else oneDNN's blocked copy."""
+    """A [out, in] CPU weight in the layout its matmul runs fastest from: the project's panels where that kernel is
+    built for its dtype (float32: it beat oneDNN at 1 to 1024 rows on SmolLM2's shapes; bfloat16: 1.3-2x at 1-16
+    rows, 1.0-1.3x at 64-256), else oneDNN's blocked copy."""
     if panels_available(weight.dtype):
         return PanelLinear(weight, cpu_ops.load())
     return prepack_linear_weight(weight)
@@ -119,9 +124,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelLinear | QuantLinear,
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor | PanelLinear | QuantLinear, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T + bias: fused into the matmul for a packed or a quantized float32 weight (same result
-    as a separate add), in place into `residual` otherwise. Not fused in bfloat16: the fused add rounds once where
-    Hugging Face rounds the product and then the sum, and parity with it matters more than one small add."""
+    """residual + x @ weight.T + bias: fused into the matmul for panels (float32 or bfloat16) and for a packed or a
+    quantized float32 weight (the same result as a separate add), in place into `residual` otherwise. oneDNN's and
+    the quantized kernels' fused add in bfloat16 would round once where Hugging Face rounds the product and then the
+    sum (the bfloat16 panel kernel rounds twice, as the separate add does)."""
     if isinstance(weight, PanelLinear):
         return weight(x, bias, residual)
     if isinstance(weight, torch.Tensor) and weight.is_mkldnn and weight.dtype == torch.float32:

@@ -298,7 +298,8 @@ void attend_one_avx2(const T* q, int64_t q_head_stride, const T* kc, const T* vc
           const int64_t run = std::min(block_size - t % block_size, len - t);
           const T* v = row_at(vc, t) + h * head_stride + d0;
           for (int64_t j = 0; j < run; ++j, v += tok_stride) {
-            if (g == 0 && d0 == 0 && t + j + 8 < len) _mm_prefetch(row_at(vc, t + j + 8) + h * head_stride, _MM_HINT_T0);
+            if (g == 0 && d0 == 0 && t + j + 8 < len)
+              _mm_prefetch(row_at(vc, t + j + 8) + h * head_stride, _MM_HINT_T0);
             const __m256 pv = _mm256_set1_ps(p[t + j - start]);
 #pragma GCC unroll 8
             for (int dv = 0; dv < 8; ++dv) acc[dv] = _mm256_fmadd_ps(pv, load8(v + dv * 8), acc[dv]);
@@ -673,7 +674,8 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
                   key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type() &&
                   slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == key.size(0) && key_cache.size(2) * key_cache.size(3) == key.size(1) * key.size(2),
+                  slot_mapping.numel() == key.size(0) &&
+                  key_cache.size(2) * key_cache.size(3) == key.size(1) * key.size(2),
               "write_kv: key/value [T, Hkv, D] with contiguous heads, contiguous caches of their dtype, int64 slots");
   const int64_t n = key.size(0), row = key.size(1) * key.size(2) * key.element_size();
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
@@ -864,6 +866,7 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,  // csrc/dense_matmul.cpp
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
+bool dense_bfloat16();  // whether dense_matmul takes bfloat16 panels (AVX512-BF16)
 void bind_decoder_layers(pybind11::module_& m);  // csrc/decoder_layers.cpp
 #endif
 
@@ -882,6 +885,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations);
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
+  m.attr("dense_bfloat16") = dense_bfloat16();
   bind_decoder_layers(m);
 #endif
 }

@@ -43,7 +43,7 @@ torch::Tensor torch_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return stack[0].toTensor();
 }
 
-// One matmul weight as the model holds it: float32 panels (worker_svc/panel_linear.py), int4 / int8 groups
+// One matmul weight as the model holds it: float32 or bfloat16 panels (worker_svc/panel_linear.py), int4 / int8 groups
 // (worker_svc/quant.py's QuantLinear on the CPU kernels) or a bfloat16 tensor (oneDNN-prepacked or plain).
 struct Matmul {
   enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2, kTorch = 3 };
@@ -51,11 +51,12 @@ struct Matmul {
   torch::Tensor weight, scale, zero;  // panels | codes | the tensor; the groups' scales and (int4) zeros
   int64_t out_features, activation_bits;
 
-  // x @ w.T, plus `residual` when given (residual + product, as worker_svc.model.linear_add: inside the float32
-  // kernels, which give the sum a separate add gives; a separate in-place add in bfloat16, which rounds the
-  // product first as Hugging Face does)
+  // x @ w.T, plus `residual` when given (residual + product, as worker_svc.model.linear_add: inside the panel
+  // kernels and the float32 quantized ones, which give the sum a separate add gives; else a separate in-place add,
+  // which rounds a bfloat16 product first as Hugging Face does)
   torch::Tensor operator()(const torch::Tensor& x, const std::optional<torch::Tensor>& residual = std::nullopt) const {
-    if (residual && (kind == kTorch || x.scalar_type() != torch::kFloat32)) return residual->add_((*this)(x));
+    if (residual && (kind == kTorch || (kind != kPanels && x.scalar_type() != torch::kFloat32)))
+      return residual->add_((*this)(x));
     switch (kind) {
       case kPanels: return dense_matmul(x, weight, out_features, std::nullopt, residual);
       case kInt4: return int4_matmul(x, weight, scale, zero, activation_bits, residual);
@@ -94,7 +95,8 @@ class DecoderLayers {
                        std::move(down), std::move(up)});
   }
 
-  // h [T, hidden] float32 or bfloat16 (the embeddings) through every layer; attention for each row i of `rows` (all T rows)
+  // h [T, hidden] float32 or bfloat16 (the embeddings) through every layer; attention for each row i of `rows` (all
+  // T rows)
   // over tables[i] / seq_lens[i]. kv_cache [L, 2, blocks, block_size, Hkv, D]; slot_mapping [T] int64.
   torch::Tensor forward(torch::Tensor h, const torch::Tensor& positions, const torch::Tensor& kv_cache,
                         const torch::Tensor& slot_mapping, const torch::Tensor& rows, const torch::Tensor& tables,

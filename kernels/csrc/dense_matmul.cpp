@@ -1,9 +1,17 @@
-// float32 matmuls over weights packed in panels of 16 outputs ([ceil(N / 16), K, 16]: the 16 outputs of one k
-// side by side). A tile of up to 6 rows x 16 outputs lives in 12 AVX2 registers; each k adds x[r, k] * w[k, 0:16]
-// into them. One decode row streams the weights once at close to the memory bandwidth (oneDNN's prepacked matmul
-// reached 10-13 GB/s of ~24 on the 2-core AVX2 box at 1 row); larger tiles keep the multiply-adds busy. Every
-// (row, output) sums over k in order, in one register lane, whatever the tile: a row's result does not depend on
-// the other rows of the batch.
+// Matmuls over weights packed in panels of output columns, for the CPU forward in place of oneDNN.
+//
+// float32: panels of 16 outputs ([ceil(N / 16), K, 16]: the 16 outputs of one k side by side). A tile of up to 6
+// rows x 16 outputs lives in 12 AVX2 registers; each k adds x[r, k] * w[k, 0:16] into them. One decode row streams
+// the weights once at close to the memory bandwidth (oneDNN's prepacked matmul reached 10-13 GB/s of ~24 on the
+// 2-core AVX2 box at 1 row); larger tiles keep the multiply-adds busy.
+//
+// bfloat16 (AVX512-BF16): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k] and
+// w[n, k + 1] side by side, the pairs of 32 outputs in two 512-bit vectors). One `vdpbf16ps` adds x[r, k] * w[k] +
+// x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32); a tile is up to 8 rows x 32
+// outputs. The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul.
+//
+// Every (row, output) sums over k in order, in one register lane, whatever the tile: a row's result does not depend
+// on the other rows of the batch.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -11,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
@@ -57,24 +67,20 @@ void dense_tile(const float* x, int64_t K, const float* panel, int64_t n0, int64
   }
 }
 
-void dense_rows(int64_t R, const float* x, int64_t K, const float* panel, int64_t n0, int64_t width, float* y,
-                int64_t N, const Epilogue& e) {
-  switch (R) {
-    case 1: return dense_tile<1>(x, K, panel, n0, width, y, N, e);
-    case 2: return dense_tile<2>(x, K, panel, n0, width, y, N, e);
-    case 3: return dense_tile<3>(x, K, panel, n0, width, y, N, e);
-    case 4: return dense_tile<4>(x, K, panel, n0, width, y, N, e);
-    case 5: return dense_tile<5>(x, K, panel, n0, width, y, N, e);
-    default: return dense_tile<6>(x, K, panel, n0, width, y, N, e);
+// f(std::integral_constant<int, R>) for a row count R in [1, Max]: the tile templates, one per row count.
+template <int Max, class F>
+void with_rows(int64_t R, F&& f) {
+  if constexpr (Max > 1) {
+    if (R < Max) return with_rows<Max - 1>(R, f);
   }
+  f(std::integral_constant<int, Max>{});
 }
 
 }  // namespace
 
-// y = x @ w.T (+ bias) (+ residual, as residual + product) for float32 x [M, K] and w packed by `pack_panels`
-// (worker_svc/panel_linear.py: `panels` [ceil(N / 16), K, 16]); N is the unpadded output count.
-torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual) {
+static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                               const std::optional<torch::Tensor>& bias,
+                               const std::optional<torch::Tensor>& residual) {
   TORCH_CHECK(panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() && panels.dim() == 3 &&
                   panels.size(2) == kPanel && N > 0 && (N + kPanel - 1) / kPanel == panels.size(0),
               "dense_matmul: panels must be [ceil(N / 16), K, 16] float32 contiguous");
@@ -105,10 +111,150 @@ torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
       for (int64_t m = 0; m < M; m += kRows) {
         const Epilogue tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};  // the tile's rows
-        dense_rows(std::min(kRows, M - m), xp + m * K, K, wp + p * K * kPanel, n0, width, yp + m * N, N, tile_e);
+        with_rows<kRows>(std::min(kRows, M - m), [&](auto rows) {
+          dense_tile<rows()>(xp + m * K, K, wp + p * K * kPanel, n0, width, yp + m * N, N, tile_e);
+        });
       }
     }
   });
   return y;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kBFloat16Panels = true;
+
+namespace {
+
+constexpr int64_t kPanelBF16 = 32;  // outputs per bfloat16 panel: two 16-lane float32 accumulators
+constexpr int64_t kRowsBF16 = 8;    // rows per tile: 8 x 2 accumulators (12 rows measured no faster)
+
+// float32 -> bfloat16 bits in the low half of each lane, as torch rounds (to nearest even; NaN -> 0x7fc0)
+inline __m512i to_bf16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_srli_epi32(r, 16);
+}
+
+// 16 bfloat16 values (masked) as float32
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+struct EpilogueBF16 {
+  const float* bias;         // [N] float32 or null: added to the float32 sum before its rounding
+  const uint16_t* residual;  // [M, N] bfloat16 or null: y = residual + round(product), rounded again (torch's add)
+};
+
+// y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from one panel.
+template <int R>
+void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t n0, int64_t width, uint16_t* y,
+                     int64_t N, const EpilogueBF16& e) {
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanelBF16);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanelBF16 + kPanelBF16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;  // x[r, 2 kp] in the low half, x[r, 2 kp + 1] in the high half
+      std::memcpy(&pair, x + r * K + 2 * kp, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+    }
+  }
+  if (K % 2) {  // the last input alone (the panel's pad half is zero)
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanelBF16);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanelBF16 + kPanelBF16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K + K - 1]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
+    if (lanes == 0) break;
+    const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
+    const int64_t n = n0 + 16 * h;
+    const __m512 bias = e.bias ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512i v = to_bf16(e.bias ? _mm512_add_ps(acc[r][h], bias) : acc[r][h]);
+      if (e.residual) {
+        const __m512 product = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        v = to_bf16(_mm512_add_ps(load_bf16(e.residual + r * N + n, m), product));
+      }
+      _mm256_mask_storeu_epi16(y + r * N + n, m, _mm512_cvtepi32_epi16(v));
+    }
+  }
+}
+
+const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                const std::optional<torch::Tensor>& bias,
+                                const std::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == kPanelBF16 && panels.size(3) == 2 &&
+                  N > 0 && (N + kPanelBF16 - 1) / kPanelBF16 == panels.size(0),
+              "dense_matmul: bfloat16 panels must be [ceil(N / 32), ceil(K / 2), 32, 2] contiguous");
+  const int64_t K = x.dim() == 2 ? x.size(1) : -1;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.device().is_cpu() && x.dim() == 2 &&
+                  (K + 1) / 2 == panels.size(1),
+              "dense_matmul: x must be [rows, ", 2 * panels.size(1), " or ", 2 * panels.size(1) - 1,
+              "] bfloat16 on the CPU");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  EpilogueBF16 e{nullptr, nullptr};
+  torch::Tensor b, res;
+  if (bias) {
+    b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == N, "dense_matmul: bias must be [N]");
+    e.bias = b.data_ptr<float>();
+  }
+  if (residual) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == torch::kBFloat16 && res.dim() == 2 && res.size(0) == M && res.size(1) == N,
+                "dense_matmul: residual must be [rows, N] bfloat16");
+    e.residual = bits(res);
+  }
+  auto y = torch::empty({M, N}, torch::kBFloat16);
+  const uint16_t* xp = bits(xc);
+  const uint16_t* wp = bits(panels);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t panel_size = panels.size(1) * 2 * kPanelBF16;
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanelBF16, width = std::min(kPanelBF16, N - n0);
+      for (int64_t m = 0; m < M; m += kRowsBF16) {
+        const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
+        with_rows<kRowsBF16>(std::min(kRowsBF16, M - m), [&](auto rows) {
+          dense_tile_bf16<rows()>(xp + m * K, K, wp + p * panel_size, n0, width, yp + m * N, N, tile_e);
+        });
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+#else
+constexpr bool kBFloat16Panels = false;
+#endif  // AVX512-BF16
+
+// y = x @ w.T (+ bias) (+ residual, as residual + product) for x [M, K] and w packed by `pack_panels`
+// (worker_svc/panel_linear.py): float32 panels [ceil(N / 16), K, 16] with float32 x, or (where this CPU has
+// AVX512-BF16) bfloat16 panels [ceil(N / 32), ceil(K / 2), 32, 2] with bfloat16 x. N is the unpadded output count.
+torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (panels.scalar_type() == torch::kBFloat16) return dense_matmul_bf16(x, panels, N, bias, residual);
+#endif
+  return dense_matmul_f32(x, panels, N, bias, residual);
+}
+
+bool dense_bfloat16() { return kBFloat16Panels; }
 #endif  // AVX2 + FMA

@@ -1,5 +1,6 @@
-"""float32 matmuls over 16-output panels (worker_svc/panel_linear.py, kernels/csrc/dense_matmul.cpp) against
-torch's matmul in float64, at every tile shape; batch invariance; the fused bias and residual; bad operands."""
+"""Matmuls over panels (worker_svc/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
+bfloat16 in 32-output panels of input pairs (on a CPU with AVX512-BF16), against torch's matmul in float64 at every
+tile shape; batch invariance; the fused bias and residual; bad operands."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from worker_svc.model import linear, linear_add, pack_linear_weight, panels_available
+from worker_svc.model import cpu_has_native_bf16, linear, linear_add, pack_linear_weight, panels_available
 from worker_svc.panel_linear import PanelLinear, pack_panels
 
 
@@ -68,7 +69,8 @@ def test_model_linear_uses_the_panels_for_float32(ops):
     assert isinstance(packed, PanelLinear)
     torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear_add(x, packed, None, res.clone()), res + F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert not panels_available(torch.bfloat16)  # bfloat16 stays with oneDNN (on a CPU with native bf16)
+    # bfloat16 panels are built where the CPU has AVX512-BF16 (-march=native); elsewhere bfloat16 stays with oneDNN
+    assert panels_available(torch.bfloat16) == (cpu_has_native_bf16() and bool(ops.dense_bfloat16))
 
 
 def test_bad_operands_are_refused_naming_them(ops):
@@ -83,5 +85,74 @@ def test_bad_operands_are_refused_naming_them(ops):
         ops.dense_matmul(torch.randn(2, 32), panels, 20, torch.zeros(19))
     with pytest.raises(RuntimeError, match="dense_matmul: residual"):
         ops.dense_matmul(torch.randn(2, 32), panels, 20, None, torch.zeros(3, 20))
-    with pytest.raises(ValueError, match="2-D float32"):
-        PanelLinear(torch.randn(4, 4).bfloat16(), ops)
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16"):
+        PanelLinear(torch.randn(4, 4).half(), ops)
+
+
+@pytest.fixture(scope="module")
+def bf16_ops(ops):
+    if not ops.dense_bfloat16:
+        pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
+    return ops
+
+
+def test_bfloat16_panels_hold_input_pairs_of_32_outputs():
+    w = torch.arange(40 * 5, dtype=torch.float32).reshape(40, 5).bfloat16()
+    p = pack_panels(w)
+    assert p.shape == (2, 3, 32, 2)  # 40 outputs -> 2 panels, 5 inputs -> 3 pairs
+    assert torch.equal(p[0, 1, 7], w[7, 2:4]) and torch.equal(p[1, 0, 3], w[35, 0:2])
+    assert p[0, 2, 7, 0] == w[7, 4] and p[0, 2, 7, 1] == 0  # the odd input's pair is padded
+    assert not p[1, :, 8:].any()
+
+
+@pytest.mark.parametrize("out, inp", [(32, 64), (100, 97), (3, 37), (576, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+def test_bfloat16_product_is_the_rounded_float_sum_at_every_tile_shape(bf16_ops, out, inp, rows):
+    torch.manual_seed(out * rows + inp)
+    w, x = torch.randn(out, inp).bfloat16(), torch.randn(rows, inp).bfloat16()
+    bias, res = torch.randn(out), torch.randn(rows, out).bfloat16()
+    p = PanelLinear(w, bf16_ops)
+    assert p.shape == (out, inp) and p.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    # one rounding to bfloat16 (2^-9 relative) of a float32 sum (exact products)
+    tol = dict(rtol=2 ** -8, atol=1e-5 * inp ** 0.5)
+    y = p(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, **tol)
+    torch.testing.assert_close(p(x, bias).double(), ref + bias.double(), **tol)
+    # the fused residual is exactly torch's separate add of the rounded product
+    assert torch.equal(p(x, bias, res), res + p(x, bias))
+
+
+def test_bfloat16_rows_do_not_depend_on_the_rest_of_the_batch(bf16_ops):
+    torch.manual_seed(3)
+    p = PanelLinear(torch.randn(100, 96).bfloat16(), bf16_ops)
+    x = torch.randn(19, 96).bfloat16()
+    full = p(x)
+    for i in (0, 7, 8, 18):  # first and last of an 8-row tile, the next tile, the 3-row tail
+        assert torch.equal(full[i], p(x[i:i + 1])[0])
+        assert torch.equal(full[i], p(x[i:i + 3])[0])
+
+
+def test_model_linear_uses_bfloat16_panels(bf16_ops):
+    torch.manual_seed(4)
+    w, x, res = torch.randn(64, 48).bfloat16(), torch.randn(3, 48).bfloat16(), torch.randn(3, 64).bfloat16()
+    packed = pack_linear_weight(w)
+    assert isinstance(packed, PanelLinear)
+    exact = F.linear(x.double(), w.double())
+    torch.testing.assert_close(linear(x, packed).double(), exact, rtol=2 ** -8, atol=1e-4)
+    assert torch.equal(linear_add(x, packed, None, res.clone()), res + linear(x, packed))
+
+
+def test_bad_bfloat16_operands_are_refused_naming_them(bf16_ops):
+    panels = pack_panels(torch.randn(40, 32).bfloat16())
+    with pytest.raises(RuntimeError, match=r"dense_matmul: x must be \[rows, 32 or 31\] bfloat16"):
+        bf16_ops.dense_matmul(torch.randn(2, 32), panels, 40)
+    with pytest.raises(RuntimeError, match=r"dense_matmul: x must be \[rows, 32 or 31\] bfloat16"):
+        bf16_ops.dense_matmul(torch.randn(2, 48).bfloat16(), panels, 40)
+    with pytest.raises(RuntimeError, match="dense_matmul: bfloat16 panels"):
+        bf16_ops.dense_matmul(torch.randn(2, 32).bfloat16(), panels, 80)
+    with pytest.raises(RuntimeError, match="dense_matmul: bias must be"):
+        bf16_ops.dense_matmul(torch.randn(2, 32).bfloat16(), panels, 40, torch.zeros(39))
+    with pytest.raises(RuntimeError, match="dense_matmul: residual must be"):
+        bf16_ops.dense_matmul(torch.randn(2, 32).bfloat16(), panels, 40, None, torch.zeros(2, 40))
