@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "with_count.h"
+
 namespace {
 
 void check_cpu(std::initializer_list<torch::Tensor> tensors, const char* op) {
@@ -398,9 +400,38 @@ struct QueryRow<c10::BFloat16, DV> {
 };
 #endif
 
-// One decode's attention, all heads, for head_dim = 16 * DV. The K and V rows are read in the cache's order (a run
-// of positions of one block at a time, every KV head of a run together) so each block streams from memory once;
-// the scores and the output accumulators of all heads live in small per-thread buffers in L1/L2.
+// acc[g * D + d] = sum over positions [start, len) of p[g * n + i] * v[position][d], for NG query heads of one KV
+// head (v: that head's rows), the NG x DV sums in registers and added in position order.
+template <typename T, int DV, int NG>
+void weighted_values(const T* vc, const int32_t* table, int64_t start, int64_t len, int64_t block_size,
+                     int64_t blk_stride, int64_t tok_stride, const float* p, int64_t n, float* acc) {
+  __m512 a[NG][DV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NG * DV; ++i) a[i / DV][i % DV] = _mm512_setzero_ps();
+  for (int64_t t = start; t < len;) {  // a run of positions inside one block at a time
+    const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
+    const T* v = vc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
+    for (; t < stop; ++t, v += tok_stride) {
+      __m512 vv[DV];
+#pragma GCC unroll 8
+      for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * n + (t - start)]);
+#pragma GCC unroll 8
+        for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(pg, vv[dv], a[g][dv]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NG * DV; ++i) _mm512_storeu_ps(acc + (i / DV) * 16 * DV + (i % DV) * 16, a[i / DV][i % DV]);
+}
+
+// One decode's attention, all heads, for head_dim = 16 * DV. The K rows are read in the cache's order (a run of
+// positions of one block at a time, every KV head of a run together) so each block streams from memory once, the
+// scores of all heads into a small per-thread buffer in L1/L2; then each KV head's V rows, its query heads' sums in
+// registers (summing in memory stored and reloaded every accumulator at every position: with the cache in L3, a
+// batch of 64 decodes at context 192 took 9.9 -> 6.4 ms over 30 layers; from memory both take ~20 ms).
 template <typename T, int DV>
 void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
                        int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
@@ -445,23 +476,14 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
     for (; i < n; ++i) sum += (sg[i] = exp_any(sg[i] - m));
     inv[hq] = n > 0 ? 1.f / sum : 0.f;
   }
-  std::fill(acc, acc + Hq * D, 0.f);
-  for_each_run(vc, table, start, len, block_size, blk_stride, tok_stride, block_size,
-               [&](int64_t t, int m, const T* v) {
-    for (int j = 0; j < m; ++j, v += tok_stride) {
-      for (int64_t h = 0; h < Hkv; ++h) {
-        __m512 vv[DV];
-        for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + h * head_stride + dv * 16);
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t hq = h * G + g;
-          const __m512 p = _mm512_set1_ps(scores[hq * n + (t + j - start)]);
-          float* a = acc + hq * D;
-          for (int dv = 0; dv < DV; ++dv)
-            _mm512_storeu_ps(a + dv * 16, _mm512_fmadd_ps(p, vv[dv], _mm512_loadu_ps(a + dv * 16)));
-        }
-      }
-    }
-  });
+  // the weighted sums of V: per KV head, up to 16 / DV of its query heads at a time with their sums in registers
+  constexpr int kHeads = 16 / DV;
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t g = 0; g < G; g += kHeads)
+      llmserve::with_count<kHeads>(std::min<int64_t>(kHeads, G - g), [&](auto heads) {
+        weighted_values<T, DV, heads()>(vc + h * head_stride, table, start, len, block_size, blk_stride, tok_stride,
+                                        scores + (h * G + g) * n, n, acc + (h * G + g) * D);
+      });
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
 }

@@ -21,7 +21,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <type_traits>
+
+#include "with_count.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
@@ -67,15 +68,6 @@ void dense_tile(const float* x, int64_t K, const float* panel, int64_t n0, int64
   }
 }
 
-// f(std::integral_constant<int, R>) for a row count R in [1, Max]: the tile templates, one per row count.
-template <int Max, class F>
-void with_rows(int64_t R, F&& f) {
-  if constexpr (Max > 1) {
-    if (R < Max) return with_rows<Max - 1>(R, f);
-  }
-  f(std::integral_constant<int, Max>{});
-}
-
 }  // namespace
 
 static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
@@ -111,7 +103,7 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
       for (int64_t m = 0; m < M; m += kRows) {
         const Epilogue tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};  // the tile's rows
-        with_rows<kRows>(std::min(kRows, M - m), [&](auto rows) {
+        llmserve::with_count<kRows>(std::min(kRows, M - m), [&](auto rows) {
           dense_tile<rows()>(xp + m * K, K, wp + p * K * kPanel, n0, width, yp + m * N, N, tile_e);
         });
       }
@@ -231,7 +223,7 @@ torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& pan
       const int64_t n0 = p * kPanelBF16, width = std::min(kPanelBF16, N - n0);
       for (int64_t m = 0; m < M; m += kRowsBF16) {
         const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
-        with_rows<kRowsBF16>(std::min(kRowsBF16, M - m), [&](auto rows) {
+        llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, M - m), [&](auto rows) {
           dense_tile_bf16<rows()>(xp + m * K, K, wp + p * panel_size, n0, width, yp + m * N, N, tile_e);
         });
       }
