@@ -400,48 +400,61 @@ struct QueryRow<c10::BFloat16, DV> {
 };
 #endif
 
-// acc[g * D + d] = sum over positions [start, len) of p[g * n + i] * v[position][d], for NG query heads of one KV
-// head (v: that head's rows), the NG x DV sums in registers and added in position order.
+// acc[g * D + d] (+)= sum over rows i < rows of p[g * n + i] * v[i * tok_stride + d], for NG query heads of one KV head
+// (v: that head's first row), the NG x DV sums in registers and added in row order; `first`: acc starts at zero.
 template <typename T, int DV, int NG>
-void weighted_values(const T* vc, const int32_t* table, int64_t start, int64_t len, int64_t block_size,
-                     int64_t blk_stride, int64_t tok_stride, const float* p, int64_t n, float* acc) {
+void weighted_values(const T* v, int64_t rows, int64_t tok_stride, const float* p, int64_t n, float* acc,
+                     bool first) {
   __m512 a[NG][DV];
 #pragma GCC unroll 16
-  for (int i = 0; i < NG * DV; ++i) a[i / DV][i % DV] = _mm512_setzero_ps();
-  for (int64_t t = start; t < len;) {  // a run of positions inside one block at a time
-    const int64_t b = t / block_size, stop = std::min(len, (b + 1) * block_size);
-    const T* v = vc + table[b] * blk_stride + (t - b * block_size) * tok_stride;
-    for (; t < stop; ++t, v += tok_stride) {
-      __m512 vv[DV];
+  for (int i = 0; i < NG * DV; ++i)
+    a[i / DV][i % DV] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i / DV) * 16 * DV + (i % DV) * 16);
+  for (int64_t r = 0; r < rows; ++r, v += tok_stride) {
+    __m512 vv[DV];
 #pragma GCC unroll 8
-      for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
+    for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
 #pragma GCC unroll 4
-      for (int g = 0; g < NG; ++g) {
-        const __m512 pg = _mm512_set1_ps(p[g * n + (t - start)]);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * n + r]);
 #pragma GCC unroll 8
-        for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(pg, vv[dv], a[g][dv]);
-      }
+      for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(pg, vv[dv], a[g][dv]);
     }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NG * DV; ++i) _mm512_storeu_ps(acc + (i / DV) * 16 * DV + (i % DV) * 16, a[i / DV][i % DV]);
 }
 
-// One decode's attention, all heads, for head_dim = 16 * DV. The K rows are read in the cache's order (a run of
-// positions of one block at a time, every KV head of a run together) so each block streams from memory once, the
-// scores of all heads into a small per-thread buffer in L1/L2; then each KV head's V rows, its query heads' sums in
-// registers (summing in memory stored and reloaded every accumulator at every position: with the cache in L3, a
-// batch of 64 decodes at context 192 took 9.9 -> 6.4 ms over 30 layers; from memory both take ~20 ms).
+// Positions are copied into a per-thread buffer before use, a run (keys) or a chunk (values) at a time: the copy
+// reads them in address order, which the hardware prefetcher follows; reading each head's rows in place (strided)
+// ran at 10-13 GB/s from memory against the ~34 GB/s a sum reads here.
+constexpr int64_t kValueChunk = 32;  // positions of values per copy
+
+// Rows of positions [t0, t1) of a paged sequence into buf, tok_stride apart; span: the elements of one row.
+template <typename T>
+inline void copy_rows(const T* cache, const int32_t* table, int64_t t0, int64_t t1, int64_t block_size,
+                      int64_t blk_stride, int64_t tok_stride, int64_t span, T* buf) {
+  for_each_run(cache, table, t0, t1, block_size, blk_stride, tok_stride, t1 - t0, [&](int64_t t, int m, const T* r) {
+    std::memcpy(buf + (t - t0) * tok_stride, r, ((m - 1) * tok_stride + span) * sizeof(T));
+  });
+}
+
+// One decode's attention, all heads, for head_dim = 16 * DV. The keys are read in the cache's order, a run of
+// positions of one block at a time (copied first, see kValueChunk), the scores of all heads into a small per-thread
+// buffer in L1/L2; then the values, a chunk of positions at a time, each KV head's query heads' sums in registers
+// over the chunk (summing in memory stored and reloaded every accumulator at every position; kernels/README.md has the
+// timings).
 template <typename T, int DV>
 void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
                        int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
                        int64_t block_size, int64_t Hkv, int64_t G, float scale, float softcap, const float* sinks,
-                       float* scores, float* acc, float* inv, T* out, int64_t out_head_stride) {
+                       float* scores, float* acc, float* inv, T* buf, T* out, int64_t out_head_stride) {
   constexpr int D = 16 * DV;
-  const int64_t n = len - start, Hq = Hkv * G;
+  const int64_t n = len - start, Hq = Hkv * G, span = (Hkv - 1) * head_stride + D;
   const __m512 scale_v = _mm512_set1_ps(scale);
   // scores[hq * n + i] = scale * q . k for position start + i, 16 positions at a time
   for_each_run(kc, table, start, len, block_size, blk_stride, tok_stride, 16, [&](int64_t t, int m, const T* k) {
+    std::memcpy(buf, k, ((m - 1) * tok_stride + span) * sizeof(T));  // see kValueChunk
+    k = buf;
     const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
     for (int64_t h = 0; h < Hkv; ++h) {
       const T* kh = k + h * head_stride;
@@ -478,12 +491,18 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
   }
   // the weighted sums of V: per KV head, up to 16 / DV of its query heads at a time with their sums in registers
   constexpr int kHeads = 16 / DV;
-  for (int64_t h = 0; h < Hkv; ++h)
-    for (int64_t g = 0; g < G; g += kHeads)
-      llmserve::with_count<kHeads>(std::min<int64_t>(kHeads, G - g), [&](auto heads) {
-        weighted_values<T, DV, heads()>(vc + h * head_stride, table, start, len, block_size, blk_stride, tok_stride,
-                                        scores + (h * G + g) * n, n, acc + (h * G + g) * D);
-      });
+  if (n == 0) std::fill(acc, acc + Hq * D, 0.f);
+  for (int64_t c = start; c < len; c += kValueChunk) {
+    const int64_t rows = std::min(kValueChunk, len - c);
+    copy_rows(vc, table, c, c + rows, block_size, blk_stride, tok_stride, span, buf);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; g += kHeads)
+        llmserve::with_count<kHeads>(std::min<int64_t>(kHeads, G - g), [&](auto heads) {
+          const int64_t hq = h * G + g;
+          weighted_values<T, DV, heads()>(buf + h * head_stride, rows, tok_stride, scores + hq * n + (c - start), n,
+                                          acc + hq * D, c == start);
+        });
+  }
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
 }
@@ -534,11 +553,12 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
     auto fn = D == 64 ? attend_seq_avx512<T, 4> : attend_seq_avx512<T, 8>;
     at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(Hq * max_len), acc(Hq * D), inv(Hq);
+      std::vector<T> buf(std::max<int64_t>(16, kValueChunk) * tok);  // copies of keys and values (kValueChunk)
       for (int64_t i = begin; i < end; ++i) {
         const int64_t len = lens[i], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * tables.size(1), start, len, block_size,
            Hkv, G, static_cast<float>(scale), static_cast<float>(softcap), sink, scores.data(), acc.data(),
-           inv.data(), o + row[i] * o_tok, o_head);
+           inv.data(), buf.data(), o + row[i] * o_tok, o_head);
       }
     });
     return;
