@@ -11,6 +11,7 @@ import json
 import pytest
 
 from tests.support.bench_runs import run_bench, run_llmserve_bench
+from worker_svc.model import cpu_has_native_bf16
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,25 @@ def test_dense_matmul(tmp_path):
     assert [(r["n"], r["rows"]) for r in res] == [(100, 1), (100, 7)]
     assert all(r["onednn_us"] > 0 and r["panels_us"] > 0 and r["max_abs_diff"] < 1e-4 for r in res)
     assert "| 100 x 96 | 7 |" in stdout
+
+
+def test_dense_matmul_bfloat16(tmp_path):
+    if not cpu_has_native_bf16():
+        pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
+    out = tmp_path / "dm.json"
+    run_bench("dense_matmul", "--dtype", "bfloat16", "--rows", "1,9", "--shapes", "100x96", "--repeats", 3, "--json",
+              out)
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and [r["rows"] for r in report["results"]] == [1, 9]
+    # one bfloat16 rounding of sums of ~96 products of unit normals (|y| up to ~40): at most a step of 0.25
+    assert all(r["onednn_us"] > 0 and r["panels_us"] > 0 and r["max_abs_diff"] <= 0.25 for r in report["results"])
+
+
+def test_decode_attention_layers():
+    stdout = run_bench("decode_attention_layers", "--cases", "2x40,1x7", "--repeats", 2)
+    lines = [line for line in stdout.splitlines() if line.startswith("batch")]
+    assert len(lines) == 4 and all("over 30 layers, output" in line for line in lines)
+    assert "batch   2 context    40 memory" in lines[0] and "batch   1 context     7 l3" in lines[3]
 
 
 def test_quant_matmul_rate(tmp_path):
