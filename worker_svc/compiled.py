@@ -7,7 +7,7 @@ compiles for the whole model. A step's token count is padded up to the next size
 only the compiled parts see the padding rows: attention and the KV write get the real rows alone, so padding
 never touches the KV cache and every real row's arithmetic is per row. Steps above the largest size run eager.
 
-The weights must be dense (not packed for the CPU, float32 panels or oneDNN's copy, which inductor cannot trace,
+The weights must be dense (not packed for the CPU, panels or oneDNN's copy, which inductor cannot trace,
 and not quantized); tensor parallelism runs eager.
 """
 
