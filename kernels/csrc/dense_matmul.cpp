@@ -68,6 +68,43 @@ void dense_tile(const float* x, int64_t K, const float* panel, int64_t n0, int64
   }
 }
 
+#ifdef __AVX512F__
+constexpr int64_t kRows512 = 12;  // rows per AVX-512 tile: 12 x 2 accumulators + 2 weight vectors + 1 broadcast
+
+// The same sums with AVX-512, two panels side by side (NP = 2; 1 for a last odd panel): per k, each 16-output lane
+// adds x[r, k] * w[k] as the AVX2 tile's lanes do, so the results are the same bits. 32 registers hold 12 rows x 32
+// outputs: fewer loads per multiply-add (1.4-1.6x the AVX2 tile at 4-16 rows, 1.1-1.2x at 64).
+template <int R, int NP>
+void dense_tile512(const float* x, int64_t K, const float* panel, int64_t panel_size, int64_t n0, int64_t width,
+                   float* y, int64_t N, const Epilogue& e) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * NP; ++i) acc[i / NP][i % NP] = _mm512_setzero_ps();
+  const float* second = panel + (NP > 1 ? panel_size : 0);
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
+    const __m512 w1 = NP > 1 ? _mm512_loadu_ps(second + k * kPanel) : w0;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      if constexpr (NP > 1) acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t lanes = std::clamp<int64_t>(width - kPanel * j, 0, kPanel), n = n0 + kPanel * j;
+    if (lanes == 0) break;
+    const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
+    const __m512 bias = e.bias ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 v = e.bias ? _mm512_add_ps(acc[r][j], bias) : acc[r][j];
+      if (e.residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, e.residual + r * N + n), v);
+      _mm512_mask_storeu_ps(y + r * N + n, m, v);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
@@ -98,6 +135,24 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
   const float* xp = xc.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX512F__
+  const int64_t P = panels.size(0), panel_size = K * kPanel;
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2) {  // two panels stay in L1/L2 across the row tiles
+      const int64_t n0 = p * kPanel, width = std::min(2 * kPanel, N - n0);
+      for (int64_t m = 0; m < M; m += kRows512) {
+        const Epilogue tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
+        llmserve::with_count<kRows512>(std::min(kRows512, M - m), [&](auto rows) {
+          if (p + 1 < P)
+            dense_tile512<rows(), 2>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N, tile_e);
+          else
+            dense_tile512<rows(), 1>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N, tile_e);
+        });
+      }
+    }
+  });
+  return y;
+#endif
   at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {  // one panel (K x 64 bytes) stays in L1/L2 across the row tiles
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
