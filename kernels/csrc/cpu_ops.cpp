@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "avx2_sum.h"
+#include "shared_chunks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -551,16 +552,24 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
 #ifdef __AVX512F__
   if (D == 64 || D == 128) {  // a task per decode, all heads: its blocks stream from memory in order
     auto fn = D == 64 ? attend_seq_avx512<T, 4> : attend_seq_avx512<T, 8>;
-    at::parallel_for(0, num, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(Hq * max_len), acc(Hq * D), inv(Hq);
-      std::vector<T> buf(std::max<int64_t>(16, kValueChunk) * tok);  // copies of keys and values (kValueChunk)
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t len = lens[i], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * tables.size(1), start, len, block_size,
-           Hkv, G, static_cast<float>(scale), static_cast<float>(softcap), sink, scores.data(), acc.data(),
-           inv.data(), buf.data(), o + row[i] * o_tok, o_head);
-      }
-    });
+    struct Scratch {
+      std::vector<float> scores, acc, inv;
+      std::vector<T> buf;  // copies of keys and values (kValueChunk)
+    };
+    llmserve::share_chunks(
+        num, 1,
+        [&] {
+          return Scratch{std::vector<float>(Hq * max_len), std::vector<float>(Hq * D), std::vector<float>(Hq),
+                         std::vector<T>(std::max<int64_t>(16, kValueChunk) * tok)};
+        },
+        [&](Scratch& s, int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t len = lens[i], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+            fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * tables.size(1), start, len, block_size,
+               Hkv, G, static_cast<float>(scale), static_cast<float>(softcap), sink, s.scores.data(), s.acc.data(),
+               s.inv.data(), s.buf.data(), o + row[i] * o_tok, o_head);
+          }
+        });
     return;
   }
 #endif

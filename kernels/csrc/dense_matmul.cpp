@@ -22,6 +22,7 @@
 #include <cstring>
 #include <optional>
 
+#include "shared_chunks.h"
 #include "with_count.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,13 +137,15 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #ifdef __AVX512F__
-  const int64_t P = panels.size(0), panel_size = K * kPanel;
-  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2) {  // two panels stay in L1/L2 across the row tiles
+  const int64_t P = panels.size(0), pairs = (P + 1) / 2, panel_size = K * kPanel;
+  const int64_t block = llmserve::row_block(M, 5 * kRows512, kRows512);
+  llmserve::share_chunks((M + block - 1) / block * pairs, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1 (in L1/L2 across the row tiles)
+      const int64_t p = i % pairs * 2, m0 = i / pairs * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p * kPanel, width = std::min(2 * kPanel, N - n0);
-      for (int64_t m = 0; m < M; m += kRows512) {
+      for (int64_t m = m0; m < m1; m += kRows512) {
         const Epilogue tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
-        llmserve::with_count<kRows512>(std::min(kRows512, M - m), [&](auto rows) {
+        llmserve::with_count<kRows512>(std::min(kRows512, m1 - m), [&](auto rows) {
           if (p + 1 < P)
             dense_tile512<rows(), 2>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N, tile_e);
           else
@@ -273,12 +276,14 @@ torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& pan
   const uint16_t* wp = bits(panels);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_size = panels.size(1) * 2 * kPanelBF16;
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
+  const int64_t P = panels.size(0), block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16);
+  llmserve::share_chunks((M + block - 1) / block * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panel p
+      const int64_t p = i % P, m0 = i / P * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p * kPanelBF16, width = std::min(kPanelBF16, N - n0);
-      for (int64_t m = 0; m < M; m += kRowsBF16) {
+      for (int64_t m = m0; m < m1; m += kRowsBF16) {
         const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
-        llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, M - m), [&](auto rows) {
+        llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
           dense_tile_bf16<rows()>(xp + m * K, K, wp + p * panel_size, n0, width, yp + m * N, N, tile_e);
         });
       }
