@@ -43,7 +43,7 @@ void share_chunks(int64_t n, int64_t min_chunk, const Work& work) {
 // so that a decode step's few rows read each weight panel from memory once. A block of rows and a panel (or a pair
 // of panels) make an item; items run block by block, so a block's rows stay in the core's L2 across its panels.
 inline int64_t row_block(int64_t rows, int64_t block, int64_t tile) {
-  if (rows <= 2 * block) return rows;
+  if (rows <= 2 * block) return std::max<int64_t>(rows, 1);  // no rows (a prefill chunk's head): no items
   const int64_t blocks = rows / block;
   return ((rows + blocks - 1) / blocks + tile - 1) / tile * tile;
 }

@@ -28,7 +28,7 @@ def test_panels_hold_the_matrix_padded_to_16_outputs():
 
 
 @pytest.mark.parametrize("out, inp", [(16, 64), (100, 96), (3, 37), (576, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 64, 200])  # 0: a prefill chunk's head; 200: blocks of rows
 def test_product_equals_torch_at_every_tile_shape(ops, out, inp, rows):
     torch.manual_seed(out * rows + inp)
     w, x, bias, res = torch.randn(out, inp), torch.randn(rows, inp), torch.randn(out), torch.randn(rows, out)
@@ -106,7 +106,7 @@ def test_bfloat16_panels_hold_input_pairs_of_32_outputs():
 
 
 @pytest.mark.parametrize("out, inp", [(32, 64), (100, 97), (3, 37), (576, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 8, 9, 17, 64, 200])
 def test_bfloat16_product_is_the_rounded_float_sum_at_every_tile_shape(bf16_ops, out, inp, rows):
     torch.manual_seed(out * rows + inp)
     w, x = torch.randn(out, inp).bfloat16(), torch.randn(rows, inp).bfloat16()
