@@ -58,6 +58,18 @@ def test_decode_attention_layers():
     assert "batch   2 context    40 memory" in lines[0] and "batch   1 context     7 l3" in lines[3]
 
 
+def test_compute_roof(tmp_path):
+    out = tmp_path / "roof.json"
+    stdout = run_bench("compute_roof", "--seconds", "0.05", "--input-len", 16, "--output-len", 4, "--json", out)
+    rows = json.loads(out.read_text())
+    assert [r["dtype"] for r in rows] == (["float32", "bfloat16"] if cpu_has_native_bf16() else ["float32"])
+    for row in rows:
+        assert row["gmac_per_s"] > 0 and row["threads"] == 2 and f"{row['dtype']:9s}" in stdout
+        # the roof is the rate spread over one request's multiply-adds, times its output tokens
+        assert row["output_tokens_per_s_roof"] == pytest.approx(row["gmac_per_s"] * 1e9 / row["macs_per_request"] * 4,
+                                                                rel=1e-3)
+
+
 def test_quant_matmul_rate(tmp_path):
     out = tmp_path / "qm.json"
     stdout = run_bench("quant_matmul_rate", "--shapes", "o,head", "--repeats", 3, "--rotate-mb", 2, "--json", out)
@@ -146,6 +158,10 @@ def test_tensor_parallel(tmp_path):
 def test_step_profile():
     stdout = run_bench("step_profile", "--smoke")
     assert "4 decodes + the whole prompt" in stdout and "Hugging Face forward of the prompt" in stdout
+    stdout = run_bench("step_profile", "--smoke", "--peer-load", 6, "--dtype", "float32")
+    # 6 prompts of 16 tokens, 64 tokens a step: 4 + 2 prompts in two prefill steps, then decode steps of the 6
+    assert "2 prefill steps of up to 64 tokens" in stdout and "decode steps of 6: median" in stdout
+    assert "a wave of 6 requests:" in stdout
 
 
 def test_kernels_gpu_smoke(tmp_path):
