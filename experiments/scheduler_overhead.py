@@ -228,6 +228,7 @@ class Probe:
         self.profiler: cProfile.Profile | None = None
         self.profile_window = threading.Event()  # set: profile the iterations that start while set
         self._profiling = False
+        self.after_iteration = None  # called in the driver thread after each iteration (run_level's WindowEdge)
 
         orig_schedule, orig_encode = core_mod.schedule, driver_mod.encode_plan
 
@@ -262,6 +263,9 @@ class Probe:
                 if prof is not None:
                     prof.disable()
                 self.iterations.append((t, time.perf_counter(), time.thread_time() - c))
+            hook = self.after_iteration
+            if hook is not None:
+                hook()
 
         driver._iteration = iteration
 
@@ -372,17 +376,61 @@ class DirectClients:
         return 0
 
 
+class WindowEdge:
+    """Holds the driver thread between two iterations once `count` steady steps (all N running, one token each) at
+    step index `start` or later have been committed, until `release()`, so that run_level reads a window edge (step
+    index, Redis counters, clocks) with no step committed past it. Polling from the benchmark thread instead lands
+    the edge an unknown number of steps late (a step takes a few ms; a poll, or a GIL hand-over on a busy machine,
+    longer), so the window could hold none of the steps waited for, or the requests run out of tokens first."""
+
+    def __init__(self, probe: Probe, n: int):
+        self.probe, self.stats, self.n = probe, probe.driver.step_stats, n
+        self.reached, self.resume = threading.Event(), threading.Event()
+        self.target: int | None = None
+        self.seen = self.count = 0
+        probe.after_iteration = self
+
+    def arm(self, start: int, count: int) -> None:
+        """Call while the driver is held (or before the requests start)."""
+        self.seen, self.count = start, 0
+        self.reached.clear()
+        self.target = count  # last: the driver thread tests it first
+
+    def __call__(self) -> None:  # the driver thread, after each iteration (it commits one step at most)
+        if self.target is None:
+            return
+        stats, end = self.stats, len(self.stats)
+        self.count += sum(1 for i in range(self.seen, end) if stats[i].running == self.n and stats[i].tokens == self.n)
+        self.seen = max(self.seen, end)
+        if self.count >= self.target:
+            self.target = None
+            self.resume.clear()
+            self.reached.set()
+            self.resume.wait(60)  # bounded: a benchmark thread that died must not stall the driver for good
+
+    def release(self) -> None:
+        self.resume.set()
+
+    def close(self) -> None:
+        self.probe.after_iteration, self.target = None, None
+        self.resume.set()
+
+
 def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: int, measure: int, vocab: int,
               seed: int, profile: bool, tail_tokens: int, direct: bool = False) -> dict:
     driver = stack.driver
     rng = random.Random(seed + n)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
     # Requests reach the driver over several steps (client start-up, per-request admission), so all N run together
-    # only once the last has arrived; a long max_tokens keeps them together well past the window, and the clients
-    # are cancelled once it closes (their blocks are freed at the next iteration boundary).
+    # only once the last has arrived. The window's edges are exact in steps (WindowEdge), so each request needs
+    # warmup + measure tokens, one for the step skipped after the first edge and one for the step in flight at the
+    # second; the tail covers that and the arrival spread. The clients are cancelled once the window closes (their
+    # blocks are freed at the next iteration boundary).
     max_tokens = warmup + measure + tail_tokens
     base_stats = len(driver.step_stats)
     base_rec = len(probe.records)
+    edge = WindowEdge(probe, n)
+    edge.arm(base_stats, warmup)  # before the requests start
     # Fresh request ids each run: a known id would re-attach to the earlier (finished) request.
     tag = f"n{n}-{os.urandom(4).hex()}"
     if direct:
@@ -390,39 +438,37 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     else:
         proc, _ = start_clients(stack.address, prompts, max_tokens, tag, stack.workdir)
 
-    seen = [base_stats, 0]  # [stats scanned so far, steady steps among them]
-
-    def steady_count() -> int:
-        stats = driver.step_stats
-        end = len(stats)
-        seen[1] += sum(1 for i in range(seen[0], end) if stats[i].running == n and stats[i].tokens == n)
-        seen[0] = end
-        return seen[1]
-
-    def wait_for(count: int, timeout: float = 180) -> None:
+    def wait_edge(count: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
-        while steady_count() < count:
+        while not edge.reached.wait(0.02):
             if not driver.ready.is_set():
                 raise RuntimeError(f"the driver stepped down at N={n} (see its log above)")
             if proc.poll() is not None:
-                raise RuntimeError(f"clients ended (rc={proc.returncode}) before {count} steady steps at N={n}")
+                raise RuntimeError(f"clients ended (rc={proc.returncode}) before {count} steady steps at N={n} "
+                                   f"(max_tokens {max_tokens}: raise --tail-tokens?)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {count} steady steps at N={n}")
-            time.sleep(0.02)
 
-    wait_for(warmup)
-    script_times_start(stack.redis)
-    a_idx, a_red, a_it = len(driver.step_stats), redis_counters(stack.redis), len(probe.iterations)
-    if profile:
-        # Engine-thread CPU time, not wall: waits (GIL, locks, sockets) on a shared machine would swamp it.
-        probe.profiler = cProfile.Profile(time.thread_time)
-        probe.profile_window.set()
-    t_a, cpu_a = time.perf_counter(), time.process_time()
-    wait_for(warmup + measure)
-    t_b, cpu_b = time.perf_counter(), time.process_time()
-    probe.profile_window.clear()
-    b_idx, b_red, b_it = len(driver.step_stats), redis_counters(stack.redis), len(probe.iterations)
-    commit_script_ms = script_times_end(stack.redis, probe.commit_sha)
+    try:
+        wait_edge(warmup)  # the driver is held from here to release(): no step is committed meanwhile
+        script_times_start(stack.redis)
+        a_idx, a_red, a_it = len(driver.step_stats), redis_counters(stack.redis), len(probe.iterations)
+        if profile:
+            # Engine-thread CPU time, not wall: waits (GIL, locks, sockets) on a shared machine would swamp it.
+            probe.profiler = cProfile.Profile(time.thread_time)
+            probe.profile_window.set()
+        t_a, cpu_a = time.perf_counter(), time.process_time()
+        # Pipelined, step a_idx was sent before the hold, so its wall time includes the hold: the `measure` steady
+        # steps are counted after it.
+        edge.arm(a_idx + 1, measure)
+        edge.release()
+        wait_edge(measure)
+        t_b, cpu_b = time.perf_counter(), time.process_time()
+        probe.profile_window.clear()
+        b_idx, b_red, b_it = len(driver.step_stats), redis_counters(stack.redis), len(probe.iterations)
+        commit_script_ms = script_times_end(stack.redis, probe.commit_sha)
+    finally:
+        edge.close()
     proc.terminate()
     proc.wait(timeout=30)
     stack.wait_idle()
@@ -434,8 +480,11 @@ def run_level(stack: Stack, probe: Probe, n: int, *, prompt_len: int, warmup: in
     recs = probe.records[base_rec:]
     if len(recs) != len(stats) - base_stats:
         raise RuntimeError(f"probe saw {len(recs)} steps, the driver {len(stats) - base_stats}")
-    window = [(s, recs[i - base_stats]) for i, s in enumerate(stats[a_idx:b_idx], start=a_idx)
+    window = [(s, recs[i - base_stats]) for i, s in enumerate(stats[a_idx + 1:b_idx], start=a_idx + 1)
               if s.running == n and s.tokens == n]
+    if len(window) < max(measure, 1):
+        raise RuntimeError(f"the window (steps {a_idx + 1} to {b_idx}) holds {len(window)} steady steps at N={n}, "
+                           f"not {measure}")
     steps = b_idx - a_idx
     over = [(s.wall - s.worker) * 1e3 for s, _ in window]
     split = {
