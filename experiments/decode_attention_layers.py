@@ -6,7 +6,8 @@ call reads its layer from memory, as a decode step does), and `l3`, one layer's 
 in the last-level cache: the kernel's own speed). `--library` loads another build of the kernels (a `.so` from
 `~/.cache/llmserve/cpu_ops/<hash>/`, e.g. a previous revision's) to compare; run each in its own process, one after
 the other. Prints the median of `--repeats` passes over the 30 layers and a digest of the output bits, which must
-match between builds that claim the same results.
+match between builds that claim the same results. `--shuffle` hands each sequence its blocks in random order (a
+server's pool after some traffic) instead of in sequence.
 
     .venv/bin/python -m experiments.decode_attention_layers --cases 1x192,16x512,64x192
     .venv/bin/python -m experiments.decode_attention_layers --library \
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--shuffle", action="store_true",
+                   help="block ids in random order (as a server's free list hands them out), not in sequence")
     p.add_argument("--library", default=None, help="a built kernels module to load instead of this checkout's")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -65,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     for case in a.cases.split(","):
         batch, context = (int(v) for v in case.split("x"))
         blocks = -(-(context + 1) // BS)
-        tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+        ids = torch.randperm(batch * blocks, generator=torch.Generator().manual_seed(1)) if a.shuffle \
+            else torch.arange(batch * blocks)
+        tables = ids.view(batch, blocks).tolist()
         rows = kernels.build_attention_metadata([1] * batch, [context + 1] * batch, tables, BS, "cpu").plan.kernel_rows
         generator = torch.Generator().manual_seed(0)
         query = torch.randn(batch, HQ, D, generator=generator).to(dtype)

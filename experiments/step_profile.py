@@ -42,12 +42,16 @@ class Steps:
     def blocks(self, n: int) -> list[int]:
         return [self.free.pop() for _ in range(n)]
 
-    def run(self, label: str, plan: pb.StepPlan) -> None:
+    def timed(self, plan: pb.StepPlan) -> float:
+        """Seconds the worker takes for one step."""
         self.step_id += 1
         plan.step_id = self.step_id
         t = time.perf_counter()
         execute_step(self.runner, plan)
-        print(f"{label:<44} {time.perf_counter() - t:6.3f} s", flush=True)
+        return time.perf_counter() - t
+
+    def run(self, label: str, plan: pb.StepPlan) -> None:
+        print(f"{label:<44} {self.timed(plan):6.3f} s", flush=True)
 
     def new(self, plan: pb.StepPlan, rid: str, prompt: list[int], n: int) -> None:
         slot = self.slot_of.setdefault(rid, len(self.slot_of))
@@ -127,27 +131,19 @@ def peer_load(n: int, smoke: bool, dtype: str) -> None:
         s.new(plan, rid, [(i * 7919 + j * 13) % 900 + 20 for j in range(prompt_len)], prompt_len)
         room -= prompt_len
         if room < prompt_len or not pending:
-            prefills.append(timed_step(s, plan))
+            prefills.append(s.timed(plan))
             plan, room = pb.StepPlan(), budget
     decodes = []
     for _ in range(timed):
         plan = pb.StepPlan()
         plan.cached.slots.extend(s.slot_of[f"p{i}"] for i in range(n))
         plan.cached.num_scheduled_tokens.extend([1] * n)
-        decodes.append(timed_step(s, plan))
+        decodes.append(s.timed(plan))
     pre, dec = statistics.median(prefills), statistics.median(decodes)
     wave = len(prefills) * pre + (outputs - 1) * dec
     print(f"{len(prefills)} prefill steps of up to {budget} tokens: median {pre * 1e3:.1f} ms")
     print(f"decode steps of {n}: median {dec * 1e3:.1f} ms (of {timed})")
     print(f"a wave of {n} requests: {wave:.2f} s, {n * outputs / wave:.0f} output tokens/s from the steps alone")
-
-
-def timed_step(s: Steps, plan: pb.StepPlan) -> float:
-    s.step_id += 1
-    plan.step_id = s.step_id
-    t = time.perf_counter()
-    execute_step(s.runner, plan)
-    return time.perf_counter() - t
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("cpu_ops.cpp", "quant_matmul.cpp", "dense_matmul.cpp", "decoder_layers.cpp"))
+                for name in ("cpu_ops.cpp", "quant_matmul.cpp", "dense_matmul.cpp", "decoder_layers.cpp",
+                             "thread_binding.cpp"))
 NAME = "llmserve_cpu_ops"
 _lock = threading.Lock()
 _module: ModuleType | None = None

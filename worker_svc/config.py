@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common import config as c
 from common.config import setting
+from worker_svc import cpu_binding
 from worker_svc.pooler_config import PoolerConfig
 
 
@@ -189,3 +190,8 @@ class WorkerConfig:
         'default 1, 2, 4, then multiples of 8 up to "max_cudagraph_capture_size", default 64; larger steps run '
         'eager), "cache_dir" (inductor\'s cache, default ~/.cache/llmserve/inductor)', metavar="JSON",
         check=_check_compilation_config)
+    cpu_omp_threads_bind: str = setting(
+        "auto", "CPU cores of the model's threads, one thread per core (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto = an "
+        "equal share of this process's cores for each tensor-parallel rank on this host (when the rank runs a thread "
+        "on each; with fewer, as OMP_NUM_THREADS sets, none), nobind = the OS places them, or a core list per local "
+        "rank such as 0-3|4-7", check=cpu_binding.check)

@@ -100,6 +100,7 @@ class RankGroup:
         self.group, self.control = group, control
         self.lock = threading.Lock()  # rank 0: one message (step or heartbeat) on the wire at a time
         self.last_send = time.monotonic()
+        self.local_size = 1  # this host's ranks (start_group sets it)
         self.local_procs: list[subprocess.Popen] = []  # this host's other ranks, when this process started them
         self.before_exit: list = []  # callables run when the group fails (rank 0: health NOT_SERVING)
         self.stopping = False  # an orderly stop: ranks exiting now are not a failure
@@ -330,7 +331,7 @@ def start_group(tensor_parallel_size: int, nnodes: int, node_rank: int, master_a
     except Exception as e:
         end_group(procs, f"rank {p.rank} could not join the group of --tensor-parallel-size {p.size} at "
                          f"{p.master_addr}:{p.master_port} within {timeout_s:.0f} s: {e}")
-    group.local_procs = procs
+    group.local_procs, group.local_size = procs, p.local_size
     sizes = group.all_gather_int(tensor_parallel_size)
     if len(set(sizes)) > 1:
         group.fail(f"the ranks were started with different --tensor-parallel-size values: {sizes} (by rank)")

@@ -32,6 +32,7 @@ from common.structured_outputs import StructuredOutputsConfig
 from common.worker_protocol import SERVICE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from worker_svc import cpu_binding
 from worker_svc import plan as core
 from worker_svc.config import WorkerConfig
 from worker_svc.errors import InvalidPlan, PlanError, PredecessorRefused
@@ -352,6 +353,8 @@ def serve(args: argparse.Namespace) -> None:
         check_server_tls(cert=cfg.tls_cert, key=cfg.tls_key, client_ca=cfg.tls_client_ca)
     except ConfigError as e:
         raise SystemExit(f"worker: {e}") from None
+    import torch
+
     from worker_svc import parallel
     from worker_svc.runner import ModelRunner, config_summary, resolve_device
 
@@ -360,6 +363,18 @@ def serve(args: argparse.Namespace) -> None:
                                      cfg.master_port, resolve_device(cfg.device), cfg.distributed_timeout)
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
+    cpus = None
+    if resolve_device(cfg.device).type == "cpu":
+        local_rank, local_size = (0, 1) if group is None else (group.local_rank, group.local_size)
+        try:
+            cpus = cpu_binding.rank_cpus(cfg.cpu_omp_threads_bind, cpu_binding.allowed_cpus(), torch.get_num_threads(),
+                                         local_rank, local_size)
+        except ValueError as e:
+            if group is None:
+                raise SystemExit(f"worker: {e}") from None
+            group.fail(f"worker: {e}")
+        if cpus:
+            torch.set_num_threads(len(cpus))  # one thread per core, from the model's warm-up on
     if group is None or group.rank == 0:
         tracing.setup("llmserve-worker", cfg.otlp_traces_endpoint)
     try:
@@ -369,6 +384,8 @@ def serve(args: argparse.Namespace) -> None:
             raise
         group.fail(f"worker: {e}")
     if group is not None and group.rank != 0:
+        if cpus:
+            log.info("rank %d: %s", group.rank, cpu_binding.bind(cpus))
         parallel.run_follower(runner)  # no gRPC: rank 0 sends the steps
         return
     if cfg.max_model_len is not None and not cfg.allow_kv_pool_below_max_model_len:
@@ -388,6 +405,8 @@ def serve(args: argparse.Namespace) -> None:
                                           for name in ("", SERVICE_NAME)])
         group.start_heartbeat(group.fail)
     server.start()
+    if cpus:  # after gRPC's threads started: they keep every core
+        log.info("%s", cpu_binding.bind(cpus))
     info = worker_info(runner)
     log.info("worker ready on %s:%d (%s) — %s, %s on %s, %d KV blocks of %d, epoch %s", cfg.host, port,
              _tls_mode(cfg), config_summary(runner.config), info.dtype, info.device, info.num_blocks,

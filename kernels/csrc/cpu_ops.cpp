@@ -557,7 +557,7 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
       std::vector<T> buf;  // copies of keys and values (kValueChunk)
     };
     llmserve::share_chunks(
-        num, 1,
+        num,
         [&] {
           return Scratch{std::vector<float>(Hq * max_len), std::vector<float>(Hq * D), std::vector<float>(Hq),
                          std::vector<T>(std::max<int64_t>(16, kValueChunk) * tok)};
@@ -921,7 +921,10 @@ bool dense_bfloat16();  // whether dense_matmul takes bfloat16 panels (AVX512-BF
 void bind_decoder_layers(pybind11::module_& m);  // csrc/decoder_layers.cpp
 #endif
 
+std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);  // csrc/thread_binding.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bind_omp_threads", &bind_omp_threads);
   m.def("sample_rows", &sample_rows);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);

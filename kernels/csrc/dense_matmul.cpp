@@ -139,7 +139,7 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
 #ifdef __AVX512F__
   const int64_t P = panels.size(0), pairs = (P + 1) / 2, panel_size = K * kPanel;
   const int64_t block = llmserve::row_block(M, 5 * kRows512, kRows512);
-  llmserve::share_chunks((M + block - 1) / block * pairs, 1, [&](int64_t i0, int64_t i1) {
+  llmserve::share_chunks((M + block - 1) / block * pairs, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1 (in L1/L2 across the row tiles)
       const int64_t p = i % pairs * 2, m0 = i / pairs * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p * kPanel, width = std::min(2 * kPanel, N - n0);
@@ -277,7 +277,7 @@ torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& pan
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_size = panels.size(1) * 2 * kPanelBF16;
   const int64_t P = panels.size(0), block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16);
-  llmserve::share_chunks((M + block - 1) / block * P, 1, [&](int64_t i0, int64_t i1) {
+  llmserve::share_chunks((M + block - 1) / block * P, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panel p
       const int64_t p = i % P, m0 = i / P * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p * kPanelBF16, width = std::min(kPanelBF16, N - n0);

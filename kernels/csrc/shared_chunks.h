@@ -10,21 +10,21 @@
 namespace llmserve {
 
 // Runs work(state, begin, end) over the items [0, n) in chunks that the threads take from one counter, each chunk a
-// share of what is left (what is left / (2 x threads), at least `min_chunk` items). A static split makes the whole
+// share of what is left (what is left / (2 x threads), at least one item). A static split makes the whole
 // region wait for its slowest thread: on a shared CPU that is the thread whose core went to the API, the scheduler or
 // a neighbour for a while, or the one that drew the longer sequences. Here the others take its items instead; large
 // chunks first keep the counter's traffic to a few exchanges per thread, small last ones even out the finish. Which
 // thread computes an item never changes its result. Each thread calls make_state() once (its scratch buffers).
 template <class MakeState, class Work>
-void share_chunks(int64_t n, int64_t min_chunk, const MakeState& make_state, const Work& work) {
+void share_chunks(int64_t n, const MakeState& make_state, const Work& work) {
   if (n <= 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + min_chunk - 1) / min_chunk);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     auto state = make_state();
     int64_t begin = next.load(std::memory_order_relaxed);
     while (begin < n) {
-      const int64_t end = std::min(n, begin + std::max(min_chunk, (n - begin) / (2 * threads)));
+      const int64_t end = std::min(n, begin + std::max<int64_t>(1, (n - begin) / (2 * threads)));
       if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {  // else `begin` is reloaded
         work(state, begin, end);
         begin = next.load(std::memory_order_relaxed);
@@ -35,8 +35,8 @@ void share_chunks(int64_t n, int64_t min_chunk, const MakeState& make_state, con
 
 // The same without per-thread state: work(begin, end).
 template <class Work>
-void share_chunks(int64_t n, int64_t min_chunk, const Work& work) {
-  share_chunks(n, min_chunk, [] { return 0; }, [&](int, int64_t begin, int64_t end) { work(begin, end); });
+void share_chunks(int64_t n, const Work& work) {
+  share_chunks(n, [] { return 0; }, [&](int, int64_t begin, int64_t end) { work(begin, end); });
 }
 
 // Rows of a matmul per item: up to `block` (a multiple of the tile's rows), but one block for up to 2 x `block` rows,

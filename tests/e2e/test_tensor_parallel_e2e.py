@@ -30,8 +30,12 @@ from tests.support import cluster
 TP = 3
 MAX_TOKENS = 32
 NUM_BLOCKS = 24
+# Each rank's model thread on a core of its own list (the ranks' share of this host's cores)
+CORES = sorted(os.sched_getaffinity(0))
+RANK_CORES = [CORES[0], CORES[0], CORES[-1]]
 WORKER_ARGS = ["--dtype", "float32", "--tensor-parallel-size", TP, "--num-gpu-blocks-override", NUM_BLOCKS,
-               "--max-model-len", 512, "--allow-kv-pool-below-max-model-len"]
+               "--max-model-len", 512, "--allow-kv-pool-below-max-model-len",
+               "--cpu-omp-threads-bind", "|".join(map(str, RANK_CORES))]
 SCHEDULER_ARGS = ["--max-num-batched-tokens", 32, "--debug-invariants"]
 _rng = random.Random(14)
 PROMPTS = [[_rng.randrange(300, 40000) for _ in range(n)] for n in (5, 70, 12, 45, 90, 21)]
@@ -123,6 +127,13 @@ def test_tp3_matches_hf_and_survives_a_killed_rank(redis_server, hf_reference): 
         assert info.rank_kv_bytes_per_block * TP == info.kv_bytes_per_block
         ranks = psutil.Process(worker.pid).children()
         assert len(ranks) == TP - 1, ranks
+        # rank 0 runs on its list's core; the others (in whatever order they were started) on theirs, once past
+        # their warm-up (a follower binds just before it waits for steps)
+        assert sorted(os.sched_getaffinity(worker.pid)) == [RANK_CORES[0]]
+        expected, deadline = sorted([c] for c in RANK_CORES[1:]), time.monotonic() + 60
+        while sorted(sorted(os.sched_getaffinity(r.pid)) for r in ranks) != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sorted(sorted(os.sched_getaffinity(r.pid)) for r in ranks) == expected
 
         sched = cluster.start_scheduler(redis_server, port, SCHEDULER_ARGS)
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
