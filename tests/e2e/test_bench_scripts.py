@@ -196,7 +196,8 @@ def test_llmserve_bench_openai_backend(tmp_path):
     assert http_run["total_input_tokens"] == grpc_run["total_input_tokens"]  # the same workload
     assert http_run["total_output_tokens"] >= 3 * 6  # the 3 that ran to the end made all their tokens
     assert http_run["server"]["http_url"].startswith("http://127.0.0.1:")
-    assert http_run["api_cpu_ms_per_output_token"] > 0 and grpc_run["api_cpu_s"] is None
+    # measured for the HTTP run only; CPU time counts in clock ticks (10 ms), so a short run may read 0
+    assert http_run["api_cpu_ms_per_output_token"] >= 0 and grpc_run["api_cpu_s"] is None
     assert "| TTFT p50 added by HTTP (ms) |" in stdout and "| output tokens/s, HTTP / gRPC |" in stdout
 
 
@@ -212,7 +213,7 @@ def test_llmserve_bench_through_smg(tmp_path):
     smg_run = records["openai", "smg"]
     assert smg_run["completed"] == 4 and smg_run["failed"] == 0, smg_run["errors"]
     assert smg_run["total_output_tokens"] == 4 * 6 and smg_run["ttft_ms"]["p50"] > 0
-    assert smg_run["api_cpu_ms_per_output_token"] > 0
+    assert smg_run["api_cpu_ms_per_output_token"] >= 0  # the gateway's CPU time, in clock ticks: may read 0
     assert "| smg gateway (HTTP) vs gRPC |" in stdout
 
 
