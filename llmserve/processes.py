@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import re
 import shutil
 import signal
@@ -50,10 +51,29 @@ def parse_serve_ready_line(text: str) -> tuple[str, int] | None:
 
 
 def free_port() -> int:
-    """A currently free loopback TCP port (for flags that cannot take 0, or a port to restart a process on)."""
-    with socket.socket() as s:
+    """A currently free loopback TCP port (for flags that cannot take 0, or a port to restart a process on), drawn
+    below the kernel's ephemeral range: a port the kernel hands out itself (bind to 0) is also what the next outgoing
+    connection of any process may take before the process it was chosen for binds it."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 # ---- processes --------------------------------------------------------------------------------------------------
