@@ -7,8 +7,8 @@
 //
 // bfloat16 (AVX512-BF16): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k] and
 // w[n, k + 1] side by side, the pairs of 32 outputs in two 512-bit vectors). One `vdpbf16ps` adds x[r, k] * w[k] +
-// x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32); a tile is up to 8 rows x 32
-// outputs. The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul.
+// x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32); a tile is up to 6 rows x 64
+// outputs (two panels). The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul.
 //
 // Every (row, output) sums over k in order, in one register lane, whatever the tile: a row's result does not depend
 // on the other rows of the batch.
@@ -138,7 +138,7 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
   float* yp = y.data_ptr<float>();
 #ifdef __AVX512F__
   const int64_t P = panels.size(0), pairs = (P + 1) / 2, panel_size = K * kPanel;
-  const int64_t block = llmserve::row_block(M, 5 * kRows512, kRows512);
+  const int64_t block = llmserve::row_block(M, 5 * kRows512, kRows512, pairs);
   llmserve::share_chunks((M + block - 1) / block * pairs, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1 (in L1/L2 across the row tiles)
       const int64_t p = i % pairs * 2, m0 = i / pairs * block, m1 = std::min(M, m0 + block);
@@ -176,7 +176,7 @@ constexpr bool kBFloat16Panels = true;
 namespace {
 
 constexpr int64_t kPanelBF16 = 32;  // outputs per bfloat16 panel: two 16-lane float32 accumulators
-constexpr int64_t kRowsBF16 = 8;    // rows per tile: 8 x 2 accumulators (12 rows measured no faster)
+constexpr int64_t kRowsBF16 = 6;    // rows per tile: 6 x 4 accumulators (two panels)
 
 // float32 -> bfloat16 bits in the low half of each lane, as torch rounds (to nearest even; NaN -> 0x7fc0)
 inline __m512i to_bf16(__m512 v) {
@@ -197,36 +197,38 @@ struct EpilogueBF16 {
   const uint16_t* residual;  // [M, N] bfloat16 or null: y = residual + round(product), rounded again (torch's add)
 };
 
-// y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from one panel.
-template <int R>
-void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t n0, int64_t width, uint16_t* y,
-                     int64_t N, const EpilogueBF16& e) {
-  __m512 acc[R][2];
+// y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from NP panels side by side (panel_size apart): R x 2
+// NP accumulators. Two panels (64 outputs) with 6 rows: 6 broadcasts and 4 loads per 24 `vdpbf16ps`, against 8 and 2
+// per 16 with one panel and 8 rows.
+template <int R, int NP>
+void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t panel_size, int64_t n0,
+                     int64_t width, uint16_t* y, int64_t N, const EpilogueBF16& e) {
+  constexpr int H = 2 * NP;  // 16-lane halves of the tile's outputs
+  __m512 acc[R][H];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * H; ++i) acc[i / H][i % H] = _mm512_setzero_ps();
+  const uint16_t* second = panel + (NP > 1 ? panel_size : 0);
+  const auto step = [&](int64_t kp, auto&& x_pair) {
+    __m512bh w[H];
+#pragma GCC unroll 4
+    for (int j = 0; j < H; ++j)  // the pair's 32 outputs of a panel: two vectors
+      w[j] = (__m512bh)_mm512_loadu_si512((j < 2 ? panel : second) + (2 * kp + j % 2) * kPanelBF16);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pair(r));
+#pragma GCC unroll 4
+      for (int j = 0; j < H; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
+    }
+  };
   const int64_t pairs = K / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanelBF16);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanelBF16 + kPanelBF16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;  // x[r, 2 kp] in the low half, x[r, 2 kp + 1] in the high half
+  for (int64_t kp = 0; kp < pairs; ++kp)
+    step(kp, [&](int r) {  // x[r, 2 kp] in the low half, x[r, 2 kp + 1] in the high half
+      int32_t pair;
       std::memcpy(&pair, x + r * K + 2 * kp, 4);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-    }
-  }
-  if (K % 2) {  // the last input alone (the panel's pad half is zero)
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanelBF16);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * kPanelBF16 + kPanelBF16);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K + K - 1]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-    }
-  }
-  for (int h = 0; h < 2; ++h) {
+      return pair;
+    });
+  if (K % 2) step(pairs, [&](int r) { return static_cast<int32_t>(x[r * K + K - 1]); });  // the pad half is zero
+  for (int h = 0; h < H; ++h) {
     const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
     if (lanes == 0) break;
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
@@ -276,15 +278,21 @@ torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& pan
   const uint16_t* wp = bits(panels);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_size = panels.size(1) * 2 * kPanelBF16;
-  const int64_t P = panels.size(0), block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16);
-  llmserve::share_chunks((M + block - 1) / block * P, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panel p
-      const int64_t p = i % P, m0 = i / P * block, m1 = std::min(M, m0 + block);
-      const int64_t n0 = p * kPanelBF16, width = std::min(kPanelBF16, N - n0);
+  const int64_t P = panels.size(0), duos = (P + 1) / 2;
+  const int64_t block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16, duos);
+  llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
+      const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
+      const int64_t n0 = p * kPanelBF16, width = std::min(2 * kPanelBF16, N - n0);
       for (int64_t m = m0; m < m1; m += kRowsBF16) {
         const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
         llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
-          dense_tile_bf16<rows()>(xp + m * K, K, wp + p * panel_size, n0, width, yp + m * N, N, tile_e);
+          if (p + 1 < P)
+            dense_tile_bf16<rows(), 2>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N,
+                                       tile_e);
+          else
+            dense_tile_bf16<rows(), 1>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N,
+                                       tile_e);
         });
       }
     }

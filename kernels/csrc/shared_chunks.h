@@ -40,12 +40,17 @@ void share_chunks(int64_t n, const Work& work) {
 }
 
 // Rows of a matmul per item: up to `block` (a multiple of the tile's rows), but one block for up to 2 x `block` rows,
-// so that a decode step's few rows read each weight panel from memory once. A block of rows and a panel (or a pair
-// of panels) make an item; items run block by block, so a block's rows stay in the core's L2 across its panels.
-inline int64_t row_block(int64_t rows, int64_t block, int64_t tile) {
-  if (rows <= 2 * block) return std::max<int64_t>(rows, 1);  // no rows (a prefill chunk's head): no items
-  const int64_t blocks = rows / block;
-  return ((rows + blocks - 1) / blocks + tile - 1) / tile * tile;
+// so that a decode step's few rows read each weight panel from memory once. A block of rows and one of the `columns`
+// column items (a panel or a pair of panels) make an item; items run block by block, so a block's rows stay in the
+// core's L2 across its panels. Where that leaves fewer than 8 items a thread (a 64-row step of a 576-output matmul: 9
+// pairs of panels), the rows split into smaller blocks: the threads' last items then even out (one item of 9 is 11%
+// of the call), and a panel read again comes from the caches.
+inline int64_t row_block(int64_t rows, int64_t block, int64_t tile, int64_t columns) {
+  int64_t blocks = rows <= 2 * block ? 1 : rows / block;
+  const int64_t want = 8 * static_cast<int64_t>(at::get_num_threads());
+  if (blocks * columns < want) blocks = std::min((want + columns - 1) / columns, (rows + tile - 1) / tile);
+  blocks = std::max<int64_t>(blocks, 1);  // no rows (a prefill chunk's head): no items
+  return std::max<int64_t>(((rows + blocks - 1) / blocks + tile - 1) / tile * tile, 1);
 }
 
 }  // namespace llmserve
