@@ -20,6 +20,7 @@ from worker_svc.panel_linear import PANEL_WIDTH, PanelLinear
 from worker_svc.quant import QuantLinear
 
 TORCH = 3  # the C++ Matmul kind of a bfloat16 tensor: oneDNN's matmul for a prepacked copy, F.linear for a plain one
+SWIGLU = 4  # gate's and up's bfloat16 panels interleaved: the matmul gives silu(gate) * up (dense_swiglu)
 
 
 def _form(weight: Any) -> tuple[int, tuple[str, ...]] | None:
@@ -53,9 +54,10 @@ def _matmul(ops: Any, weight: Any) -> Any | None:
 
 def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
     """gate's and up's weights as one matmul of both outputs (one pass over x, one parallel region, with integer
-    activations x quantized once); gate and up then hold views of the joined tensors, so nothing is stored twice.
-    Only where the intermediate size is a multiple of the panel width (whole panels; silu over a half of each row
-    then runs the vector loop the separate tensor does, the same bits)."""
+    activations x quantized once), or (bfloat16 panels) one whose output is silu(gate) * up; gate and up then hold
+    views of the joined tensors, so nothing is stored twice. Only where the intermediate size is a multiple of the
+    panel width (whole panels; silu over a half of each row then runs the vector loop the separate tensor does, the
+    same bits)."""
     form = _form(gate)
     bits = getattr(gate, "activation_bits", 0)
     if form is None or form[0] == TORCH or form != _form(up) or bits != getattr(up, "activation_bits", 0) \
@@ -63,6 +65,12 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
             or gate.out_features % getattr(gate, "panel_width", PANEL_WIDTH[torch.float32]):
         return None
     kind, names = form
+    if kind == 0 and gate.dtype == torch.bfloat16:
+        # gate's panel j next to up's: each tile of the kernel holds both for the same outputs and writes silu(gate)
+        # * up, the bits of the two matmuls and silu_mul_, in one pass and without the [rows, 2 x inter] output
+        both = torch.stack([gate.panels, up.panels], dim=1).flatten(0, 1)
+        gate.panels, up.panels = both[0::2], both[1::2]
+        return _cpp(ops, SWIGLU, [both], gate.out_features, 0)
     joined = []
     for name in names:
         both = torch.cat([getattr(gate, name), getattr(up, name)])

@@ -28,6 +28,7 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
                           int64_t activation_bits, const std::optional<torch::Tensor>& residual);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
+torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N);
 
 namespace {
 
@@ -44,9 +45,10 @@ torch::Tensor torch_linear(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // One matmul weight as the model holds it: float32 or bfloat16 panels (worker_svc/panel_linear.py), int4 / int8 groups
-// (worker_svc/quant.py's QuantLinear on the CPU kernels) or a bfloat16 tensor (oneDNN-prepacked or plain).
+// (worker_svc/quant.py's QuantLinear on the CPU kernels) or a bfloat16 tensor (oneDNN-prepacked or plain); or
+// (kSwiGLU) gate's and up's bfloat16 panels interleaved, whose product is already silu(gate) * up.
 struct Matmul {
-  enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2, kTorch = 3 };
+  enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2, kTorch = 3, kSwiGLU = 4 };
   int64_t kind;
   torch::Tensor weight, scale, zero;  // panels | codes | the tensor; the groups' scales and (int4) zeros
   int64_t out_features, activation_bits;
@@ -61,6 +63,7 @@ struct Matmul {
       case kPanels: return dense_matmul(x, weight, out_features, std::nullopt, residual);
       case kInt4: return int4_matmul(x, weight, scale, zero, activation_bits, residual);
       case kInt8: return int8_matmul(x, weight, scale, activation_bits, residual);
+      case kSwiGLU: return dense_swiglu(x, weight, out_features);
       default: return torch_linear(x, weight);
     }
   }
@@ -68,8 +71,8 @@ struct Matmul {
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  Matmul qkv, o, gate_up, down;  // gate_up: gate's outputs, then up's (one matmul, one pass over x); or gate's only,
-  std::optional<Matmul> up;      // with up's here (oneDNN's packed copies are not joined)
+  Matmul qkv, o, gate_up, down;  // gate_up: gate's outputs, then up's (one matmul, one pass over x), or silu(gate) *
+  std::optional<Matmul> up;      // up (kSwiGLU); or gate's only, with up's here (oneDNN's packed copies are not joined)
 };
 
 // silu(gate) * up in place into gate, with the ops worker_svc.model's _feed_forward runs for the dtype.
@@ -89,8 +92,10 @@ class DecoderLayers {
                  Matmul down, std::optional<Matmul> up) {
     TORCH_CHECK(qkv.out_features == (hq_ + 2 * hkv_) * d_, "DecoderLayers: qkv must have (heads + 2 kv heads) x "
                 "head_dim outputs");
-    TORCH_CHECK(up ? up->out_features == gate_up.out_features : gate_up.out_features % 2 == 0,
-                "DecoderLayers: gate_up must hold gate's and up's outputs, or gate's with up's as `up`");
+    TORCH_CHECK(up ? up->out_features == gate_up.out_features && gate_up.kind != Matmul::kSwiGLU
+                   : gate_up.kind == Matmul::kSwiGLU || gate_up.out_features % 2 == 0,
+                "DecoderLayers: gate_up must hold gate's and up's outputs (or their silu(gate) * up), or gate's with "
+                "up's as `up`");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o), std::move(gate_up),
                        std::move(down), std::move(up)});
   }
@@ -119,10 +124,10 @@ class DecoderLayers {
       decode_attention(q, rows, key_cache, value_cache, tables, seq_lens, scale_, 0, 0.0, c10::nullopt, o);
       h = L.o(o.view({T, hq_ * d_}), h);
       const torch::Tensor x = rms_norm(h, L.post_norm, eps_);
-      torch::Tensor act = L.gate_up(x);
+      torch::Tensor act = L.gate_up(x);  // kSwiGLU: silu(gate) * up already
       if (L.up) {
         silu_mul(act, (*L.up)(x));
-      } else {
+      } else if (L.gate_up.kind != Matmul::kSwiGLU) {
         const int64_t inter = act.size(1) / 2;
         const torch::Tensor up = act.narrow(1, inter, inter);
         act = act.narrow(1, 0, inter);
@@ -148,8 +153,8 @@ void bind_decoder_layers(pybind11::module_& m) {
   py::class_<Matmul>(m, "Matmul")
       .def(py::init([](int64_t kind, torch::Tensor weight, std::optional<torch::Tensor> scale,
                        std::optional<torch::Tensor> zero, int64_t out_features, int64_t activation_bits) {
-             TORCH_CHECK(kind >= Matmul::kPanels && kind <= Matmul::kTorch, "Matmul: kind 0 (panels), 1, 2 or 3");
-             TORCH_CHECK(kind == Matmul::kPanels || kind == Matmul::kTorch || scale,
+             TORCH_CHECK(kind >= Matmul::kPanels && kind <= Matmul::kSwiGLU, "Matmul: kind 0 (panels), 1, 2, 3 or 4");
+             TORCH_CHECK(kind == Matmul::kPanels || kind == Matmul::kTorch || kind == Matmul::kSwiGLU || scale,
                          "Matmul: a quantized weight needs its scales");
              TORCH_CHECK(kind != Matmul::kInt4 || zero, "Matmul: an int4 weight needs its zeros");
              return Matmul{kind, std::move(weight), scale.value_or(torch::Tensor()), zero.value_or(torch::Tensor()),

@@ -195,7 +195,32 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
 struct EpilogueBF16 {
   const float* bias;         // [N] float32 or null: added to the float32 sum before its rounding
   const uint16_t* residual;  // [M, N] bfloat16 or null: y = residual + round(product), rounded again (torch's add)
+  bool swiglu = false;       // the tile's two panels are gate's and up's: y = silu(gate) * up (see swiglu16)
 };
+
+// exp_any of cpu_ops.cpp on 16 lanes, step for step (the same bits: no fused multiply-adds, as that file's
+// -ffp-contract=off build computes it)
+inline __m512 exp_any16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));  // std::min(std::max(x, ..))
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvttps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+// silu(gate) * up from the float32 sums of both, with the roundings of the unfused ops (cpu_ops.cpp's silu_mul_ on
+// the bfloat16 matmul's output): gate and up rounded, silu rounded, the product rounded; bfloat16 bits per lane.
+inline __m512i swiglu16(__m512 gate_sum, __m512 up_sum) {
+  const auto widen = [](__m512i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)); };
+  const __m512 g = widen(to_bf16(gate_sum)), u = widen(to_bf16(up_sum));
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_any16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return to_bf16(_mm512_mul_ps(widen(to_bf16(silu)), u));
+}
 
 // y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from NP panels side by side (panel_size apart): R x 2
 // NP accumulators. Two panels (64 outputs) with 6 rows: 6 broadcasts and 4 loads per 24 `vdpbf16ps`, against 8 and 2
@@ -228,6 +253,18 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
       return pair;
     });
   if (K % 2) step(pairs, [&](int r) { return static_cast<int32_t>(x[r * K + K - 1]); });  // the pad half is zero
+  if constexpr (NP == 2) {
+    if (e.swiglu) {  // halves 0-1: gate's 32 outputs, 2-3: up's, for the outputs [n0, n0 + width)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
+        if (lanes == 0) break;
+        const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
+        for (int r = 0; r < R; ++r)
+          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m, _mm512_cvtepi32_epi16(swiglu16(acc[r][h], acc[r][2 + h])));
+      }
+      return;
+    }
+  }
   for (int h = 0; h < H; ++h) {
     const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
     if (lanes == 0) break;
@@ -247,17 +284,50 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
 
 const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                                const std::optional<torch::Tensor>& bias,
-                                const std::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == kPanelBF16 && panels.size(3) == 2 &&
-                  N > 0 && (N + kPanelBF16 - 1) / kPanelBF16 == panels.size(0),
-              "dense_matmul: bfloat16 panels must be [ceil(N / 32), ceil(K / 2), 32, 2] contiguous");
+// y [M, N] from x [M, K] over P panels (panel_stride elements apart), in items of a block of rows x a pair of panels;
+// with e.swiglu each pair is gate's and up's panel of the same 32 outputs and y their silu(gate) * up.
+void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t panel_stride, int64_t P,
+                 uint16_t* yp, int64_t N, const EpilogueBF16& e) {
+  const int64_t duos = (P + 1) / 2, outputs = e.swiglu ? kPanelBF16 : 2 * kPanelBF16;  // per pair
+  const int64_t block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16, duos);
+  llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
+      const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
+      const int64_t n0 = p / 2 * outputs, width = std::min(outputs, N - n0);
+      for (int64_t m = m0; m < m1; m += kRowsBF16) {
+        const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr, e.swiglu};
+        llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
+          if (p + 1 < P)
+            dense_tile_bf16<rows(), 2>(xp + m * K, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
+                                       tile_e);
+          else
+            dense_tile_bf16<rows(), 1>(xp + m * K, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
+                                       tile_e);
+        });
+      }
+    }
+  });
+}
+
+// The panels' layout, checked: [P, ceil(K / 2), 32, 2] with each panel contiguous (panels may lie a fixed stride
+// apart: gate's and up's are every other panel of one tensor, see dense_swiglu); x [M, K] bfloat16.
+void check_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t P, const char* op) {
+  TORCH_CHECK(panels.scalar_type() == torch::kBFloat16 && panels.dim() == 4 && panels.size(2) == kPanelBF16 &&
+                  panels.size(3) == 2 && panels.stride(3) == 1 && panels.stride(2) == 2 &&
+                  panels.stride(1) == 2 * kPanelBF16 && panels.stride(0) >= panels.size(1) * 2 * kPanelBF16 &&
+                  panels.size(0) == P,
+              op, ": bfloat16 panels must be [", P, ", ceil(K / 2), 32, 2], each panel contiguous");
   const int64_t K = x.dim() == 2 ? x.size(1) : -1;
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.device().is_cpu() && x.dim() == 2 &&
                   (K + 1) / 2 == panels.size(1),
-              "dense_matmul: x must be [rows, ", 2 * panels.size(1), " or ", 2 * panels.size(1) - 1,
-              "] bfloat16 on the CPU");
+              op, ": x must be [rows, ", 2 * panels.size(1), " or ", 2 * panels.size(1) - 1, "] bfloat16 on the CPU");
+}
+
+torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                const std::optional<torch::Tensor>& bias,
+                                const std::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(N > 0, "dense_matmul: N must be positive");
+  check_bf16(x, panels, (N + kPanelBF16 - 1) / kPanelBF16, "dense_matmul");
   const torch::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   EpilogueBF16 e{nullptr, nullptr};
@@ -274,35 +344,31 @@ torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& pan
     e.residual = bits(res);
   }
   auto y = torch::empty({M, N}, torch::kBFloat16);
-  const uint16_t* xp = bits(xc);
-  const uint16_t* wp = bits(panels);
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t panel_size = panels.size(1) * 2 * kPanelBF16;
-  const int64_t P = panels.size(0), duos = (P + 1) / 2;
-  const int64_t block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16, duos);
-  llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
-      const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
-      const int64_t n0 = p * kPanelBF16, width = std::min(2 * kPanelBF16, N - n0);
-      for (int64_t m = m0; m < m1; m += kRowsBF16) {
-        const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
-        llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
-          if (p + 1 < P)
-            dense_tile_bf16<rows(), 2>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N,
-                                       tile_e);
-          else
-            dense_tile_bf16<rows(), 1>(xp + m * K, K, wp + p * panel_size, panel_size, n0, width, yp + m * N, N,
-                                       tile_e);
-        });
-      }
-    }
-  });
+  panel_items(bits(xc), M, xc.size(1), bits(panels), panels.stride(0), panels.size(0),
+              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, e);
   return y;
 }
 
 }  // namespace
+
+// silu(x @ gate.T) * (x @ up.T) [M, N] bfloat16, from gate's and up's bfloat16 panels interleaved in one tensor
+// [2 ceil(N / 32), ceil(K / 2), 32, 2] (gate's panel j, then up's panel j): the same bits as the two matmuls and
+// silu_mul_ (cpu_ops.cpp), without their [M, 2 N] output and its second pass.
+torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N) {
+  TORCH_CHECK(N > 0, "dense_swiglu: N must be positive");
+  check_bf16(x, panels, 2 * ((N + kPanelBF16 - 1) / kPanelBF16), "dense_swiglu");
+  const torch::Tensor xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), N}, torch::kBFloat16);
+  panel_items(bits(xc), xc.size(0), xc.size(1), bits(panels), panels.stride(0), panels.size(0),
+              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, EpilogueBF16{nullptr, nullptr, true});
+  return y;
+}
 #else
 constexpr bool kBFloat16Panels = false;
+
+torch::Tensor dense_swiglu(const torch::Tensor&, const torch::Tensor&, int64_t) {
+  TORCH_CHECK(false, "dense_swiglu: this CPU has no AVX512-BF16");
+}
 #endif  // AVX512-BF16
 
 // y = x @ w.T (+ bias) (+ residual, as residual + product) for x [M, K] and w packed by `pack_panels`

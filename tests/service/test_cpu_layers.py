@@ -13,7 +13,8 @@ import torch
 from tests.service.test_model import PagedRunner
 from worker_svc import quant
 from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model import LlamaModel, panels_available
+from worker_svc.panel_linear import PanelLinear
 
 # (chunks per step): short prefill chunks, decodes of three sequences, a mixed step; then one chunk long enough
 # (past the decode kernel's 256-position limit for prefill rows) that attention needs SDPA: the Python loop.
@@ -72,6 +73,21 @@ def test_cpu_layers_equal_the_python_loop_bit_for_bit(model):
     assert python_steps == list(range(len(SCRIPT)))
     for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
         assert torch.equal(a, b), f"step {i}: max diff {(a - b).abs().max().item()}"
+
+
+def test_bfloat16_panels_run_gate_up_and_silu_as_one_matmul():
+    """With bfloat16 panels (AVX512-BF16) gate's and up's panels are interleaved in one tensor, the C++ loop's fused
+    silu(gate) * up matmul (kernels/csrc/dense_matmul.cpp's dense_swiglu), which the test above holds to the Python
+    loop's two matmuls and silu_mul_ bit for bit; the Python loop's gate and up are every other panel of it."""
+    if not panels_available(torch.bfloat16):
+        pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
+    config, weights = load_model_weights(default_model_path())
+    layer = LlamaModel(config, weights, torch.bfloat16, "cpu").layers[0]
+    gate, up = layer.gate, layer.up
+    assert isinstance(gate, PanelLinear) and isinstance(up, PanelLinear)
+    panel = gate.panels[0].numel()
+    assert gate.panels.stride(0) == up.panels.stride(0) == 2 * panel
+    assert up.panels.data_ptr() - gate.panels.data_ptr() == panel * gate.panels.element_size()
 
 
 class NoLora:

@@ -156,3 +156,30 @@ def test_bad_bfloat16_operands_are_refused_naming_them(bf16_ops):
         bf16_ops.dense_matmul(torch.randn(2, 32).bfloat16(), panels, 40, torch.zeros(39))
     with pytest.raises(RuntimeError, match="dense_matmul: residual must be"):
         bf16_ops.dense_matmul(torch.randn(2, 32).bfloat16(), panels, 40, None, torch.zeros(2, 40))
+
+
+@pytest.mark.parametrize("inter, inp", [(64, 64), (96, 63), (1536, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 200])
+def test_swiglu_is_the_two_matmuls_and_silu_mul_bit_for_bit(bf16_ops, inter, inp, rows):
+    torch.manual_seed(inter + rows)
+    gate, up = (PanelLinear((torch.randn(inter, inp) * 0.1).bfloat16(), bf16_ops) for _ in range(2))
+    x = (torch.randn(rows, inp) * 3).bfloat16()  # silu's inputs well past both of its bends
+    expected = gate(x)
+    bf16_ops.silu_mul_(expected, up(x))  # the unfused ops of the C++ layer loop
+    both = torch.stack([gate.panels, up.panels], dim=1).flatten(0, 1)  # gate's panel j, then up's
+    assert torch.equal(bf16_ops.dense_swiglu(x, both, inter), expected)
+    # each half of the interleaved tensor is still its matrix's panels, every other one: the Python loop's gate and up
+    for half, matmul in ((both[0::2], gate), (both[1::2], up)):
+        assert torch.equal(bf16_ops.dense_matmul(x, half, inter), matmul(x))
+
+
+def test_bad_swiglu_operands_are_refused_naming_them(bf16_ops):
+    both = pack_panels(torch.randn(128, 32).bfloat16())  # 4 panels: gate and up of 64 outputs
+    x = torch.randn(2, 32).bfloat16()
+    assert bf16_ops.dense_swiglu(x, both, 64).shape == (2, 64)
+    with pytest.raises(RuntimeError, match=r"dense_swiglu: bfloat16 panels must be \[2, "):
+        bf16_ops.dense_swiglu(x, both, 32)  # 2 panels expected, 4 given
+    with pytest.raises(RuntimeError, match=r"dense_swiglu: x must be \[rows, 32 or 31\] bfloat16"):
+        bf16_ops.dense_swiglu(x.float(), both, 64)
+    with pytest.raises(RuntimeError, match="dense_swiglu: bfloat16 panels"):
+        bf16_ops.dense_swiglu(x, pack_panels(torch.randn(128, 32)), 64)  # float32 panels
