@@ -225,9 +225,14 @@ inline __m512i swiglu16(__m512 gate_sum, __m512 up_sum) {
 // y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from NP panels side by side (panel_size apart): R x 2
 // NP accumulators. Two panels (64 outputs) with 6 rows: 6 broadcasts and 4 loads per 24 `vdpbf16ps`, against 8 and 2
 // per 16 with one panel and 8 rows.
+struct Ahead {  // bytes [begin, end) to ask L2 for while the tile runs, `lines` cache lines an input pair
+  const char *begin = nullptr, *end = nullptr;
+  int lines = 0;
+};
+
 template <int R, int NP>
 void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t panel_size, int64_t n0,
-                     int64_t width, uint16_t* y, int64_t N, const EpilogueBF16& e) {
+                     int64_t width, uint16_t* y, int64_t N, const EpilogueBF16& e, const Ahead& ahead = {}) {
   constexpr int H = 2 * NP;  // 16-lane halves of the tile's outputs
   __m512 acc[R][H];
 #pragma GCC unroll 32
@@ -246,12 +251,17 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
     }
   };
   const int64_t pairs = K / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp)
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    for (int l = 0; l < ahead.lines; ++l) {
+      const char* a = ahead.begin + (kp * ahead.lines + l) * 64;
+      if (a < ahead.end) _mm_prefetch(a, _MM_HINT_T1);
+    }
     step(kp, [&](int r) {  // x[r, 2 kp] in the low half, x[r, 2 kp + 1] in the high half
       int32_t pair;
       std::memcpy(&pair, x + r * K + 2 * kp, 4);
       return pair;
     });
+  }
   if (K % 2) step(pairs, [&](int r) { return static_cast<int32_t>(x[r * K + K - 1]); });  // the pad half is zero
   if constexpr (NP == 2) {
     if (e.swiglu) {  // halves 0-1: gate's 32 outputs, 2-3: up's, for the outputs [n0, n0 + width)
@@ -294,12 +304,23 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
       const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p / 2 * outputs, width = std::min(outputs, N - n0);
+      // The next item's panels are asked for during this item's tiles after the first: a few-row step reads every
+      // panel from memory once, and the first tile of an item would otherwise wait on it with nothing to overlap.
+      const int64_t tiles = (m1 - m0 + kRowsBF16 - 1) / kRowsBF16, np = (i + 1) % duos * 2;
+      const bool pf = i + 1 < i1 && np != p && tiles > 1;
+      const int64_t next_bytes = pf ? std::min<int64_t>(2, P - np) * panel_stride * 2 : 0;
+      const int64_t per_tile = (next_bytes + tiles - 2) / std::max<int64_t>(1, tiles - 1);
+      const int lines = static_cast<int>((per_tile + 64 * (K / 2) - 1) / std::max<int64_t>(1, 64 * (K / 2)));
+      const char* next = reinterpret_cast<const char*>(wp + np * panel_stride);
       for (int64_t m = m0; m < m1; m += kRowsBF16) {
         const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr, e.swiglu};
+        const int64_t t = (m - m0) / kRowsBF16;
+        Ahead ahead;
+        if (pf && t > 0) ahead = {next + (t - 1) * per_tile, next + std::min(next_bytes, t * per_tile), lines};
         llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
           if (p + 1 < P)
             dense_tile_bf16<rows(), 2>(xp + m * K, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
-                                       tile_e);
+                                       tile_e, ahead);
           else
             dense_tile_bf16<rows(), 1>(xp + m * K, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
                                        tile_e);
