@@ -222,14 +222,31 @@ inline __m512i swiglu16(__m512 gate_sum, __m512 up_sum) {
   return to_bf16(_mm512_mul_ps(widen(to_bf16(silu)), u));
 }
 
+// Bytes [begin, end) of the next item's panels that a tile asks L2 for as it runs, `lines` cache lines per step of
+// its loop over the inputs. At a few rows an item's panels come from memory once, to its first tile: asked for
+// during the previous item's later tiles, they arrive while those compute (`prefetch` spread over the steps: a burst
+// of them at the tile's start stalled its own loads).
+struct Ahead {
+  const char *begin = nullptr, *end = nullptr;
+  int lines = 0;
+
+  // for tile t of an item of `tiles` (the first asks for nothing), `steps` steps a tile, the next item's `bytes`
+  static Ahead for_tile(const void* next, int64_t bytes, int64_t tiles, int64_t t, int64_t steps) {
+    if (next == nullptr || tiles < 2 || t == 0 || steps == 0) return {};
+    const int64_t per_tile = (bytes + tiles - 2) / (tiles - 1);
+    const char* from = static_cast<const char*>(next) + (t - 1) * per_tile;
+    return {from, static_cast<const char*>(next) + std::min(bytes, t * per_tile),
+            static_cast<int>((per_tile + 64 * steps - 1) / (64 * steps))};
+  }
+  void at(int64_t step) const {
+    for (int l = 0; l < lines; ++l)
+      if (const char* a = begin + (step * lines + l) * 64; a < end) _mm_prefetch(a, _MM_HINT_T1);
+  }
+};
+
 // y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from NP panels side by side (panel_size apart): R x 2
 // NP accumulators. Two panels (64 outputs) with 6 rows: 6 broadcasts and 4 loads per 24 `vdpbf16ps`, against 8 and 2
 // per 16 with one panel and 8 rows.
-struct Ahead {  // bytes [begin, end) to ask L2 for while the tile runs, `lines` cache lines an input pair
-  const char *begin = nullptr, *end = nullptr;
-  int lines = 0;
-};
-
 template <int R, int NP>
 void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t panel_size, int64_t n0,
                      int64_t width, uint16_t* y, int64_t N, const EpilogueBF16& e, const Ahead& ahead = {}) {
@@ -252,10 +269,7 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
   };
   const int64_t pairs = K / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    for (int l = 0; l < ahead.lines; ++l) {
-      const char* a = ahead.begin + (kp * ahead.lines + l) * 64;
-      if (a < ahead.end) _mm_prefetch(a, _MM_HINT_T1);
-    }
+    ahead.at(kp);
     step(kp, [&](int r) {  // x[r, 2 kp] in the low half, x[r, 2 kp + 1] in the high half
       int32_t pair;
       std::memcpy(&pair, x + r * K + 2 * kp, 4);
@@ -304,19 +318,12 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
       const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p / 2 * outputs, width = std::min(outputs, N - n0);
-      // The next item's panels are asked for during this item's tiles after the first: a few-row step reads every
-      // panel from memory once, and the first tile of an item would otherwise wait on it with nothing to overlap.
-      const int64_t tiles = (m1 - m0 + kRowsBF16 - 1) / kRowsBF16, np = (i + 1) % duos * 2;
-      const bool pf = i + 1 < i1 && np != p && tiles > 1;
-      const int64_t next_bytes = pf ? std::min<int64_t>(2, P - np) * panel_stride * 2 : 0;
-      const int64_t per_tile = (next_bytes + tiles - 2) / std::max<int64_t>(1, tiles - 1);
-      const int lines = static_cast<int>((per_tile + 64 * (K / 2) - 1) / std::max<int64_t>(1, 64 * (K / 2)));
-      const char* next = reinterpret_cast<const char*>(wp + np * panel_stride);
+      const int64_t tiles = (m1 - m0 + kRowsBF16 - 1) / kRowsBF16, np = (i + 1) % duos * 2;  // next item's panels
+      const uint16_t* next = i + 1 < i1 && np != p ? wp + np * panel_stride : nullptr;
       for (int64_t m = m0; m < m1; m += kRowsBF16) {
         const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr, e.swiglu};
-        const int64_t t = (m - m0) / kRowsBF16;
-        Ahead ahead;
-        if (pf && t > 0) ahead = {next + (t - 1) * per_tile, next + std::min(next_bytes, t * per_tile), lines};
+        const Ahead ahead = Ahead::for_tile(next, std::min<int64_t>(2, P - np) * panel_stride * 2, tiles,
+                                            (m - m0) / kRowsBF16, K / 2);
         llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
           if (p + 1 < P)
             dense_tile_bf16<rows(), 2>(xp + m * K, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
