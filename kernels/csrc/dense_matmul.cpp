@@ -218,7 +218,9 @@ inline __m512 exp_any16(__m512 x) {
 inline __m512i swiglu16(__m512 gate_sum, __m512 up_sum) {
   const auto widen = [](__m512i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)); };
   const __m512 g = widen(to_bf16(gate_sum)), u = widen(to_bf16(up_sum));
-  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_any16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 e = exp_any16(neg);  // exp(-gate)
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
   return to_bf16(_mm512_mul_ps(widen(to_bf16(silu)), u));
 }
 
@@ -284,7 +286,8 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
         if (lanes == 0) break;
         const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
         for (int r = 0; r < R; ++r)
-          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m, _mm512_cvtepi32_epi16(swiglu16(acc[r][h], acc[r][2 + h])));
+          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m,
+                                   _mm512_cvtepi32_epi16(swiglu16(acc[r][h], acc[r][2 + h])));
       }
       return;
     }
@@ -342,7 +345,8 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
 void check_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t P, const char* op) {
   TORCH_CHECK(panels.scalar_type() == torch::kBFloat16 && panels.dim() == 4 && panels.size(2) == kPanelBF16 &&
                   panels.size(3) == 2 && panels.stride(3) == 1 && panels.stride(2) == 2 &&
-                  panels.stride(1) == 2 * kPanelBF16 && panels.stride(0) >= panels.size(1) * 2 * kPanelBF16 &&
+                  panels.stride(1) == 2 * kPanelBF16 &&
+                  (panels.size(0) == 1 || panels.stride(0) >= panels.size(1) * 2 * kPanelBF16) &&
                   panels.size(0) == P,
               op, ": bfloat16 panels must be [", P, ", ceil(K / 2), 32, 2], each panel contiguous");
   const int64_t K = x.dim() == 2 ? x.size(1) : -1;
