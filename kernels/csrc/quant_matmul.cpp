@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include "avx2_sum.h"
+#include "with_count.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -29,6 +30,14 @@ constexpr int64_t kAheadRows = 4;
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+// Output row n's weight bytes: its codes, its scales and (int4) its zeros.
+inline void prefetch_row(const uint8_t* codes, int64_t row_bytes, const float* scale, const float* zero, int64_t G,
+                         int64_t n) {
+  prefetch_bytes(codes + n * row_bytes, row_bytes);
+  prefetch_bytes(scale + n * G, G * 4);
+  if (zero) prefetch_bytes(zero + n * G, G * 4);
 }
 
 // x [M, K] (float32 or bfloat16) checked, as float32 row-major: the activations are tiny next to the weights.
@@ -64,17 +73,37 @@ void float_tile(const float* x, int64_t K, GroupWeights weights, Ahead ahead, in
   }
 }
 
-// float_tile<R> for R = 1..4 as a runtime switch.
-template <typename GroupWeights, typename Ahead>
-void float_rows(int64_t R, const float* x, int64_t K, GroupWeights weights, Ahead ahead, int64_t n0, int64_t n1,
-                float* y, int64_t N) {
-  switch (R) {
-    case 1: return float_tile<1>(x, K, weights, ahead, n0, n1, y, N);
-    case 2: return float_tile<2>(x, K, weights, ahead, n0, n1, y, N);
-    case 3: return float_tile<3>(x, K, weights, ahead, n0, n1, y, N);
-    default: return float_tile<4>(x, K, weights, ahead, n0, n1, y, N);
+#ifdef __AVX512F__
+// float_tile in 16 lanes: `weights(n, g, w)` makes the group's 32 weights (w[0]: values 0-15, w[1]: 16-31), the
+// same floats as the AVX2 path's, and each row's products go to four accumulators (the group's two halves, even
+// and odd groups) so that consecutive multiply-adds do not wait on each other. Half the instructions of the AVX2
+// tile per group; the sums in another order.
+template <int R, typename GroupWeights, typename Ahead>
+void float_tile512(const float* x, int64_t K, GroupWeights weights, Ahead ahead, int64_t n0, int64_t n1, float* y,
+                   int64_t N) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    ahead(std::min(n + kAheadRows, N - 1));
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    const auto group = [&](int64_t g, int a) {  // a: 0 (even groups) or 2 (odd), a constant after unrolling
+      __m512 w[2];
+      weights(n, g, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + g * kGroup;
+        acc[r][a] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[r][a]);
+        acc[r][a + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), acc[r][a + 1]);
+      }
+    };
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) group(g, 0), group(g + 1, 2);
+    if (g < G) group(g, 0);
+    for (int r = 0; r < R; ++r)
+      y[r * N + n] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
   }
 }
+#endif
 
 // Runs `tile(R, m, n0, n1)` (rows [m, m + R) of y, outputs [n0, n1)) over every row in tiles of at most 4 rows
 // (4 rows x 2 accumulators + the weights stay in registers), the outputs split between the threads and walked 32
@@ -231,10 +260,7 @@ void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, 
   const Act* xc = xq.q.data_ptr<Act>() + m0 * K;
   const float *xd = xq.d.data_ptr<float>() + m0 * G, *xs = xq.sum.data_ptr<float>() + m0 * G;
   for (int64_t n = n0; n < n1; ++n) {
-    const int64_t a = std::min(n + kAheadRows, N - 1);
-    prefetch_bytes(codes + a * row_bytes, row_bytes);
-    prefetch_bytes(scale + a * G, G * 4);
-    if (kInt4) prefetch_bytes(zero + a * G, G * 4);
+    prefetch_row(codes, row_bytes, scale, kInt4 ? zero : nullptr, G, std::min(n + kAheadRows, N - 1));
     const uint8_t* c = codes + n * row_bytes;
     __m256 acc[R][2];
 #pragma GCC unroll 4
@@ -258,6 +284,84 @@ void integer_tile(const QRows& xq, int64_t m0, int64_t K, const uint8_t* codes, 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int8 activations with AVX512-VNNI: two weight groups per 512-bit vpdpbusd (u8 x s8, four products summed per
+// int32 lane), where the AVX2 tile spends a maddubs and a madd per group. The activation side of each pair of
+// groups is laid out once per call, the same for every output: the steps of the two groups spread over the lanes
+// their sums land in (0-7, 8-15), and for int8 weights (taken as w + 128, unsigned) the int32 start that removes
+// the 128 x sum of the lane's activation codes. Integer sums exact; the float steps and sums those of the AVX2 tile,
+// added in another order. Each row independent of the others.
+struct VnniRows {
+  std::vector<float> step;      // [M, G / 2, 16]
+  std::vector<int32_t> offset;  // [M, G / 2, 16]
+};
+
+inline VnniRows vnni_rows(const QRows& xq) {
+  const int64_t M = xq.q.size(0), K = xq.q.size(1), P = K / kGroup / 2;
+  VnniRows v{std::vector<float>(M * P * 16), std::vector<int32_t>(M * P * 16)};
+  const int8_t* q = xq.q.data_ptr<int8_t>();
+  const float* d = xq.d.data_ptr<float>();
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t i = 0; i < M * P; ++i) {  // rows' pairs are consecutive: pair i covers groups 2i, 2i + 1
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + 2 * i)));
+    _mm512_storeu_ps(v.step.data() + 16 * i, _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two)));
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(0x80)),
+                                             _mm512_loadu_si512(q + 64 * i));
+    _mm512_storeu_si512(v.offset.data() + 16 * i, _mm512_sub_epi32(_mm512_setzero_si512(), sums));
+  }
+  return v;
+}
+
+// Rows [m0, m0 + R) of y for outputs [n0, n1), as integer_tile, a pair of groups per step. int4: the pair's 32
+// code bytes (group 2p then 2p + 1, byte j = value j | value j + 16 << 4) spread to the lanes of their activations,
+// [low nibbles of 2p, high of 2p, low of 2p + 1, high of 2p + 1]; int8: 64 code bytes as they are, plus 128.
+template <int R, bool kInt4>
+void vnni_tile(const QRows& xq, const VnniRows& xv, int64_t m0, int64_t K, const uint8_t* codes, int64_t row_bytes,
+               const float* scale, const float* zero, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t G = K / kGroup, P = G / 2;
+  const int8_t* xc = xq.q.data_ptr<int8_t>() + m0 * K;
+  const float* xs = xq.sum.data_ptr<float>() + m0 * G;
+  const float* xstep = xv.step.data() + m0 * P * 16;
+  const int32_t* xoff = xv.offset.data() + m0 * P * 16;
+  const __m512i spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), nibble = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(char(0x80));
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    prefetch_row(codes, row_bytes, scale, kInt4 ? zero : nullptr, G, std::min(n + kAheadRows, N - 1));
+    const uint8_t* c = codes + n * row_bytes;
+    __m512 acc[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const auto pair = [&](int64_t p, int k) {
+      __m512i w;
+      if constexpr (kInt4) {
+        const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)));
+        w = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(spread, b), nibble), low4);
+      } else {
+        w = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * p), bias);
+      }
+      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + n * G + 2 * p)));
+      const __m512 ws = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i start = kInt4 ? _mm512_setzero_si512() : _mm512_loadu_si512(xoff + (r * P + p) * 16);
+        const __m512i dot = _mm512_dpbusd_epi32(start, w, _mm512_loadu_si512(xc + r * K + 64 * p));
+        const __m512 step = _mm512_mul_ps(ws, _mm512_loadu_ps(xstep + (r * P + p) * 16));
+        acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step, acc[r][k]);
+      }
+    };
+    int64_t p = 0;
+    for (; p + 1 < P; p += 2) pair(p, 0), pair(p + 1, 1);
+    if (p < P) pair(p, 0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float t = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+      y[r * N + n] = kInt4 ? t + dot_groups(zero + n * G, xs + r * G, G) : t;
+    }
+  }
+}
+#endif
+
 // x quantized to Act, then integer_tile over every row.
 template <template <typename> class Group, typename Act>
 torch::Tensor integer_matmul(const torch::Tensor& xf, torch::ScalarType out_dtype, const float* residual,
@@ -265,13 +369,24 @@ torch::Tensor integer_matmul(const torch::Tensor& xf, torch::ScalarType out_dtyp
                              const float* zero) {
   const QRows xq = quantize_groups<Act>(xf);
   const int64_t K = xf.size(1);
-  return over_rows(xf.size(0), N, out_dtype, residual, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    switch (R) {
-      case 1: return integer_tile<1, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
-      case 2: return integer_tile<2, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
-      case 3: return integer_tile<3, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
-      default: return integer_tile<4, Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<Act, int8_t>) {
+    if (K % (2 * kGroup) == 0) {
+      constexpr bool kInt4 = std::is_same_v<Group<Act>, Int4Group<Act>>;
+      const VnniRows xv = vnni_rows(xq);
+      return over_rows(xf.size(0), N, out_dtype, residual, [&](int64_t R, int64_t m, int64_t n0, int64_t n1,
+                                                               float* yr) {
+        llmserve::with_count<4>(R, [&](auto r) {
+          vnni_tile<r(), kInt4>(xq, xv, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+        });
+      });
     }
+  }
+#endif
+  return over_rows(xf.size(0), N, out_dtype, residual, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+    llmserve::with_count<4>(R, [&](auto r) {
+      integer_tile<r(), Group<Act>, Act>(xq, m, K, codes, row_bytes, scale, zero, n0, n1, yr, N);
+    });
   });
 }
 
@@ -301,6 +416,19 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
                                  : integer_matmul<Int4Group, int8_t>(xf, x.scalar_type(), res, c, N, K / 2, s, z);
   }
   const float* xp = xf.data_ptr<float>();
+  const auto ahead = [&](int64_t n) { prefetch_row(c, K / 2, s, z, K / kGroup, n); };
+#ifdef __AVX512F__
+  const auto weights512 = [&](int64_t n, int64_t g, __m512 w[2]) {  // w = scale * q + zero
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + n * (K / 2) + g * 16));
+    const __m128i low = _mm_set1_epi8(0x0F), high = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    const __m512 sv = _mm512_set1_ps(s[n * (K / kGroup) + g]), zv = _mm512_set1_ps(z[n * (K / kGroup) + g]);
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low))), sv, zv);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), sv, zv);
+  };
+  return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+    llmserve::with_count<4>(R, [&](auto r) { float_tile512<r()>(xp + m * K, K, weights512, ahead, n0, n1, yr, N); });
+  });
+#else
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   const auto weights = [&](int64_t n, int64_t g, __m256 w[4]) {  // w = scale * q + zero
     // 16 bytes: byte j holds value j (low nibble) and value j + 16 (high nibble), GGUF's own order
@@ -312,14 +440,10 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), sv, zv);
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), sv, zv);
   };
-  const auto ahead = [&](int64_t n) {
-    prefetch_bytes(c + n * (K / 2), K / 2);
-    prefetch_bytes(s + n * (K / kGroup), K / kGroup * 4);
-    prefetch_bytes(z + n * (K / kGroup), K / kGroup * 4);
-  };
   return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    float_rows(R, xp + m * K, K, weights, ahead, n0, n1, yr, N);
+    llmserve::with_count<4>(R, [&](auto r) { float_tile<r()>(xp + m * K, K, weights, ahead, n0, n1, yr, N); });
   });
+#endif
 }
 
 // y = x @ w.T for an int8 weight with a scale per 32-group: codes [N, K] int8 (K a multiple of 32), scale
@@ -338,12 +462,24 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
   const float* res = residual_rows(residual, x, N, "int8_matmul");
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
+  const auto* cb = reinterpret_cast<const uint8_t*>(c);
   if (activation_bits != 0) {
-    const auto* cb = reinterpret_cast<const uint8_t*>(c);
     return activation_bits == 16 ? integer_matmul<Int8Group, int16_t>(xf, x.scalar_type(), res, cb, N, K, s, nullptr)
                                  : integer_matmul<Int8Group, int8_t>(xf, x.scalar_type(), res, cb, N, K, s, nullptr);
   }
   const float* xp = xf.data_ptr<float>();
+  const auto ahead = [&](int64_t n) { prefetch_row(cb, K, s, nullptr, K / kGroup, n); };
+#ifdef __AVX512F__
+  const auto weights512 = [&](int64_t n, int64_t g, __m512 w[2]) {  // w = scale * q
+    const __m128i* q = reinterpret_cast<const __m128i*>(c + n * K + g * kGroup);
+    const __m512 sv = _mm512_set1_ps(s[n * (K / kGroup) + g]);
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), sv);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), sv);
+  };
+  return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+    llmserve::with_count<4>(R, [&](auto r) { float_tile512<r()>(xp + m * K, K, weights512, ahead, n0, n1, yr, N); });
+  });
+#else
   const auto weights = [&](int64_t n, int64_t g, __m256 w[4]) {  // w = scale * q
     const int8_t* q = c + n * K + g * kGroup;
     const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -354,13 +490,10 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
     w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), sv);
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b1, b1))), sv);
   };
-  const auto ahead = [&](int64_t n) {
-    prefetch_bytes(c + n * K, K);
-    prefetch_bytes(s + n * (K / kGroup), K / kGroup * 4);
-  };
   return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
-    float_rows(R, xp + m * K, K, weights, ahead, n0, n1, yr, N);
+    llmserve::with_count<4>(R, [&](auto r) { float_tile<r()>(xp + m * K, K, weights, ahead, n0, n1, yr, N); });
   });
+#endif
 }
 
 // x's 32-groups as the integer paths see them: (codes int8 or int16 [M, K], step [M, K / 32], float sum
