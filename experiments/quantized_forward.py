@@ -1,7 +1,9 @@
 """The bundled GGUF kept quantized (--quantization gguf) against the same weights dequantized: decode-step time
 at several batch sizes (float32, bfloat16, quantized with bfloat16 and, where the project's CPU kernels are built,
-float32, int16 and int8 activations; interleaved in one run), weight bytes, and each quantized variant's greedy
-agreement with the dequantized model in its dtype over N prompts x T tokens, with the logit error after the prompt.
+float32, int16 and int8 activations; interleaved in one run, with a torch sum over 256 MB timed between the steps:
+at batch 1 each step against the time its weights take to stream at that rate), weight bytes, and each quantized
+variant's greedy agreement with the dequantized model in its dtype over N prompts x T tokens, with the logit error
+after the prompt.
 
     python -m experiments.quantized_forward [--batch-sizes 1,16,64] [--prompts 16] [--tokens 64]
 """
@@ -49,19 +51,37 @@ class Decoder:
         return self.model.forward(torch.tensor(ids), torch.tensor(pos), self.kv, meta, rows)
 
 
+STREAM_BYTES = 256 << 20  # a torch sum over this many bytes, timed between the steps: the memory's streaming rate
+
+
 def step_times(models: dict[str, LlamaModel], batch: int, context: int, repeats: int) -> dict[str, float]:
+    """Median ms of one decode step per model, the models interleaved, and (key "stream_gbps") the rate of a torch
+    sum over STREAM_BYTES timed in the same rounds."""
     decoders = {}
     for name, m in models.items():
         d = Decoder(m, context + repeats + 8, batch)
         d.step({s: [1 + s] * context for s in range(batch)})
         decoders[name] = d
     times: dict[str, list[float]] = {n: [] for n in models}
+    # random values: a tensor of ones summed at 55.6 GB/s where random data read at 32.7 (identical pages may be
+    # merged by the host), which would make the bound look twice as tight as the memory is
+    stream, sums = torch.rand(STREAM_BYTES // 4), []
     for _ in range(repeats):  # interleaved: the shared machine's load falls on every variant alike
         for name, d in decoders.items():
             t = time.perf_counter()
             d.step({s: [7] for s in range(batch)})
             times[name].append(time.perf_counter() - t)
-    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+        t = time.perf_counter()
+        stream.sum()
+        sums.append(time.perf_counter() - t)
+    result = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    result["stream_gbps"] = STREAM_BYTES / statistics.median(sums) / 1e9
+    return result
+
+
+def weight_bytes(by_dtype: dict[str, int], model: str) -> int:
+    """The bytes of weights a step of `model` reads: its dtype's dense weights, or the quantized ones."""
+    return by_dtype["quantized" if model.startswith("quantized") else model]
 
 
 def greedy_agreement(quantized: LlamaModel, dense: LlamaModel, prompts: list[list[int]], tokens: int) -> dict:
@@ -117,8 +137,15 @@ def main(argv: list[str] | None = None) -> int:
                 config, quant.with_integer_activations(qweights, bits, torch.device("cpu")), torch.float32, "cpu")
     result["step_ms"] = {}
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        result["step_ms"][b] = step_times(models, b, args.context, args.repeats)
-        print(f"batch {b}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in result["step_ms"][b].items()), flush=True)
+        times = step_times(models, b, args.context, args.repeats)
+        gbps = times.pop("stream_gbps")
+        result["step_ms"][b], result.setdefault("stream_gbps", {})[b] = times, gbps
+        print(f"batch {b}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in times.items()), flush=True)
+        if b == 1:  # each model's step against the time its weights take to stream at the rate just measured
+            bound = {n: weight_bytes(result["weight_bytes"], n) / gbps / 1e6 for n in times}
+            result["batch1_over_bound"] = {n: times[n] / bound[n] for n in times}
+            print(f"  a torch sum streams {gbps:.1f} GB/s; step / weight-bandwidth bound: "
+                  + ", ".join(f"{n} {times[n] / bound[n]:.2f}x ({bound[n]:.1f} ms)" for n in times), flush=True)
     if args.prompts:
         import os
 
