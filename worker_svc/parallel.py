@@ -345,6 +345,10 @@ def run_follower(runner) -> None:
     """A rank other than 0: run rank 0's steps until it stops the group; exit non-zero when the group fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 stops the group in order
     group = runner.group
+    if group.rank == group.local_rank:
+        # On rank 0's host a launcher may signal every local rank (torchrun's agent sends each SIGTERM): rank 0
+        # drains and stops the group, where a follower that died first would fail the ranks on other hosts.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         runner.follow()
     except Exception as e:

@@ -176,10 +176,12 @@ def test_two_torchrun_hosts_on_loopback(redis_server, hf_reference):  # noqa: F8
     port, master_port = cluster.free_port(), cluster.free_port()
 
     def torchrun(node_rank: int, nproc: int) -> list[str]:
+        # each "host" names the core lists of its own ranks (ranks 0-1 on host 0, rank 2 on host 1)
+        host_cores = RANK_CORES[:2] if node_rank == 0 else RANK_CORES[2:]
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
                 "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
                 "-m", "llmserve.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
-                *map(str, WORKER_ARGS)]
+                *map(str, WORKER_ARGS), "--cpu-omp-threads-bind", "|".join(map(str, host_cores))]
 
     other = cluster.processes.spawn("torchrun", torchrun(1, 1), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
     first = cluster.processes.spawn("worker", torchrun(0, 2), log_dir=cluster.log_dir(), cwd=cluster.ROOT)
