@@ -918,6 +918,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(con
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,  // csrc/dense_matmul.cpp
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
 bool dense_bfloat16();  // whether dense_matmul takes bfloat16 panels (AVX512-BF16)
+bool dense_bfloat16_amx();  // whether it sums them with AMX tiles (inputs a multiple of 32)
 torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N);  // the same file
 void bind_decoder_layers(pybind11::module_& m);  // csrc/decoder_layers.cpp
 #endif
@@ -941,6 +942,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
   m.attr("dense_bfloat16") = dense_bfloat16();
+  m.attr("dense_bfloat16_amx") = dense_bfloat16_amx();
   m.def("dense_swiglu", &dense_swiglu, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"));
   bind_decoder_layers(m);
 #endif

@@ -8,10 +8,11 @@
 // bfloat16 (AVX512-BF16): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k] and
 // w[n, k + 1] side by side, the pairs of 32 outputs in two 512-bit vectors). One `vdpbf16ps` adds x[r, k] * w[k] +
 // x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32); a tile is up to 6 rows x 64
-// outputs (two panels). The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul.
+// outputs (two panels). The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul. With AMX
+// (inputs a multiple of 32) the same panels feed `tdpbf16ps` tiles of up to 16 rows instead, at every row count.
 //
-// Every (row, output) sums over k in order, in one register lane, whatever the tile: a row's result does not depend
-// on the other rows of the batch.
+// Every (row, output) sums over k in order, in one register lane or tile element, whatever the tile: a row's result
+// does not depend on the other rows of the batch. (AMX and `vdpbf16ps` round a few sums differently: a CPU uses one.)
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -21,6 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "shared_chunks.h"
 #include "with_count.h"
@@ -246,6 +250,39 @@ struct Ahead {
   }
 };
 
+// A tile's float32 sums, sum(r, h) for row r < R and 16-output half h < H (halves 0-1: the first panel, 2-3: the
+// second), rounded and stored as e asks into y[r, n0 : n0 + width] (bfloat16 bits).
+template <int R, int H, typename Sum>
+inline void finish_tile_bf16(Sum&& sum, int64_t n0, int64_t width, uint16_t* y, int64_t N, const EpilogueBF16& e) {
+  if constexpr (H == 4) {
+    if (e.swiglu) {  // halves 0-1: gate's 32 outputs, 2-3: up's, for the outputs [n0, n0 + width)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
+        if (lanes == 0) break;
+        const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
+        for (int r = 0; r < R; ++r)
+          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m, _mm512_cvtepi32_epi16(swiglu16(sum(r, h), sum(r, 2 + h))));
+      }
+      return;
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
+    if (lanes == 0) break;
+    const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
+    const int64_t n = n0 + 16 * h;
+    const __m512 bias = e.bias ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512i v = to_bf16(e.bias ? _mm512_add_ps(sum(r, h), bias) : sum(r, h));
+      if (e.residual) {
+        const __m512 product = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        v = to_bf16(_mm512_add_ps(load_bf16(e.residual + r * N + n, m), product));
+      }
+      _mm256_mask_storeu_epi16(y + r * N + n, m, _mm512_cvtepi32_epi16(v));
+    }
+  }
+}
+
 // y[r, n0 : n0 + width] for rows [0, R) of x (bfloat16 bits), from NP panels side by side (panel_size apart): R x 2
 // NP accumulators. Two panels (64 outputs) with 6 rows: 6 broadcasts and 4 loads per 24 `vdpbf16ps`, against 8 and 2
 // per 16 with one panel and 8 rows.
@@ -279,35 +316,86 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
     });
   }
   if (K % 2) step(pairs, [&](int r) { return static_cast<int32_t>(x[r * K + K - 1]); });  // the pad half is zero
-  if constexpr (NP == 2) {
-    if (e.swiglu) {  // halves 0-1: gate's 32 outputs, 2-3: up's, for the outputs [n0, n0 + width)
-      for (int h = 0; h < 2; ++h) {
-        const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
-        if (lanes == 0) break;
-        const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
-        for (int r = 0; r < R; ++r)
-          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m,
-                                   _mm512_cvtepi32_epi16(swiglu16(acc[r][h], acc[r][2 + h])));
-      }
-      return;
-    }
-  }
-  for (int h = 0; h < H; ++h) {
-    const int64_t lanes = std::clamp<int64_t>(width - 16 * h, 0, 16);
-    if (lanes == 0) break;
-    const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
-    const int64_t n = n0 + 16 * h;
-    const __m512 bias = e.bias ? _mm512_maskz_loadu_ps(m, e.bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m512i v = to_bf16(e.bias ? _mm512_add_ps(acc[r][h], bias) : acc[r][h]);
-      if (e.residual) {
-        const __m512 product = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        v = to_bf16(_mm512_add_ps(load_bf16(e.residual + r * N + n, m), product));
-      }
-      _mm256_mask_storeu_epi16(y + r * N + n, m, _mm512_cvtepi32_epi16(v));
-    }
-  }
+  finish_tile_bf16<R, H>([&](int r, int h) { return acc[r][h]; }, n0, width, y, N, e);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Sapphire Rapids and later): the panels are already the layout of a `tdpbf16ps` weight tile. A pair row of a
+// panel is 32 outputs x 2 inputs (128 bytes), so 16 pair rows read 128 bytes apart give outputs 0-15 of 32 inputs, and
+// the same at +64 bytes outputs 16-31. A tile of up to 16 rows x 64 outputs sums in four 16 x 16 float32 tiles, 16 x 64
+// x 32 multiply-adds per four instructions, where `vdpbf16ps` does 16 x 2: oneDNN's AMX matmul ran 3-8x the AVX-512
+// tile at 16-256 rows on a 2-core Xeon. One row gets the same instructions (the unit's time per instruction does not
+// depend on the rows), so every row count takes this path and a row's sums stay independent of the batch.
+constexpr int64_t kRowsAMX = 16;
+constexpr int64_t kInputsAMX = 32;  // inputs per step: K must be a multiple
+
+// Linux hands out the AMX register state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA); asked once, the answer holds for every thread.
+bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: R rows x 16 float32 sums; 4: R rows x 32 bfloat16 inputs of x; 5-7: 16 pair rows x 16 outputs of weights.
+inline void configure_tiles(int R) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t < 5 ? R : 16);
+  }
+  _tile_loadconfig(&c);
+}
+
+// dense_tile_bf16's outputs for rows [0, R) of x (R as configured), with K a multiple of kInputsAMX; `sums`: 16 x 64
+// float32 of scratch for the tiles' results.
+template <int NP>
+void amx_tile_bf16(const uint16_t* x, int R, int64_t K, const uint16_t* panel, int64_t panel_size, int64_t n0,
+                   int64_t width, uint16_t* y, int64_t N, const EpilogueBF16& e, const Ahead& ahead, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NP == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += kInputsAMX) {
+    ahead.at(k / kInputsAMX);
+    _tile_loadd(4, x + k, K * 2);
+    const uint16_t* w = panel + k * kPanelBF16;  // pair k / 2's row
+    _tile_loadd(5, w, 2 * kPanelBF16 * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, w + 32, 2 * kPanelBF16 * 2);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (NP == 2) {
+      const uint16_t* w2 = w + panel_size;
+      _tile_loadd(7, w2, 2 * kPanelBF16 * 2);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, w2 + 32, 2 * kPanelBF16 * 2);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  constexpr int H = 2 * NP;
+  _tile_stored(0, sums, 64 * 4);
+  _tile_stored(1, sums + 16, 64 * 4);
+  if constexpr (NP == 2) {
+    _tile_stored(2, sums + 32, 64 * 4);
+    _tile_stored(3, sums + 48, 64 * 4);
+  }
+  for (int r = 0; r < R; ++r)
+    finish_tile_bf16<1, H>([&](int, int h) { return _mm512_load_ps(sums + r * 64 + 16 * h); }, n0, width, y + r * N,
+                           N, EpilogueBF16{e.bias, e.residual ? e.residual + r * N : nullptr, e.swiglu});
+}
+
+bool use_amx(int64_t K) { return K % kInputsAMX == 0 && amx_ready(); }
+#else
+constexpr int64_t kRowsAMX = 16, kInputsAMX = 32;
+bool use_amx(int64_t) { return false; }
+#endif
 
 const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
@@ -316,17 +404,34 @@ const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uin
 void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t panel_stride, int64_t P,
                  uint16_t* yp, int64_t N, const EpilogueBF16& e) {
   const int64_t duos = (P + 1) / 2, outputs = e.swiglu ? kPanelBF16 : 2 * kPanelBF16;  // per pair
-  const int64_t block = llmserve::row_block(M, 8 * kRowsBF16, kRowsBF16, duos);
+  const bool amx = use_amx(K);
+  const int64_t tile_rows = amx ? kRowsAMX : kRowsBF16;
+  const int64_t block = llmserve::row_block(M, amx ? 4 * kRowsAMX : 8 * kRowsBF16, tile_rows, duos);
   llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
+    [[maybe_unused]] int configured = 0;  // the rows the AMX tiles are configured for on this thread
+    [[maybe_unused]] alignas(64) float sums[kRowsAMX * 64];
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
       const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
       const int64_t n0 = p / 2 * outputs, width = std::min(outputs, N - n0);
-      const int64_t tiles = (m1 - m0 + kRowsBF16 - 1) / kRowsBF16, np = (i + 1) % duos * 2;  // next item's panels
+      const int64_t tiles = (m1 - m0 + tile_rows - 1) / tile_rows, np = (i + 1) % duos * 2;  // next item's panels
       const uint16_t* next = i + 1 < i1 && np != p ? wp + np * panel_stride : nullptr;
-      for (int64_t m = m0; m < m1; m += kRowsBF16) {
+      for (int64_t m = m0; m < m1; m += tile_rows) {
         const EpilogueBF16 tile_e{e.bias, e.residual ? e.residual + m * N : nullptr, e.swiglu};
         const Ahead ahead = Ahead::for_tile(next, std::min<int64_t>(2, P - np) * panel_stride * 2, tiles,
-                                            (m - m0) / kRowsBF16, K / 2);
+                                            (m - m0) / tile_rows, amx ? K / kInputsAMX : K / 2);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) {
+          const int rows = static_cast<int>(std::min(kRowsAMX, m1 - m));
+          if (rows != configured) configure_tiles(configured = rows);
+          if (p + 1 < P)
+            amx_tile_bf16<2>(xp + m * K, rows, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
+                             tile_e, ahead, sums);
+          else
+            amx_tile_bf16<1>(xp + m * K, rows, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
+                             tile_e, {}, sums);
+          continue;
+        }
+#endif
         llmserve::with_count<kRowsBF16>(std::min(kRowsBF16, m1 - m), [&](auto rows) {
           if (p + 1 < P)
             dense_tile_bf16<rows(), 2>(xp + m * K, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
@@ -337,6 +442,9 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
         });
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (configured) _tile_release();
+#endif
   });
 }
 
@@ -415,4 +523,12 @@ torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
 }
 
 bool dense_bfloat16() { return kBFloat16Panels; }
+
+bool dense_bfloat16_amx() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return use_amx(kInputsAMX);
+#else
+  return false;
+#endif
+}
 #endif  // AVX2 + FMA

@@ -127,11 +127,16 @@ def test_bfloat16_product_is_the_rounded_float_sum_at_every_tile_shape(bf16_ops,
 def test_bfloat16_rows_do_not_depend_on_the_rest_of_the_batch(bf16_ops):
     torch.manual_seed(3)
     p = PanelLinear(torch.randn(100, 96).bfloat16(), bf16_ops)
-    x = torch.randn(19, 96).bfloat16()
+    x = torch.randn(35, 96).bfloat16()
     full = p(x)
-    for i in (0, 7, 8, 18):  # first and last of an 8-row tile, the next tile, the 3-row tail
+    for i in (0, 5, 6, 15, 16, 34):  # the edges of 6-row (AVX-512) and 16-row (AMX) tiles, the tail
         assert torch.equal(full[i], p(x[i:i + 1])[0])
         assert torch.equal(full[i], p(x[i:i + 3])[0])
+
+
+def test_a_cpu_with_amx_sums_the_bfloat16_panels_in_amx_tiles(bf16_ops):
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert bf16_ops.dense_bfloat16_amx == ("amx_bf16" in flags)
 
 
 def test_model_linear_uses_bfloat16_panels(bf16_ops):
