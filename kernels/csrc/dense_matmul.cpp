@@ -342,6 +342,24 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The thread's tile configuration while a kernel borrows the tiles: oneDNN (torch's bfloat16 matmuls) may keep its
+// own configured between calls and skip reloading it, so it is put back as it was (or released, if there was none).
+struct BorrowedTiles {
+  TileConfig saved;
+  bool taken = false;
+  void take() {
+    if (!taken) _tile_storeconfig(&saved);
+    taken = true;
+  }
+  ~BorrowedTiles() {
+    if (!taken) return;
+    if (saved.palette != 0)
+      _tile_loadconfig(&saved);
+    else
+      _tile_release();
+  }
+};
+
 // Tiles 0-3: R rows x 16 float32 sums; 4: R rows x 32 bfloat16 inputs of x; 5-7: 16 pair rows x 16 outputs of weights.
 inline void configure_tiles(int R) {
   TileConfig c;
@@ -409,6 +427,9 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
   const int64_t block = llmserve::row_block(M, amx ? 4 * kRowsAMX : 8 * kRowsBF16, tile_rows, duos);
   llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
     [[maybe_unused]] int configured = 0;  // the rows the AMX tiles are configured for on this thread
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    BorrowedTiles borrowed;
+#endif
     [[maybe_unused]] alignas(64) float sums[kRowsAMX * 64];
     for (int64_t i = i0; i < i1; ++i) {  // item i: rows [m0, m1) x panels p, p + 1
       const int64_t p = i % duos * 2, m0 = i / duos * block, m1 = std::min(M, m0 + block);
@@ -422,7 +443,10 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (amx) {
           const int rows = static_cast<int>(std::min(kRowsAMX, m1 - m));
-          if (rows != configured) configure_tiles(configured = rows);
+          if (rows != configured) {
+            borrowed.take();
+            configure_tiles(configured = rows);
+          }
           if (p + 1 < P)
             amx_tile_bf16<2>(xp + m * K, rows, K, wp + p * panel_stride, panel_stride, n0, width, yp + m * N, N,
                              tile_e, ahead, sums);
@@ -442,9 +466,6 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
         });
       }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (configured) _tile_release();
-#endif
   });
 }
 

@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from worker_svc.model import cpu_has_native_bf16, linear, linear_add, pack_linear_weight, panels_available
+from worker_svc.model import (
+    cpu_has_native_bf16,
+    linear,
+    linear_add,
+    pack_linear_weight,
+    panels_available,
+    prepack_linear_weight,
+)
 from worker_svc.panel_linear import PanelLinear, pack_panels
 
 
@@ -137,6 +144,18 @@ def test_bfloat16_rows_do_not_depend_on_the_rest_of_the_batch(bf16_ops):
 def test_a_cpu_with_amx_sums_the_bfloat16_panels_in_amx_tiles(bf16_ops):
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
     assert bf16_ops.dense_bfloat16_amx == ("amx_bf16" in flags)
+
+
+def test_onednn_and_the_bfloat16_panels_take_turns(bf16_ops):
+    """Both may use AMX tiles on the same threads: each leaves the other's tile configuration as it found it."""
+    torch.manual_seed(6)
+    w, x = torch.randn(256, 576).bfloat16(), torch.randn(40, 576).bfloat16()
+    packed, p = prepack_linear_weight(w), PanelLinear(w, bf16_ops)
+    onednn = [torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "") for _ in range(2)]
+    panels = p(x)
+    onednn.append(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    assert all(torch.equal(o, onednn[0]) for o in onednn) and torch.equal(p(x), panels)
+    torch.testing.assert_close(panels.float(), onednn[0].float(), rtol=2 ** -7, atol=1e-2)
 
 
 def test_model_linear_uses_bfloat16_panels(bf16_ops):
