@@ -424,7 +424,9 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
   const int64_t duos = (P + 1) / 2, outputs = e.swiglu ? kPanelBF16 : 2 * kPanelBF16;  // per pair
   const bool amx = use_amx(K);
   const int64_t tile_rows = amx ? kRowsAMX : kRowsBF16;
-  const int64_t block = llmserve::row_block(M, amx ? 4 * kRowsAMX : 8 * kRowsBF16, tile_rows, duos);
+  // AMX: blocks of up to 256 rows, so that a prefill chunk reads each panel from memory once and its later tiles
+  // find it in L2 (64-row blocks: 512-row matmuls 1.03-1.1x slower, 256-row 1.08-1.17x, weights from memory)
+  const int64_t block = llmserve::row_block(M, amx ? 16 * kRowsAMX : 8 * kRowsBF16, tile_rows, duos);
   llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
     [[maybe_unused]] int configured = 0;  // the rows the AMX tiles are configured for on this thread
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
