@@ -358,13 +358,14 @@ def serve(args: argparse.Namespace) -> None:
     from worker_svc import parallel
     from worker_svc.runner import ModelRunner, config_summary, resolve_device
 
+    device = resolve_device(cfg.device)
     try:  # a worker group: this host's ranks start here, each joins torch.distributed
         group = parallel.start_group(cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank, cfg.master_addr,
-                                     cfg.master_port, resolve_device(cfg.device), cfg.distributed_timeout)
+                                     cfg.master_port, device, cfg.distributed_timeout)
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
     cpus = None
-    if resolve_device(cfg.device).type == "cpu":
+    if device.type == "cpu":
         local_rank, local_size = (0, 1) if group is None else (group.local_rank, group.local_size)
         try:
             cpus = cpu_binding.rank_cpus(cfg.cpu_omp_threads_bind, cpu_binding.allowed_cpus(), torch.get_num_threads(),
