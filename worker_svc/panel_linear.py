@@ -8,7 +8,7 @@ inputs, the layout of the `vdpbf16ps` instruction's operands; 1.3-2x oneDNN's bf
 16-output halves of 16 pairs are also AMX weight tiles: on a CPU with AMX the kernel sums in those (oneDNN's AMX
 matmul had been 3-8x the `vdpbf16ps` tile at 16-256 rows; the AMX tile is 1.4-1.6x oneDNN at 1-16 rows, even at 64).
 The last panel (and an odd input's pair) is padded with zeros. Each (row, output) is summed over the inputs in order
-in one register lane, whatever the other rows: batch-invariant by construction.
+in one register lane (or AMX tile element), whatever the other rows: batch-invariant by construction.
 """
 
 from __future__ import annotations
