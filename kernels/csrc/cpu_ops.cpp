@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "avx2_sum.h"
 #include "shared_chunks.h"
 
@@ -401,11 +402,12 @@ struct QueryRow<c10::BFloat16, DV> {
 };
 #endif
 
-// acc[g * D + d] (+)= sum over rows i < rows of p[g * n + i] * v[i * tok_stride + d], for NG query heads of one KV head
-// (v: that head's first row), the NG x DV sums in registers and added in row order; `first`: acc starts at zero.
+// acc[g * D + d] (+)= sum over rows i < rows of p[g * p_head + i * p_row] * v[i * tok_stride + d], for NG query heads
+// of one KV head (v: that head's first row), the NG x DV sums in registers and added in row order; `first`: acc starts
+// at zero.
 template <typename T, int DV, int NG>
-void weighted_values(const T* v, int64_t rows, int64_t tok_stride, const float* p, int64_t n, float* acc,
-                     bool first) {
+void weighted_values(const T* v, int64_t rows, int64_t tok_stride, const float* p, int64_t p_head, int64_t p_row,
+                     float* acc, bool first) {
   __m512 a[NG][DV];
 #pragma GCC unroll 16
   for (int i = 0; i < NG * DV; ++i)
@@ -416,7 +418,7 @@ void weighted_values(const T* v, int64_t rows, int64_t tok_stride, const float* 
     for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * n + r]);
+      const __m512 pg = _mm512_set1_ps(p[g * p_head + r * p_row]);
 #pragma GCC unroll 8
       for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(pg, vv[dv], a[g][dv]);
     }
@@ -501,11 +503,198 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
         llmserve::with_count<kHeads>(std::min<int64_t>(kHeads, G - g), [&](auto heads) {
           const int64_t hq = h * G + g;
           weighted_values<T, DV, heads()>(buf + h * head_stride, rows, tok_stride, scores + hq * n + (c - start), n,
-                                          acc + hq * D, c == start);
+                                          1, acc + hq * D, c == start);
         });
   }
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Attention in AMX tiles, bfloat16 (head_dim 64 or 128, blocks a multiple of 16 positions, no window, softcap or
+// sinks). A score tile is 16 positions x 16 columns, a column a (query row, query head) pair of one sequence: the
+// keys are the tile instruction's first operand, read in place from the cache (16 rows, one head's 32 values each),
+// the columns' queries the second, laid out once per set of columns. A decode's set is its query heads (one key tile
+// per KV head and 32 values: a column only sums its own KV head's products, the other heads' query tiles hold zeros);
+// a prefill chunk's 16 rows of one head share each key tile instead of reading it once per row. Everything after the
+// scores runs per column in its own vector lane or registers, over positions in order: a column's result does not
+// depend on the other columns of its set, so a row's bits are the same whether it is a decode, a prefill row or a
+// speculative draft, whatever the batch.
+constexpr int kTileColumns = 16;
+constexpr int64_t kTileKeys = 16;
+
+// What every set of columns of one call shares.
+struct CacheShape {
+  const c10::BFloat16 *kc, *vc;
+  int64_t blk_stride, tok_stride, head_stride, block_size;
+  float scale;
+};
+
+// Up to 16 (row, head) columns of one sequence, their heads in increasing order; unused columns have len 0.
+struct ColumnSet {
+  const c10::BFloat16* q[kTileColumns];
+  c10::BFloat16* out[kTileColumns];
+  alignas(64) int32_t len[kTileColumns];
+  int32_t kv_head[kTileColumns];
+  int count;
+  int64_t rows;  // rows of the set's block
+  const int32_t* table;
+};
+
+struct TileScratch {
+  std::vector<uint32_t> queries;    // the query tiles: KV heads x parts x 16 pair rows x 16 columns
+  std::vector<float> p;             // positions x 16 columns: scores, then exponentials
+  std::vector<float> acc;           // 16 columns x D sums of values
+  std::vector<c10::BFloat16> buf;   // kValueChunk positions of values
+  llmserve::BorrowedTiles tiles;
+};
+
+template <int DV>
+void attend_columns_amx(const CacheShape& a, const ColumnSet& cs, TileScratch& s) {
+  constexpr int D = 16 * DV, kParts = D / 32;
+  const int C = cs.count, h0 = cs.kv_head[0], heads = cs.kv_head[C - 1] - h0 + 1;
+  int64_t n = 0;
+  for (int c = 0; c < C; ++c) n = std::max<int64_t>(n, cs.len[c]);
+  // query tile (head h - h0, part j): row k, column c = pair 16 j + k of column c's query where c is of head h
+  uint32_t* qt = s.queries.data();
+  std::fill(qt, qt + heads * kParts * 256, 0u);
+  for (int c = 0; c < C; ++c) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(cs.q[c]);
+    uint32_t* tile = qt + (cs.kv_head[c] - h0) * kParts * 256 + c;
+    for (int k = 0; k < D / 2; ++k) tile[(k / 16) * 256 + (k % 16) * 16] = pairs[k];
+  }
+  float* p = s.p.data();
+  const c10::BFloat16* k0 = a.kc + h0 * a.head_stride;
+  for (int64_t t = 0; t < n; t += kTileKeys) {
+    const c10::BFloat16* k = k0 + cs.table[t / a.block_size] * a.blk_stride + (t % a.block_size) * a.tok_stride;
+    _tile_zero(0);
+    for (int h = 0; h < heads; ++h)
+      for (int j = 0; j < kParts; ++j) {
+        _tile_loadd(1, k + h * a.head_stride + 32 * j, a.tok_stride * 2);
+        _tile_loadd(2, qt + (h * kParts + j) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+    _tile_stored(0, p + t * kTileColumns, 64);
+  }
+  // each column's softmax over its own positions (a lane each; positions past a column's length are masked off)
+  const __m512i lens = _mm512_load_si512(cs.len);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::max()), sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __mmask16 live = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(static_cast<int32_t>(t)));
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + t * kTileColumns), scale);
+    _mm512_storeu_ps(p + t * kTileColumns, x);
+    m = _mm512_mask_max_ps(m, live, m, x);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const __mmask16 live = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(static_cast<int32_t>(t)));
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t * kTileColumns), m)));
+    _mm512_storeu_ps(p + t * kTileColumns, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  alignas(64) float inv[kTileColumns];
+  _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                           _mm512_set1_ps(1.f), sum));
+  // the weighted sums of values: consecutive columns of one KV head, up to 16 / DV at a time, in registers
+  float* acc = s.acc.data();
+  if (n == 0) std::fill(acc, acc + C * D, 0.f);
+  // v: the rows of positions [c0, c0 + rows), tok_stride apart, from head h0 on
+  auto weigh = [&](const c10::BFloat16* v, int64_t c0, int64_t rows) {
+    for (int g0 = 0; g0 < C;) {
+      int g1 = g0 + 1;
+      while (g1 < C && cs.kv_head[g1] == cs.kv_head[g0] && g1 - g0 < 16 / DV) ++g1;
+      llmserve::with_count<16 / DV>(g1 - g0, [&](auto cols) {
+        weighted_values<c10::BFloat16, DV, cols()>(v + (cs.kv_head[g0] - h0) * a.head_stride, rows, a.tok_stride,
+                                                   p + c0 * kTileColumns + g0, 1, kTileColumns, acc + g0 * D,
+                                                   c0 == 0);
+      });
+      g0 = g1;
+    }
+  };
+  const c10::BFloat16* v0 = a.vc + h0 * a.head_stride;
+  if (cs.rows > 1) {  // the sequence's values were just written or are shared by the block's sets: in cache
+    for_each_run(v0, cs.table, 0, n, a.block_size, a.blk_stride, a.tok_stride, a.block_size,
+                 [&](int64_t t, int m, const c10::BFloat16* v) { weigh(v, t, m); });
+  } else {  // a decode's values come from memory: copied first (see kValueChunk)
+    const int64_t span = (heads - 1) * a.head_stride + D;
+    for (int64_t c0 = 0; c0 < n; c0 += kValueChunk) {
+      const int64_t rows = std::min(kValueChunk, n - c0);
+      copy_rows(v0, cs.table, c0, c0 + rows, a.block_size, a.blk_stride, a.tok_stride, span, s.buf.data());
+      weigh(s.buf.data(), c0, rows);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int d = 0; d < D; ++d) cs.out[c][d] = from_float<c10::BFloat16>(acc[c * D + d] * inv[c]);
+}
+
+// Whether decode_attention's call runs in AMX tiles (see attend_columns_amx).
+bool attention_in_tiles(const torch::Tensor& query, const torch::Tensor& key_cache, int64_t window, double softcap,
+                        const c10::optional<torch::Tensor>& sinks) {
+  const int64_t D = query.size(2), G = query.size(1) / key_cache.size(2);
+  return query.scalar_type() == torch::kBFloat16 && (D == 64 || D == 128) && key_cache.size(1) % kTileKeys == 0 &&
+         G <= kTileColumns && window <= 0 && softcap <= 0.0 && !sinks.has_value() && llmserve::amx_ready();
+}
+
+// The rows in blocks of up to 16 consecutive rows of one sequence (the same table row); a block's (row, head) pairs,
+// head-major, in sets of 16 columns; a set is an item.
+void attention_amx(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
+                   const torch::Tensor& value_cache, const torch::Tensor& tables, const torch::Tensor& seq_lens,
+                   double scale, torch::Tensor& out) {
+  using Bf16 = c10::BFloat16;
+  const int64_t num = rows.size(0), Hq = query.size(1), D = query.size(2), Hkv = key_cache.size(2), G = Hq / Hkv;
+  const int64_t width = tables.size(1), max_len = width * key_cache.size(1);
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  std::vector<int64_t> block_first{0}, set_first{0};
+  for (int64_t i = 1; i <= num; ++i)
+    if (i == num || i - block_first.back() == kTileColumns ||
+        std::memcmp(tab + i * width, tab + (i - 1) * width, width * sizeof(int32_t)) != 0) {
+      const int64_t pairs = (i - block_first.back()) * Hq;
+      set_first.push_back(set_first.back() + (pairs + kTileColumns - 1) / kTileColumns);
+      if (i < num) block_first.push_back(i);
+    }
+  const CacheShape shape{key_cache.data_ptr<Bf16>(), value_cache.data_ptr<Bf16>(), key_cache.stride(0),
+                         key_cache.stride(1), key_cache.stride(2), key_cache.size(1), static_cast<float>(scale)};
+  const Bf16* q = query.data_ptr<Bf16>();
+  Bf16* o = out.data_ptr<Bf16>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
+  auto fn = D == 64 ? attend_columns_amx<4> : attend_columns_amx<8>;
+  llmserve::share_chunks(
+      set_first.back(),
+      [&] {
+        return TileScratch{std::vector<uint32_t>(Hkv * (D / 32) * 256),
+                           std::vector<float>((max_len + kTileKeys) * kTileColumns),
+                           std::vector<float>(kTileColumns * D), std::vector<Bf16>(kValueChunk * shape.tok_stride), {}};
+      },
+      [&](TileScratch& s, int64_t begin, int64_t end) {
+        if (!s.tiles.taken) {  // tiles 0: scores, 1: keys, 2: queries, each 16 rows of 64 bytes
+          s.tiles.take();
+          llmserve::TileConfig config;
+          for (int t = 0; t < 3; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+          _tile_loadconfig(&config);
+        }
+        int64_t b = std::upper_bound(set_first.begin(), set_first.end(), begin) - set_first.begin() - 1;
+        for (int64_t set = begin; set < end; ++set) {
+          while (set >= set_first[b + 1]) ++b;
+          const int64_t first = block_first[b], R = (b + 1 < static_cast<int64_t>(block_first.size()) ?
+                                                     block_first[b + 1] : num) - first;
+          ColumnSet cs{};
+          cs.table = tab + first * width;
+          const int64_t c0 = (set - set_first[b]) * kTileColumns;
+          cs.count = static_cast<int>(std::min<int64_t>(kTileColumns, R * Hq - c0));
+          cs.rows = R;
+          for (int c = 0; c < cs.count; ++c) {
+            const int64_t hq = (c0 + c) / R, i = first + (c0 + c) % R;
+            cs.q[c] = q + row[i] * q_tok + hq * q_head;
+            cs.out[c] = o + row[i] * o_tok + hq * o_head;
+            cs.len[c] = lens[i];
+            cs.kv_head[c] = static_cast<int32_t>(hq / G);
+          }
+          fn(shape, cs, s);
+        }
+      });
 }
 #endif
 
@@ -793,6 +982,10 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
                   seq_lens.scalar_type() == torch::kInt32 && tables.is_contiguous(),
               "decode_attention: rows int64, tables and seq_lens int32");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "decode_attention: Hq must be a multiple of Hkv");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (attention_in_tiles(query, key_cache, window, softcap, sinks))
+    return attention_amx(query, rows, key_cache, value_cache, tables, seq_lens, scale, out);
+#endif
   if (query.scalar_type() == torch::kBFloat16) {
     decode_attention_impl<c10::BFloat16>(query, rows, key_cache, value_cache, tables, seq_lens, scale, window,
                                          softcap, sinks, out);
@@ -943,6 +1136,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
   m.attr("dense_bfloat16") = dense_bfloat16();
   m.attr("dense_bfloat16_amx") = dense_bfloat16_amx();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  m.attr("attention_bfloat16_amx") = llmserve::amx_ready();  // bfloat16 attention in AMX tiles (attend_columns_amx)
+#else
+  m.attr("attention_bfloat16_amx") = false;
+#endif
   m.def("dense_swiglu", &dense_swiglu, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"));
   bind_decoder_layers(m);
 #endif

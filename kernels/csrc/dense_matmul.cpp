@@ -23,9 +23,7 @@
 #include <cstring>
 #include <optional>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_tiles.h"
 #include "shared_chunks.h"
 #include "with_count.h"
 
@@ -329,36 +327,9 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
 constexpr int64_t kRowsAMX = 16;
 constexpr int64_t kInputsAMX = 32;  // inputs per step: K must be a multiple
 
-// Linux hands out the AMX register state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM,
-// XFEATURE_XTILEDATA); asked once, the answer holds for every thread.
-bool amx_ready() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// The thread's tile configuration while a kernel borrows the tiles: oneDNN (torch's bfloat16 matmuls) may keep its
-// own configured between calls and skip reloading it, so it is put back as it was (or released, if there was none).
-struct BorrowedTiles {
-  TileConfig saved;
-  bool taken = false;
-  void take() {
-    if (!taken) _tile_storeconfig(&saved);
-    taken = true;
-  }
-  ~BorrowedTiles() {
-    if (!taken) return;
-    if (saved.palette != 0)
-      _tile_loadconfig(&saved);
-    else
-      _tile_release();
-  }
-};
+using llmserve::amx_ready;
+using llmserve::BorrowedTiles;
+using llmserve::TileConfig;
 
 // Tiles 0-3: R rows x 16 float32 sums; 4: R rows x 32 bfloat16 inputs of x; 5-7: 16 pair rows x 16 outputs of weights.
 inline void configure_tiles(int R) {

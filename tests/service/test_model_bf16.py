@@ -2,9 +2,9 @@
 
 The rule for near-ties: in bfloat16 two logits within a couple of rounding steps of each other are a tie that the
 order of additions decides, so the two implementations may break it differently. Greedy tokens must be identical up
-to the first position where they differ; at that position Hugging Face's top-2 logits must be within NEAR_TIE of
-each other and our token must be its second choice. Everything after a tie is a different continuation and is not
-compared.
+to the first position where they differ; at that position Hugging Face's logit for our token must be within NEAR_TIE
+of its own choice's (an exact bfloat16 tie included: Hugging Face's argmax then takes the lower token id, where our
+sums may put the other ahead). Everything after a tie is a different continuation and is not compared.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ def test_bf16_greedy_matches_hf_bf16_up_to_near_ties(bundled_model_path, hf_toke
         if first is None:
             num_equal += 1
             continue
-        top = out.logits[first][0].float().topk(2)
-        gap = (top.values[0] - top.values[1]).item()
-        assert gap <= NEAR_TIE, f"prompt {sid}: token {first} differs where HF's top-2 gap is {gap} > {NEAR_TIE}"
-        assert ours[sid][first] == top.indices[1].item(), f"prompt {sid}: token {first} is not HF's second choice"
+        hf_logits = out.logits[first][0].float()
+        gap = (hf_logits[theirs[first]] - hf_logits[ours[sid][first]]).item()
+        assert 0 <= gap <= NEAR_TIE, f"prompt {sid}: token {first} differs where HF's logits are {gap} apart"
     assert num_equal >= len(prompts) // 2, "most prompts meet no near-tie in NUM_NEW tokens"

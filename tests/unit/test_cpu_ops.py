@@ -140,6 +140,60 @@ def test_decode_attention_is_the_same_bits_whatever_the_batch_and_threads(dtype,
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (64, 32, 8), (64, 16, 1),
+                                                            (32, 4, 4)])
+def test_a_rows_attention_is_the_same_bits_as_a_decode_in_a_prefill_chunk_or_a_draft(dtype, head_dim, num_heads,
+                                                                                     num_kv_heads):
+    # With AMX, the rows of one sequence share key tiles (16 rows of a head, or a decode's heads, per tile): a row's
+    # output must not depend on which rows it shares them with, however a prompt is chunked.
+    rows = 45  # blocks of 16, 16 and 13 rows
+    seq_lens = [70, 130, 25]  # the long one's last `rows` positions are the chunk
+    q, kc, vc, tables = _case(dtype, head_dim, num_heads, num_kv_heads, [rows, 1, 1], seq_lens, seed=4)
+    chunk_lens = list(range(seq_lens[1] - rows + 1, seq_lens[1] + 1))
+
+    def attend(parts: list[tuple[int, int]]) -> torch.Tensor:
+        """the chunk's rows [a, b) of each part as one call each, with the two decodes in the same call"""
+        out = torch.zeros_like(q)
+        for a, b in parts:
+            token_rows = [*range(a, b), rows, rows + 1]
+            seqs = [1] * (b - a) + [0, 2]
+            lens = [*chunk_lens[a:b], seq_lens[0], seq_lens[2]]
+            ops.decode_attention(q, torch.tensor(token_rows), kc, vc, tables[seqs].contiguous(),
+                                 torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5, 0, 0.0, None, out)
+        return out
+
+    want = attend([(0, rows)])
+    for parts in ([(i, i + 1) for i in range(rows)], [(0, 7), (7, 20), (20, 45)], [(0, 3), (3, 44), (44, 45)]):
+        got = attend(parts)
+        assert torch.equal(got[:rows], want[:rows]), parts
+    assert torch.equal(attend([(0, 1)])[rows:], want[rows:])  # the decodes, whatever shares their call
+
+
+def test_bfloat16_attention_takes_amx_tiles_where_the_cpu_has_them():
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert ops.attention_bfloat16_amx == ("amx_bf16" in flags and "amx_tile" in flags)
+
+
+def test_bfloat16_attention_with_32_position_blocks_matches_sdpa():
+    # a 32-position block holds two key tiles (the tiles take 16 positions at a time, from inside a block)
+    g = torch.Generator().manual_seed(5)
+    bs, query_lens, seq_lens = 32, [1, 20, 1], [75, 60, 1]
+    kc = torch.randn(12, bs, 3, 64, generator=g).bfloat16()
+    vc = torch.randn(12, bs, 3, 64, generator=g).bfloat16()
+    tables = torch.randperm(12, generator=g)[:9].view(3, 3).int()
+    q = torch.randn(sum(query_lens), 9, 64, generator=g).bfloat16()
+    cu = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def run(kernel: bool, dt: torch.dtype) -> torch.Tensor:
+        plan = build_reference_plan(tables, query_lens, seq_lens, bs, decode_kernel=kernel)
+        return paged_attention(q.to(dt), kc.to(dt), vc.to(dt), tables, cu, lens, 0.125, plan=plan).float()
+
+    exact, got = run(False, torch.float32), run(True, torch.bfloat16)
+    assert bool(((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all())
+
+
 def test_decode_attention_of_an_empty_sequence_is_zero():
     q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1, 1], [0, 10])
     plan = build_reference_plan(tables, [1, 1], [0, 10], 16, decode_kernel=True)
