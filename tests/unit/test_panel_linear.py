@@ -133,12 +133,14 @@ def test_bfloat16_product_is_the_rounded_float_sum_at_every_tile_shape(bf16_ops,
 
 def test_bfloat16_rows_do_not_depend_on_the_rest_of_the_batch(bf16_ops):
     torch.manual_seed(3)
-    p = PanelLinear(torch.randn(100, 96).bfloat16(), bf16_ops)
-    x = torch.randn(35, 96).bfloat16()
+    p = PanelLinear(torch.randn(1000, 96).bfloat16(), bf16_ops)  # enough panels for one block of rows
+    x = torch.randn(59, 96).bfloat16()
     full = p(x)
-    for i in (0, 5, 6, 15, 16, 34):  # the edges of 6-row (AVX-512) and 16-row (AMX) tiles, the tail
-        assert torch.equal(full[i], p(x[i:i + 1])[0])
+    # the edges of 6-row (AVX-512) tiles and of AMX's 32-row tall tiles (rows 0-31, then a 27-row one), the tail
+    for i in (0, 5, 6, 15, 16, 31, 32, 47, 48, 58):
+        assert torch.equal(full[i], p(x[i:i + 1])[0])  # a wide AMX tile of one row
         assert torch.equal(full[i], p(x[i:i + 3])[0])
+        assert torch.equal(full[i], p(x[max(0, i - 20):i + 1])[-1])  # a tall one of 17-21 rows
 
 
 def test_a_cpu_with_amx_sums_the_bfloat16_panels_in_amx_tiles(bf16_ops):
@@ -183,7 +185,7 @@ def test_bad_bfloat16_operands_are_refused_naming_them(bf16_ops):
 
 
 @pytest.mark.parametrize("inter, inp", [(64, 64), (96, 63), (1536, 576)])
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 200])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 20, 64, 200])
 def test_swiglu_is_the_two_matmuls_and_silu_mul_bit_for_bit(bf16_ops, inter, inp, rows):
     torch.manual_seed(inter + rows)
     gate, up = (PanelLinear((torch.randn(inter, inp) * 0.1).bfloat16(), bf16_ops) for _ in range(2))
