@@ -9,6 +9,7 @@
 
 #include "amx_tiles.h"
 #include "avx2_sum.h"
+#include "bf16_lanes.h"
 #include "shared_chunks.h"
 
 #include <algorithm>
@@ -848,6 +849,33 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Te
   const int64_t* pos = positions.data_ptr<int64_t>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (half % 16 == 0) {  // 16 lanes of each half at a time, the same roundings as the loop below
+      using llmserve::round_bf16;
+      at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const T* c = cp + pos[t] * cs;
+          const T* s = sp + pos[t] * cs;
+          for (int64_t h = 0; h < H; ++h) {
+            T* v = xp + t * ts + h * hs;
+            for (int64_t d = 0; d < half; d += 16) {
+              const __m512 x0 = load16(v + d), x1 = load16(v + d + half);
+              const __m512 y0 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x0, load16(c + d))),
+                                              round_bf16(_mm512_mul_ps(x1, load16(s + d))));
+              const __m512 y1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load16(c + d + half))),
+                                              round_bf16(_mm512_mul_ps(x0, load16(s + d + half))));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + d), _mm512_cvtepi32_epi16(llmserve::to_bf16(y0)));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + d + half),
+                                  _mm512_cvtepi32_epi16(llmserve::to_bf16(y1)));
+            }
+          }
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
     for (int64_t t = begin; t < end; ++t) {
@@ -857,13 +885,18 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Te
         T* v = xp + t * ts + h * hs;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(v[d]);
-        // x * cos + swap_halves(x) * sin_signed, each product and the sum rounded to T as the torch ops do
+        // x * cos + swap_halves(x) * sin_signed, each product and the sum rounded to T as the torch ops do; a loop
+        // per half, so that each reads its partner half in order (one loop picking d +- half ran scalar)
+        const auto rotate = [&](int64_t d0, int64_t shift) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-          const float a = to_float(from_float<T>(tmp[d] * to_float(c[d])));
-          const float b = to_float(from_float<T>(tmp[d < half ? d + half : d - half] * to_float(s[d])));
-          v[d] = from_float<T>(a + b);
-        }
+          for (int64_t d = d0; d < d0 + half; ++d) {
+            const float a = to_float(from_float<T>(tmp[d] * to_float(c[d])));
+            const float b = to_float(from_float<T>(tmp[d + shift] * to_float(s[d])));
+            v[d] = from_float<T>(a + b);
+          }
+        };
+        rotate(0, half);
+        rotate(half, -half);
       }
     }
   });

@@ -24,6 +24,7 @@
 #include <optional>
 
 #include "amx_tiles.h"
+#include "bf16_lanes.h"
 #include "shared_chunks.h"
 #include "with_count.h"
 
@@ -180,14 +181,7 @@ namespace {
 constexpr int64_t kPanelBF16 = 32;  // outputs per bfloat16 panel: two 16-lane float32 accumulators
 constexpr int64_t kRowsBF16 = 6;    // rows per tile: 6 x 4 accumulators (two panels)
 
-// float32 -> bfloat16 bits in the low half of each lane, as torch rounds (to nearest even; NaN -> 0x7fc0)
-inline __m512i to_bf16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  return _mm512_srli_epi32(r, 16);
-}
+using llmserve::to_bf16;
 
 // 16 bfloat16 values (masked) as float32
 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
