@@ -38,6 +38,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "paged_attention_cpu": ["--cases", "1x16", "--repeats", "1", "--dtypes", "float32", *_JSON],
     "dense_matmul": ["--rows", "1,7", "--shapes", "100x96", "--repeats", "3", *_JSON],
     "decode_attention_layers": ["--cases", "2x40", "--repeats", "2"],
+    "layer_ops": ["--steps", "decode:2@40,prefill:1@32", "--repeats", "1"],
     "compute_roof": ["--seconds", "0.05", *_JSON],
     "quant_matmul_rate": ["--shapes", "o", "--repeats", "3", "--rotate-mb", "2", *_JSON],
     "lora_throughput": ["--ranks", "8", "--adapters", "0,1", "--repeats", "1", "--output-tokens", "3", "--concurrency",
