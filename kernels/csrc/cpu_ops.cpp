@@ -648,13 +648,13 @@ void attention_amx(const torch::Tensor& query, const torch::Tensor& rows, const 
   const int32_t* tab = tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* row = rows.data_ptr<int64_t>();
-  std::vector<int64_t> block_first{0}, set_first{0};
+  std::vector<int64_t> block_first{0}, set_first{0};  // block b: rows [block_first[b], block_first[b + 1])
   for (int64_t i = 1; i <= num; ++i)
     if (i == num || i - block_first.back() == kTileColumns ||
         std::memcmp(tab + i * width, tab + (i - 1) * width, width * sizeof(int32_t)) != 0) {
       const int64_t pairs = (i - block_first.back()) * Hq;
       set_first.push_back(set_first.back() + (pairs + kTileColumns - 1) / kTileColumns);
-      if (i < num) block_first.push_back(i);
+      block_first.push_back(i);
     }
   const CacheShape shape{key_cache.data_ptr<Bf16>(), value_cache.data_ptr<Bf16>(), key_cache.stride(0),
                          key_cache.stride(1), key_cache.stride(2), key_cache.size(1), static_cast<float>(scale)};
@@ -679,8 +679,7 @@ void attention_amx(const torch::Tensor& query, const torch::Tensor& rows, const 
         int64_t b = std::upper_bound(set_first.begin(), set_first.end(), begin) - set_first.begin() - 1;
         for (int64_t set = begin; set < end; ++set) {
           while (set >= set_first[b + 1]) ++b;
-          const int64_t first = block_first[b], R = (b + 1 < static_cast<int64_t>(block_first.size()) ?
-                                                     block_first[b + 1] : num) - first;
+          const int64_t first = block_first[b], R = block_first[b + 1] - first;
           ColumnSet cs{};
           cs.table = tab + first * width;
           const int64_t c0 = (set - set_first[b]) * kTileColumns;

@@ -253,7 +253,8 @@ inline void finish_tile_bf16(Sum&& sum, int64_t n0, int64_t width, uint16_t* y, 
         if (lanes == 0) break;
         const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1);
         for (int r = 0; r < R; ++r)
-          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m, _mm512_cvtepi32_epi16(swiglu16(sum(r, h), sum(r, 2 + h))));
+          _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * h, m,
+                                   _mm512_cvtepi32_epi16(swiglu16(sum(r, h), sum(r, 2 + h))));
       }
       return;
     }
@@ -353,8 +354,8 @@ struct PendingTile {
   void finish_row() {
     const int r = done++;
     const EpilogueBF16 row_e{e.bias, e.residual ? e.residual + r * N : nullptr, e.swiglu};
-    if (tall)  // halves 0 and 2 (gate's and up's first 16) only: width <= 16
-      finish_tile_bf16<1, 4>([&](int, int h) { return _mm512_load_ps(sums + r * 32 + 8 * h); }, n0, width,
+    if (tall)  // halves 0 and 2 (gate's and up's 16 outputs) only: width <= 16
+      finish_tile_bf16<1, 4>([&](int, int h) { return _mm512_load_ps(sums + r * 32 + 16 * (h / 2)); }, n0, width,
                              y + r * N, N, row_e);
     else
       finish_tile_bf16<1, 4>([&](int, int h) { return _mm512_load_ps(sums + r * 64 + 16 * h); }, n0, width,
@@ -473,7 +474,7 @@ void panel_items(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, i
   // find it in L2 (64-row blocks: 512-row matmuls 1.03-1.1x slower, 256-row 1.08-1.17x, weights from memory)
   const int64_t block = llmserve::row_block(M, amx ? 16 * kRowsAMX : 8 * kRowsBF16, tile_rows, duos);
   llmserve::share_chunks((M + block - 1) / block * duos, [&](int64_t i0, int64_t i1) {
-    [[maybe_unused]] int configured = 0;  // the rows the AMX tiles are configured for on this thread
+    [[maybe_unused]] int configured = 0;  // the AMX tile shape configured on this thread (configure_tiles' key)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     BorrowedTiles borrowed;
     alignas(64) float sums[2][kRowsAMX * 64];  // this tile's and the pending one's
