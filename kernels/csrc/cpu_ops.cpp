@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "with_count.h"
@@ -428,10 +429,45 @@ void weighted_values(const T* v, int64_t rows, int64_t tok_stride, const float* 
   for (int i = 0; i < NG * DV; ++i) _mm512_storeu_ps(acc + (i / DV) * 16 * DV + (i % DV) * 16, a[i / DV][i % DV]);
 }
 
-// Positions are copied into a per-thread buffer before use, a run (keys) or a chunk (values) at a time: the copy
+// Positions of values weighed per step. The AMX path copies a decode's chunk into a per-thread buffer first: the copy
 // reads them in address order, which the hardware prefetcher follows; reading each head's rows in place (strided)
-// ran at 10-13 GB/s from memory against the ~34 GB/s a sum reads here.
-constexpr int64_t kValueChunk = 32;  // positions of values per copy
+// ran at 10-13 GB/s from memory against the ~34 GB/s a sum read (the AVX-512 path asks for them ahead instead).
+constexpr int64_t kValueChunk = 32;
+
+// The next decode's key and value rows, asked of L2 a few cache lines at a time while this decode computes (see
+// attend_seq_avx512's `ahead`): a decode's blocks are scattered through the pool, so no hardware prefetcher runs
+// ahead of them, and fetched only as a pass reached them they arrived at ~12 GB/s of the ~30 a sum reads here.
+struct RowsAhead {
+  std::vector<std::pair<const char*, const char*>> spans;  // line-aligned byte ranges, keys' then values'
+  size_t span = 0;
+  const char* at = nullptr;
+  int64_t per_step = 0;
+
+  void clear() { spans.clear(), span = 0, per_step = 0; }
+  // rows of positions [start, len) (span: the elements of a row), spread over `steps` calls of step()
+  template <typename T>
+  void plan(const T* kc, const T* vc, const int32_t* table, int64_t start, int64_t len, int64_t block_size,
+            int64_t blk_stride, int64_t tok_stride, int64_t row_span, int64_t steps) {
+    clear();
+    int64_t lines = 0;
+    for (const T* cache : {kc, vc})
+      for_each_run(cache, table, start, len, block_size, blk_stride, tok_stride, block_size,
+                   [&](int64_t, int m, const T* r) {
+                     const auto first = reinterpret_cast<uintptr_t>(r) & ~uintptr_t{63};
+                     const auto end = reinterpret_cast<uintptr_t>(r + (m - 1) * tok_stride + row_span);
+                     spans.emplace_back(reinterpret_cast<const char*>(first), reinterpret_cast<const char*>(end));
+                     lines += static_cast<int64_t>((end - first + 63) / 64);
+                   });
+    at = spans.empty() ? nullptr : spans[0].first;
+    per_step = (lines + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  void step() {
+    for (int64_t l = 0; l < per_step && span < spans.size(); ++l) {
+      _mm_prefetch(at, _MM_HINT_T1);
+      if ((at += 64) >= spans[span].second && ++span < spans.size()) at = spans[span].first;
+    }
+  }
+};
 
 // Rows of positions [t0, t1) of a paged sequence into buf, tok_stride apart; span: the elements of one row.
 template <typename T>
@@ -443,24 +479,24 @@ inline void copy_rows(const T* cache, const int32_t* table, int64_t t0, int64_t 
 }
 
 // One decode's attention, all heads, for head_dim = 16 * DV. The keys are read in the cache's order, a run of
-// positions of one block at a time (copied first, see kValueChunk), the scores of all heads into a small per-thread
-// buffer in L1/L2; then the values, a chunk of positions at a time, each KV head's query heads' sums in registers
-// over the chunk (summing in memory stored and reloaded every accumulator at every position; kernels/README.md has the
-// timings).
+// positions of one block at a time, the scores of all heads into a small per-thread buffer in L1/L2; then the values,
+// a run of up to kValueChunk positions at a time, each KV head's query heads' sums in registers over the run (summing
+// in memory stored and reloaded every accumulator at every position; kernels/README.md has the timings). Both passes
+// read the cache in place: `ahead` has asked L2 for this decode's rows while the previous one computed, and asks for
+// the next one's between this one's steps (a copy of each run first, for the prefetcher's sake, ran 1.1-1.2x slower).
 template <typename T, int DV>
 void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
                        int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
                        int64_t block_size, int64_t Hkv, int64_t G, float scale, float softcap, const float* sinks,
-                       float* scores, float* acc, float* inv, T* buf, T* out, int64_t out_head_stride) {
+                       float* scores, float* acc, float* inv, T* out, int64_t out_head_stride, RowsAhead& ahead) {
   constexpr int D = 16 * DV;
-  const int64_t n = len - start, Hq = Hkv * G, span = (Hkv - 1) * head_stride + D;
+  const int64_t n = len - start, Hq = Hkv * G;
   const __m512 scale_v = _mm512_set1_ps(scale);
   // scores[hq * n + i] = scale * q . k for position start + i, 16 positions at a time
   for_each_run(kc, table, start, len, block_size, blk_stride, tok_stride, 16, [&](int64_t t, int m, const T* k) {
-    std::memcpy(buf, k, ((m - 1) * tok_stride + span) * sizeof(T));  // see kValueChunk
-    k = buf;
     const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
     for (int64_t h = 0; h < Hkv; ++h) {
+      ahead.step();
       const T* kh = k + h * head_stride;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
@@ -496,17 +532,16 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
   // the weighted sums of V: per KV head, up to 16 / DV of its query heads at a time with their sums in registers
   constexpr int kHeads = 16 / DV;
   if (n == 0) std::fill(acc, acc + Hq * D, 0.f);
-  for (int64_t c = start; c < len; c += kValueChunk) {
-    const int64_t rows = std::min(kValueChunk, len - c);
-    copy_rows(vc, table, c, c + rows, block_size, blk_stride, tok_stride, span, buf);
-    for (int64_t h = 0; h < Hkv; ++h)
+  for_each_run(vc, table, start, len, block_size, blk_stride, tok_stride, kValueChunk, [&](int64_t c, int rows,
+                                                                                           const T* v) {
+    for (int64_t h = 0; h < Hkv; ++h, ahead.step())
       for (int64_t g = 0; g < G; g += kHeads)
         llmserve::with_count<kHeads>(std::min<int64_t>(kHeads, G - g), [&](auto heads) {
           const int64_t hq = h * G + g;
-          weighted_values<T, DV, heads()>(buf + h * head_stride, rows, tok_stride, scores + hq * n + (c - start), n,
+          weighted_values<T, DV, heads()>(v + h * head_stride, rows, tok_stride, scores + hq * n + (c - start), n,
                                           1, acc + hq * D, c == start);
         });
-  }
+  });
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
 }
@@ -743,20 +778,30 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
     auto fn = D == 64 ? attend_seq_avx512<T, 4> : attend_seq_avx512<T, 8>;
     struct Scratch {
       std::vector<float> scores, acc, inv;
-      std::vector<T> buf;  // copies of keys and values (kValueChunk)
+      RowsAhead ahead;
     };
     llmserve::share_chunks(
         num,
         [&] {
           return Scratch{std::vector<float>(Hq * max_len), std::vector<float>(Hq * D), std::vector<float>(Hq),
-                         std::vector<T>(std::max<int64_t>(16, kValueChunk) * tok)};
+                         RowsAhead{}};
         },
         [&](Scratch& s, int64_t begin, int64_t end) {
+          const int64_t width = tables.size(1), span = (Hkv - 1) * head + D;
+          const auto start_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0; };
           for (int64_t i = begin; i < end; ++i) {
-            const int64_t len = lens[i], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-            fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * tables.size(1), start, len, block_size,
-               Hkv, G, static_cast<float>(scale), static_cast<float>(softcap), sink, s.scores.data(), s.acc.data(),
-               s.inv.data(), s.buf.data(), o + row[i] * o_tok, o_head);
+            const int64_t len = lens[i], start = start_of(i);
+            // the next row's keys and values while this one computes, unless it reads the same blocks (a prompt's
+            // next row); past the chunk's end too, as the next chunk is often this thread's
+            s.ahead.clear();
+            if (i + 1 < num && tab[(i + 1) * width] != tab[i * width]) {
+              const int64_t steps = Hkv * ((len - start + 15) / 16 + (len - start + kValueChunk - 1) / kValueChunk);
+              s.ahead.plan(kc, vc, tab + (i + 1) * width, start_of(i + 1), lens[i + 1], block_size, blk, tok, span,
+                           steps);
+            }
+            fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * width, start, len, block_size, Hkv, G,
+               static_cast<float>(scale), static_cast<float>(softcap), sink, s.scores.data(), s.acc.data(),
+               s.inv.data(), o + row[i] * o_tok, o_head, s.ahead);
           }
         });
     return;
