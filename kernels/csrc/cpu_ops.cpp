@@ -794,7 +794,7 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
             // the next row's keys and values while this one computes, unless it reads the same blocks (a prompt's
             // next row); past the chunk's end too, as the next chunk is often this thread's
             s.ahead.clear();
-            if (i + 1 < num && tab[(i + 1) * width] != tab[i * width]) {
+            if (width > 0 && i + 1 < num && tab[(i + 1) * width] != tab[i * width]) {
               const int64_t steps = Hkv * ((len - start + 15) / 16 + (len - start + kValueChunk - 1) / kValueChunk);
               s.ahead.plan(kc, vc, tab + (i + 1) * width, start_of(i + 1), lens[i + 1], block_size, blk, tok, span,
                            steps);
