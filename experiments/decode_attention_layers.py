@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,18 @@ import kernels
 from kernels import cpu_ops
 
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """The median of `repeats` timed calls of fn, in ms, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
 
 
 def time_layers(ops: object, query: torch.Tensor, rows: object, cache: torch.Tensor, out: torch.Tensor,
@@ -40,14 +53,7 @@ def time_layers(ops: object, query: torch.Tensor, rows: object, cache: torch.Ten
             ops.decode_attention(query, rows.rows, kv[0], kv[1], rows.tables, rows.seq_lens, D ** -0.5, 0, 0.0, None,
                                  out)
 
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_ms(run, repeats, warmup=3)
 
 
 def main(argv: list[str] | None = None) -> None:

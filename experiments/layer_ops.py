@@ -15,27 +15,15 @@ bfloat16 only (the panels, swiglu joined): a CPU with AVX512-BF16.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from experiments.decode_attention_layers import median_ms
 from worker_svc.config import WorkerConfig
 from worker_svc.loader import default_model_path
 from worker_svc.runner import ModelRunner
 
 BLOCK = 16
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def step_rows(seqs: int, context: int, rows_per_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
