@@ -487,15 +487,16 @@ inline void copy_rows(const T* cache, const int32_t* table, int64_t t0, int64_t 
 template <typename T, int DV>
 void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t blk_stride,
                        int64_t tok_stride, int64_t head_stride, const int32_t* table, int64_t start, int64_t len,
-                       int64_t block_size, int64_t Hkv, int64_t G, float scale, float softcap, const float* sinks,
-                       float* scores, float* acc, float* inv, T* out, int64_t out_head_stride, RowsAhead& ahead) {
+                       int64_t block_size, int64_t h0, int64_t h1, int64_t G, float scale, float softcap,
+                       const float* sinks, float* scores, float* acc, float* inv, T* out, int64_t out_head_stride,
+                       RowsAhead& ahead) {
   constexpr int D = 16 * DV;
-  const int64_t n = len - start, Hq = Hkv * G;
+  const int64_t n = len - start;
   const __m512 scale_v = _mm512_set1_ps(scale);
   // scores[hq * n + i] = scale * q . k for position start + i, 16 positions at a time
   for_each_run(kc, table, start, len, block_size, blk_stride, tok_stride, 16, [&](int64_t t, int m, const T* k) {
     const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       ahead.step();
       const T* kh = k + h * head_stride;
       for (int64_t g = 0; g < G; ++g) {
@@ -508,7 +509,7 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
       }
     }
   });
-  for (int64_t hq = 0; hq < Hq; ++hq) {
+  for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
     float* sg = scores + hq * n;
     const float* sink = sinks ? sinks + hq : nullptr;
     if (softcap > 0.f)
@@ -531,10 +532,10 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
   }
   // the weighted sums of V: per KV head, up to 16 / DV of its query heads at a time with their sums in registers
   constexpr int kHeads = 16 / DV;
-  if (n == 0) std::fill(acc, acc + Hq * D, 0.f);
+  if (n == 0) std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.f);
   for_each_run(vc, table, start, len, block_size, blk_stride, tok_stride, kValueChunk, [&](int64_t c, int rows,
                                                                                            const T* v) {
-    for (int64_t h = 0; h < Hkv; ++h, ahead.step())
+    for (int64_t h = h0; h < h1; ++h, ahead.step())
       for (int64_t g = 0; g < G; g += kHeads)
         llmserve::with_count<kHeads>(std::min<int64_t>(kHeads, G - g), [&](auto heads) {
           const int64_t hq = h * G + g;
@@ -542,7 +543,7 @@ void attend_seq_avx512(const T* q, int64_t q_head_stride, const T* kc, const T* 
                                           1, acc + hq * D, c == start);
         });
   });
-  for (int64_t hq = 0; hq < Hq; ++hq)
+  for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
     for (int d = 0; d < D; ++d) out[hq * out_head_stride + d] = from_float<T>(acc[hq * D + d] * inv[hq]);
 }
 #endif
@@ -774,14 +775,17 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
   const int64_t q_tok = query.stride(0), q_head = query.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
   const int64_t blk = key_cache.stride(0), tok = key_cache.stride(1), head = key_cache.stride(2);
 #ifdef __AVX512F__
-  if (D == 64 || D == 128) {  // a task per decode, all heads: its blocks stream from memory in order
+  if (D == 64 || D == 128) {  // a task per decode (or a share of its KV heads): its blocks stream from memory in order
     auto fn = D == 64 ? attend_seq_avx512<T, 4> : attend_seq_avx512<T, 8>;
     struct Scratch {
       std::vector<float> scores, acc, inv;
       RowsAhead ahead;
     };
+    // Fewer decodes than threads (batch 1): each decode's KV heads split among as many tasks, so that every thread
+    // reads and computes a share (a head's sums never involve another head's: the same bits either way).
+    const int64_t parts = num < at::get_num_threads() ? std::min<int64_t>(Hkv, at::get_num_threads()) : 1;
     llmserve::share_chunks(
-        num,
+        num * parts,
         [&] {
           return Scratch{std::vector<float>(Hq * max_len), std::vector<float>(Hq * D), std::vector<float>(Hq),
                          RowsAhead{}};
@@ -789,19 +793,20 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
         [&](Scratch& s, int64_t begin, int64_t end) {
           const int64_t width = tables.size(1), span = (Hkv - 1) * head + D;
           const auto start_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0; };
-          for (int64_t i = begin; i < end; ++i) {
-            const int64_t len = lens[i], start = start_of(i);
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t i = task / parts, part = task % parts, len = lens[i], start = start_of(i);
             // the next row's keys and values while this one computes, unless it reads the same blocks (a prompt's
             // next row); past the chunk's end too, as the next chunk is often this thread's
             s.ahead.clear();
-            if (width > 0 && i + 1 < num && tab[(i + 1) * width] != tab[i * width]) {
+            if (parts == 1 && width > 0 && i + 1 < num && tab[(i + 1) * width] != tab[i * width]) {
               const int64_t steps = Hkv * ((len - start + 15) / 16 + (len - start + kValueChunk - 1) / kValueChunk);
               s.ahead.plan(kc, vc, tab + (i + 1) * width, start_of(i + 1), lens[i + 1], block_size, blk, tok, span,
                            steps);
             }
-            fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * width, start, len, block_size, Hkv, G,
-               static_cast<float>(scale), static_cast<float>(softcap), sink, s.scores.data(), s.acc.data(),
-               s.inv.data(), o + row[i] * o_tok, o_head, s.ahead);
+            fn(q + row[i] * q_tok, q_head, kc, vc, blk, tok, head, tab + i * width, start, len, block_size,
+               Hkv * part / parts, Hkv * (part + 1) / parts, G, static_cast<float>(scale),
+               static_cast<float>(softcap), sink, s.scores.data(), s.acc.data(), s.inv.data(), o + row[i] * o_tok,
+               o_head, s.ahead);
           }
         });
     return;
