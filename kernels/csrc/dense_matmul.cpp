@@ -176,7 +176,7 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
       for (int64_t m = m0; m < m1; m += kRows512) {
         const Epilogue tile_e{e.bias, e.residual ? e.residual + m * N : nullptr};
         // every tile asks for a share of the next item's panels, the first too: at 16 rows (a 12-row tile, then 4)
-        // the short second tile alone could not hide them (decode steps of 16: 2.5-3.3% faster, of 64: 1%)
+        // the short second tile alone could not hide them (decode steps of 16: 2.3-3.3% faster, of 64: 1%)
         const Ahead ahead = Ahead::for_tile(next, std::min<int64_t>(2, P - np) * panel_size * 4, tiles,
                                             (m - m0) / kRows512, K, 0);
         llmserve::with_count<kRows512>(std::min(kRows512, m1 - m), [&](auto rows) {
