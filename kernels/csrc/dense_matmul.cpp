@@ -323,6 +323,10 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
   finish_tile_bf16<R, H>([&](int r, int h) { return acc[r][h]; }, n0, width, y, N, e);
 }
 
+// An AMX tile's rows and inputs per step (the row blocks are sized with them on every CPU).
+constexpr int64_t kRowsAMX = 16;
+constexpr int64_t kInputsAMX = 32;  // inputs per step: K must be a multiple
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX (Sapphire Rapids and later): the panels are already the layout of a `tdpbf16ps` weight tile. A pair row of a
 // panel is 32 outputs x 2 inputs (128 bytes), so 16 pair rows read 128 bytes apart give outputs 0-15 of 32 inputs, and
@@ -330,8 +334,6 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
 // x 32 multiply-adds per four instructions, where `vdpbf16ps` does 16 x 2: oneDNN's AMX matmul ran 3-8x the AVX-512
 // tile at 16-256 rows on a 2-core Xeon. One row gets the same instructions (the unit's time per instruction does not
 // depend on the rows), so every row count takes this path and a row's sums stay independent of the batch.
-constexpr int64_t kRowsAMX = 16;
-constexpr int64_t kInputsAMX = 32;  // inputs per step: K must be a multiple
 
 using llmserve::amx_ready;
 using llmserve::BorrowedTiles;
@@ -465,7 +467,6 @@ void amx_tall_tile_bf16(const uint16_t* x, int R, int64_t K, const uint16_t* w0,
 
 bool use_amx(int64_t K) { return K % kInputsAMX == 0 && amx_ready(); }
 #else
-constexpr int64_t kRowsAMX = 16, kInputsAMX = 32;
 bool use_amx(int64_t) { return false; }
 #endif
 
