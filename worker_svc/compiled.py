@@ -3,12 +3,14 @@
 Paged attention stays eager between the compiled parts: its metadata (the CPU backend's plan, block tables of
 every length) is Python data a graph cannot hold. Per layer two compiled functions run: norm + qkv + rope, and
 o-proj + residual + norm + MLP; every layer calls the same two graphs (shapes match), so a step size costs two
-compiles for the whole model. A step's token count is padded up to the next size of the compilation config;
-only the compiled parts see the padding rows: attention and the KV write get the real rows alone, so padding
-never touches the KV cache and every real row's arithmetic is per row. Steps above the largest size run eager.
+compiles for the whole model. A tensor-parallel rank compiles the o-proj and the MLP apart, each a partial product
+(plus the residual on rank 0), with the all-reduces between the graphs, as the eager forward does. A step's token
+count is padded up to the next size of the compilation config; only the compiled parts see the padding rows:
+attention and the KV write get the real rows alone, so padding never touches the KV cache and every real row's
+arithmetic is per row. Steps above the largest size run eager.
 
 The weights must be dense (not packed for the CPU, panels or oneDNN's copy, which inductor cannot trace,
-and not quantized); tensor parallelism runs eager.
+and not quantized).
 """
 
 from __future__ import annotations
@@ -55,9 +57,6 @@ def wants_compiled(opts: WorkerConfig) -> bool:
     if opts.quantization:
         raise ConfigError(f"--optimization-level {level} runs dense weights only; drop --quantization "
                           f"{opts.quantization} or use -O0")
-    if opts.tensor_parallel_size > 1:
-        raise ConfigError(f"--optimization-level {level} runs on one rank only; use -O0 with "
-                          f"--tensor-parallel-size {opts.tensor_parallel_size}")
     return True
 
 
@@ -89,14 +88,27 @@ def _o_mlp(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tenso
     return h + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
+def _o_part(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+            first: bool) -> torch.Tensor:
+    """A tensor-parallel rank's share of residual + o-proj (its input columns): rank 0 (`first`) adds the residual
+    and the bias; the all-reduce of the shares is the sum."""
+    return h + F.linear(o, o_w, o_b) if first else F.linear(o, o_w)
+
+
+def _mlp_part(h: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              eps: float, first: bool) -> torch.Tensor:
+    """A tensor-parallel rank's share of residual + MLP (its intermediate columns), as _o_part."""
+    x = rms_norm(h, norm, eps)
+    out = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return h + out if first else out
+
+
 class CompiledForward:
     """`LlamaModel.forward`'s signature and results, run through compiled graphs at the configured step sizes."""
 
     def __init__(self, model: LlamaModel, cfg: CompilationConfig, cuda_graphs: bool = False):
-        if model.prepacked or model.tp is not None or not all(
-                isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
-            raise ValueError("the compiled forward needs dense weights on one rank (no prepacked or quantized "
-                             "weights, no tensor parallelism)")
+        if model.prepacked or not all(isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
+            raise ValueError("the compiled forward needs dense weights (no prepacked or quantized weights)")
         # The compiled pieces are LlamaModel.forward's layer (with Qwen3's q/k norm and the per-layer attention
         # keyword arguments: windows, soft-capping); a family that overrides the layer or the MLP is refused.
         if type(model).forward is not LlamaModel.forward \
@@ -110,8 +122,14 @@ class CompiledForward:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes))
         self._qkv_rope = torch.compile(_qkv_rope, dynamic=False, fullgraph=True)
         self._o_mlp = torch.compile(_o_mlp, dynamic=False, fullgraph=True)
+        if model.tp is not None:  # one compile per size and function too: `first` is fixed for the rank
+            self._o_part = torch.compile(_o_part, dynamic=False, fullgraph=True)
+            self._mlp_part = torch.compile(_mlp_part, dynamic=False, fullgraph=True)
         self._graphs: tuple | None = None
-        if cuda_graphs and model.device.type == "cuda":
+        if cuda_graphs and model.device.type == "cuda" and model.tp is not None:
+            log.warning("-O2 and up: a tensor-parallel rank replays no CUDA graphs (its all-reduces run between "
+                        "the compiled parts)")
+        elif cuda_graphs and model.device.type == "cuda":
             # Decode-only steps replay CUDA graphs (torch's cudagraph trees). Untested: no GPU where this was
             # written. The weights are marked static so a replay reads them in place instead of copying them.
             for layer in model.layers:
@@ -152,9 +170,7 @@ class CompiledForward:
             input_ids, positions = F.pad(input_ids, (0, size - n)), F.pad(positions, (0, size - n))
         decode_only = self._graphs is not None and len(attn_meta.seq_lens) == n
         h = self._layers(input_ids, positions, kv_cache, attn_meta, n, decode_only)
-        m = self.model
-        logits = F.linear(rms_norm(h[logits_indices], m.norm, m.config.rms_norm_eps), m.lm_head).float()
-        return logits if pool_indices is None else (logits, rms_norm(h[pool_indices], m.norm, m.config.rms_norm_eps))
+        return self.model.head(h, logits_indices, pool_indices)
 
     @torch.inference_mode()
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, attn_meta,
@@ -181,7 +197,14 @@ class CompiledForward:
                                                 attn_meta.cu_seqlens_q, attn_meta.seq_lens, m.scale,
                                                 plan=attn_meta.plan, **m.attn_kwargs[i])
                 o = F.pad(o.reshape(n, m.q_size), (0, 0, 0, size - n))
-            h = o_mlp(o, h, layer.o, layer.o_bias, layer.post_norm, layer.gate, layer.up, layer.down, eps)
+            if m.tp is None:
+                h = o_mlp(o, h, layer.o, layer.o_bias, layer.post_norm, layer.gate, layer.up, layer.down, eps)
+                continue
+            first = m.tp.rank == 0
+            h = self._o_part(o, h, layer.o, layer.o_bias, first)
+            m.tp.all_reduce(h)
+            h = self._mlp_part(h, layer.post_norm, layer.gate, layer.up, layer.down, eps, first)
+            m.tp.all_reduce(h)
         return h
 
     def __getattr__(self, name: str):  # the model's other attributes (config, kv_cache_shape, ...)

@@ -210,6 +210,7 @@ def _read_gguf(path: str, shard: Shard) -> tuple[ModelConfig, dict[str, torch.Te
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
+    check_gguf_types(reader, path, "--model")
     tensor_names = {t.name for t in reader.tensors}
     config = _gguf_config(reader, tensor_names)
     if not config.name:
@@ -245,6 +246,18 @@ def _read_gguf(path: str, shard: Shard) -> tuple[ModelConfig, dict[str, torch.Te
 
 
 _UNQUANTIZED = ("F32", "F16", "BF16")
+# The GGUF tensor types a model may hold: llama.cpp's float, legacy and K-quant types, whose values the gguf package
+# dequantizes (the int4 ones and Q8_0 stay as they are with --quantization gguf; the rest become int8, quant.py).
+GGUF_TYPES = (*_UNQUANTIZED, "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def check_gguf_types(reader, path: str, flag: str) -> None:
+    """Refuse, at start and naming the flag, a GGUF holding a tensor type outside GGUF_TYPES (an IQ or ternary
+    type, or one of llama.cpp's intermediate types), instead of failing somewhere inside the gguf package."""
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_TYPES:
+            raise ValueError(f"{flag} {path}: tensor {t.name} is of GGUF type {t.tensor_type.name}, which llmserve "
+                             f"does not read (it reads {', '.join(GGUF_TYPES)})")
 
 
 def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
@@ -255,6 +268,7 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
     from worker_svc import quant
 
     reader = GGUFReader(path)
+    check_gguf_types(reader, path, "--quantization gguf --model")
     tensor_names = {t.name for t in reader.tensors}
     config = _gguf_config(reader, tensor_names)
     if not config.name:
@@ -280,6 +294,9 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
             if kind in unpermute and t.name.endswith(".weight"):
                 weight = _unpermute_rope_rows(weight, unpermute[kind])
         weights[_gguf_to_hf_name(t.name, config)] = weight
+    if not any(isinstance(w, quant.QuantizedWeight) for w in weights.values()):
+        raise ValueError(f"--quantization gguf: {path} holds no quantized matmul weight (its tensors are "
+                         f"{', '.join(_UNQUANTIZED)}); serve it without --quantization")
     return config, weights
 
 

@@ -9,6 +9,7 @@ attention needs to know about sequences; it gets that from `attn_meta` (kernels.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -45,18 +46,29 @@ class LayerWeights:
     moe: Any = None  # worker_svc.moe.MoEWeights: a sparse block instead of gate/up/down (`_feed_forward`)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX), read from /proc/cpuinfo's flags
-    (Linux; elsewhere False). Without them oneDNN emulates bf16 and float32 is as fast and more exact."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; elsewhere none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX). Without them oneDNN emulates bf16
+    and float32 is as fast and more exact."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_native_fp16() -> bool:
+    """Whether this CPU computes float16 natively (AVX512-FP16 or AMX-FP16); without them torch converts every
+    float16 operand to float32 and back."""
+    return bool(cpu_flags() & {"avx512_fp16", "amx_fp16"})
 
 
 def panels_available(dtype: torch.dtype) -> bool:
@@ -347,7 +359,6 @@ class LlamaModel:
         pool_indices: torch.Tensor | None = None,  # [P] int64: rows whose final normed hidden state is needed
     ) -> torch.Tensor | None:  # [R, vocab] float32 (None on tensor-parallel ranks other than 0)
         """With `pool_indices`: (logits, [P, hidden] hidden states after the last norm) (embeddings)."""
-        c = self.config
         h = self._embed(input_ids)  # a fresh tensor: linear_add may update it in place
         rows = None if self.cpu_layers is None or self.lora is not None else \
             cpu_layers.kernel_rows(attn_meta.plan, input_ids.shape[0])
@@ -357,6 +368,12 @@ class LlamaModel:
         else:
             h = self._layers(h, positions, kv_cache, attn_meta)
 
+        return self.head(h, logits_indices, pool_indices)
+
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
+        """forward's result from the last layer's hidden states h: the logits of rows `logits_indices` (gathered
+        on rank 0 under tensor parallelism, None on the others), and with `pool_indices` those rows' normed states."""
+        c = self.config
         pooled = None if pool_indices is None else rms_norm(h[pool_indices], self.norm, c.rms_norm_eps)
         # The head is the most expensive matmul per row: run it only where a token is sampled.
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)

@@ -26,7 +26,7 @@ from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.cpu_threads import SmallStepThreads
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.loader import load_model_weights
-from worker_svc.model import cpu_has_native_bf16
+from worker_svc.model import cpu_has_native_bf16, cpu_has_native_fp16
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.outputs import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
 from worker_svc.plan import StepPlan
@@ -77,6 +77,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if native else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    if name == "float16" and device.type == "cpu" and not cpu_has_native_fp16():
+        raise ValueError("--dtype float16 needs a CPU with AVX512-FP16 or AMX-FP16 (this one has neither, and "
+                         "emulated float16 is slower than float32): use --dtype auto, bfloat16 or float32")
     return _DTYPES[name]
 
 

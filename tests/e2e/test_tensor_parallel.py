@@ -3,9 +3,9 @@
 Random-weight Llama (8 query heads, 2 KV heads) and Qwen2 (q/k/v biases, tied head) checkpoints are saved
 as safetensors, each rank loads only its slices, and the group runs a chunked prefill then a mixed
 prefill+decode step over its shard of a paged KV pool; rank 0's gathered logits must match the unsharded model's
-within 1e-4 in float32 (the Triton kernels, in the interpreter, within 1e-3 at N = 2). N = 4 exceeds the 2 KV
-heads (each is replicated on two ranks); the vocabulary (250) does not divide by 4 (padded shards). Four rank
-processes in all: each size runs on a subgroup of one world.
+within 1e-4 in float32 (the compiled forward at N = 2 too; the Triton kernels, in the interpreter, within 1e-3).
+N = 4 exceeds the 2 KV heads (each is replicated on two ranks); the vocabulary (250) does not divide by 4 (padded
+shards). Four rank processes in all: each size runs on a subgroup of one world.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
 
 import kernels
 from llmserve.processes import free_port
 from tests.support.random_weights import randomize
+from worker_svc.compiled import CompiledForward
+from worker_svc.config import CompilationConfig
 from worker_svc.loader import load_hf_dir
 from worker_svc.model import LlamaModel
 from worker_svc.tensor_parallel import Shard, check_shardable, local_config
@@ -85,6 +88,20 @@ def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
                 torch.save(logits, os.path.join(out_dir, f"{size}-{i}.pt"))
             else:
                 assert all(x is None for x in logits)
+        for i, path in enumerate(paths if size == 2 else []):  # the compiled forward, parts padded to 16 / 32 rows
+            config, weights = load_hf_dir(path, Shard(rank, size))
+            model = CompiledForward(LlamaModel(local_config(config, size), weights, torch.float32, "cpu", tp=group,
+                                               prepack=False),
+                                    CompilationConfig(cudagraph_capture_sizes=(16, 32),
+                                                      cache_dir=os.path.join(out_dir, "inductor")))
+            before = counters["stats"]["unique_graphs"]
+            model.warm_up()
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > before, "warm-up compiled nothing"
+            logits = _steps(model)
+            assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph"
+            if rank == 0:
+                torch.save(logits, os.path.join(out_dir, f"compiled-{i}.pt"))
         if size == 2:  # the Triton kernels (interpreter on CPU) on a sharded pool
             config, weights = load_hf_dir(paths[0], Shard(rank, size))
             model = LlamaModel(local_config(config, size), weights, torch.float32, "cpu", tp=group,
@@ -110,6 +127,10 @@ def test_sharded_logits_match_one_rank(checkpoints, tmp_path):
                 assert g.shape == w.shape
                 diff = (g - w).abs().max().item()
                 assert diff < 1e-4, f"{checkpoints[i]} N={size}: max abs logit diff {diff}"
+    for i, want in enumerate(expected):
+        for g, w in zip(torch.load(tmp_path / f"compiled-{i}.pt"), want, strict=True):
+            diff = (g - w).abs().max().item()
+            assert diff < 1e-4, f"{checkpoints[i]} compiled, N=2: max abs logit diff {diff}"
     for g, w in zip(torch.load(tmp_path / "triton.pt"), expected[0], strict=True):
         diff = (g - w).abs().max().item()
         assert diff < 1e-3, f"triton backend, N=2: max abs logit diff {diff}"  # as tests/e2e/test_triton_e2e.py

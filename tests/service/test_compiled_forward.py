@@ -128,5 +128,4 @@ def test_which_forward_the_flags_pick():
     assert not wants_compiled(parse(WorkerConfig, ["-O3", "--enforce-eager"]))
     with pytest.raises(ConfigError, match="--quantization"):
         wants_compiled(parse(WorkerConfig, ["-O1", "--quantization", "gguf"]))
-    with pytest.raises(ConfigError, match="--tensor-parallel-size"):
-        wants_compiled(parse(WorkerConfig, ["-O1", "-tp", "2"]))
+    assert wants_compiled(parse(WorkerConfig, ["-O1", "-tp", "2"]))  # tests/e2e/test_tensor_parallel.py

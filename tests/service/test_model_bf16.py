@@ -14,9 +14,10 @@ import os
 import pytest
 import torch
 
+from tests.e2e.test_startup_validation import assert_fails, run_cli
 from tests.service.test_model import PROMPTS, PagedRunner
 from worker_svc.loader import load_model_weights
-from worker_svc.model import LlamaModel, cpu_has_native_bf16
+from worker_svc.model import LlamaModel, cpu_has_native_bf16, cpu_has_native_fp16
 from worker_svc.runner import resolve_dtype
 
 # Two bfloat16 steps at the logits' magnitude (16..32, where one step is 0.125).
@@ -37,6 +38,17 @@ def test_auto_dtype_is_bf16_where_native():
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+def test_float16_on_a_cpu_needs_native_float16():
+    assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
+    if cpu_has_native_fp16():
+        assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+        return
+    with pytest.raises(ValueError, match="--dtype float16 needs a CPU with AVX512-FP16 or AMX-FP16"):
+        resolve_dtype("float16", torch.device("cpu"))
+    assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--dtype", "float16"),
+                 "--dtype float16 needs a CPU", "--dtype auto, bfloat16 or float32")
 
 
 def test_bf16_greedy_matches_hf_bf16_up_to_near_ties(bundled_model_path, hf_tokenizer, hf_bf16):

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from common.config import parse
 from protos import worker_pb2 as pb
 from tests.e2e.test_startup_validation import assert_fails, run_cli
+from tests.service.test_gguf_families import write_qwen3_gguf
 from tests.service.test_model import PROMPTS, PagedRunner
+from tests.service.test_model_families import make_checkpoint
 from tests.support.driver import DriverRequest, run_requests
 from worker_svc import quant
 from worker_svc.config import WorkerConfig
@@ -139,9 +144,36 @@ def test_quantization_refusals(tmp_path):
         load_model_weights(str(tmp_path), quantization="gguf")
     with pytest.raises(ValueError, match="--quantization must be gguf"):
         load_model_weights(default_model_path(), quantization="awq")
+    # (on a CPU without native float16 the plain --dtype check refuses first: test_model_bf16.py)
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--quantization", "gguf", "--dtype", "float16"),
-                 "--quantization gguf", "--dtype float16")
+                 "--dtype float16")
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--activation-quantization", "int8"),
                  "--activation-quantization int8 needs --quantization gguf")
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--activation-quantization", "int4"),
                  "--activation-quantization", "int4")
+
+
+def test_a_gguf_type_the_loader_does_not_read_is_refused_naming_it(tmp_path):
+    path = str(tmp_path / "iq.gguf")
+    w = GGUFWriter(path, "llama")
+    size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ4_NL][1]  # bytes of a block of 32 values
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 2 * size), dtype=np.uint8),
+                 raw_dtype=GGMLQuantizationType.IQ4_NL)  # 64 x 64 values
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for quantization, flag in ((None, "--model"), ("gguf", "--quantization gguf --model")):
+        with pytest.raises(ValueError, match=f"{flag} .*blk.0.attn_q.weight is of GGUF type IQ4_NL"):
+            load_model_weights(path, quantization=quantization)
+    assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--model", path),
+                 "--model", "GGUF type IQ4_NL", "Q4_K, Q5_K, Q6_K")
+
+
+def test_quantization_gguf_on_a_gguf_without_quantized_weights_is_refused(tmp_path):
+    hf = make_checkpoint("qwen3", tmp_path / "hf")
+    path = str(tmp_path / "f32.gguf")
+    write_qwen3_gguf(hf, path)  # every tensor float32
+    assert load_model_weights(path)[0].architecture  # a model it serves without the flag
+    with pytest.raises(ValueError, match="--quantization gguf: .* holds no quantized matmul weight"):
+        load_model_weights(path, quantization="gguf")

@@ -17,9 +17,13 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from worker_svc import quant  # noqa: E402
+from worker_svc.loader import GGUF_TYPES  # noqa: E402
 
 # Byte offsets of each type's float16 fields inside a block (the rest of a block is codes and packed scales).
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q6_K": (208,), "Q5_0": (0,)}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Every quantized type the loader reads (worker_svc/loader.py's GGUF_TYPES less the float ones).
+QUANTIZED_TYPES = [t for t in GGUF_TYPES if t not in ("F32", "F16", "BF16")]
 
 
 def random_rows(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray:
@@ -33,7 +37,11 @@ def random_rows(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray
     return blocks.reshape(out, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_0"])
+def test_every_quantized_type_the_loader_reads_is_tested():
+    assert sorted(F16_FIELDS) == sorted(QUANTIZED_TYPES)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
 def test_codes_read_from_gguf_match_its_dequantization(type_name):
     out, inp = 48, 512
     data = random_rows(type_name, out, inp)
@@ -64,7 +72,7 @@ def test_row_operations_keep_codes_and_scales_together():
         quant.cat_rows([w, quant.requantize_int8(torch.randn(4, 64), "Q8_0")])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("kernel,dtype", [("project", torch.float32), ("project", torch.bfloat16),
                                           ("torch", torch.bfloat16)])
