@@ -8,6 +8,7 @@ C++ compiler, not x86-64) or LLMSERVE_CPU_KERNELS=0, `load()` returns None and t
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -42,6 +43,12 @@ def _cpu_flags() -> bytes:
             return next((line for line in f if line.startswith(b"flags")), b"")
     except OSError:
         return b""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; elsewhere none)."""
+    return frozenset(_cpu_flags().decode().partition(":")[2].split())
 
 
 # -ffp-contract=off: no a*b+c fused where torch rounds twice. -fno-trapping-math: comparisons and selects may run on

@@ -9,7 +9,6 @@ attention needs to know about sequences; it gets that from `attn_meta` (kernels.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -46,29 +45,16 @@ class LayerWeights:
     moe: Any = None  # worker_svc.moe.MoEWeights: a sparse block instead of gate/up/down (`_feed_forward`)
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (Linux; elsewhere none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX). Without them oneDNN emulates bf16
     and float32 is as fast and more exact."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_ops.cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_native_fp16() -> bool:
     """Whether this CPU computes float16 natively (AVX512-FP16 or AMX-FP16); without them torch converts every
     float16 operand to float32 and back."""
-    return bool(cpu_flags() & {"avx512_fp16", "amx_fp16"})
+    return bool(cpu_ops.cpu_flags() & {"avx512_fp16", "amx_fp16"})
 
 
 def panels_available(dtype: torch.dtype) -> bool:
