@@ -19,7 +19,8 @@ from tests.e2e.test_scheduler_e2e import (
 from tests.e2e.test_speculative import CASES, SPEC, run, scheduler
 from tests.support import cluster
 
-POOL = ["--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN,
+# On the CPU wherever it runs: three ranks need three devices on CUDA (tests/service/test_cuda_graphs.py is the GPU's).
+POOL = ["--device", "cpu", "--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN,
         "--allow-kv-pool-below-max-model-len"]
 # Steps of 1-64 tokens (the scheduler's budget is 64) padded to three sizes; a verify step past 64 runs eager.
 SIZES = '{"cudagraph_capture_sizes": [4, 16, 64]}'
