@@ -80,27 +80,25 @@ def _qkv_rope(h: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: t
     return qk * cos + swap_halves(qk) * sin, v.view(h.shape[0], kv_heads, head_dim)
 
 
-def _o_mlp(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, norm: torch.Tensor,
-           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's post-attention math: residual + o-proj, then residual + MLP."""
-    h = h + F.linear(o, o_w, o_b)
-    x = rms_norm(h, norm, eps)
-    return h + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-
-
 def _o_part(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
             first: bool) -> torch.Tensor:
-    """A tensor-parallel rank's share of residual + o-proj (its input columns): rank 0 (`first`) adds the residual
-    and the bias; the all-reduce of the shares is the sum."""
+    """residual + o-proj; on a tensor-parallel rank its share (its input columns): rank 0 (`first`) adds the
+    residual and the bias, and the all-reduce of the shares is the sum."""
     return h + F.linear(o, o_w, o_b) if first else F.linear(o, o_w)
 
 
 def _mlp_part(h: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
               eps: float, first: bool) -> torch.Tensor:
-    """A tensor-parallel rank's share of residual + MLP (its intermediate columns), as _o_part."""
+    """residual + MLP of the normed h; on a tensor-parallel rank its share (its intermediate columns), as _o_part."""
     x = rms_norm(h, norm, eps)
     out = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
     return h + out if first else out
+
+
+def _o_mlp(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, norm: torch.Tensor,
+           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's post-attention math on one rank, one graph: residual + o-proj, then residual + MLP."""
+    return _mlp_part(_o_part(o, h, o_w, o_b, True), norm, gate, up, down, eps, True)
 
 
 class CompiledForward:
