@@ -1,7 +1,7 @@
 """POST /v1/embeddings (OpenAI's shape, vLLM's behaviour): one Embed call to the scheduler per input, all at once.
 
-The scheduler runs each input as a prefill-only request on its ordinary steps (scheduler_svc/embed.py); the worker
-pools the final hidden state as its --pooler-config says. `encoding_format` base64 is the float32 vector's
+The scheduler runs each input as a prefill-only request on its ordinary steps (scheduler_svc/driver/embed.py); the
+worker pools the final hidden state as its --pooler-config says. `encoding_format` base64 is the float32 vector's
 little-endian bytes (what the openai SDK asks for by default and decodes).
 """
 

@@ -6,8 +6,9 @@ admission's record (SamplingParams below; the ledger keeps it in Redis as JSON, 
 maps onto llmserve.v1. The .proto files declare the messages; a row names its proto fields and
 common/sampling_wire.py moves values between messages and records by those names.
 
-Adding a field: its row here, its fields in the .proto files (regenerated), its effect in worker_svc/sampler.py.
-Changing the rows changes the Redis schema: bump scheduler_svc/store.py's SCHEMA_VERSION.
+Adding a field: its row here, its fields in the .proto files (regenerated), its effect in
+worker_svc/sampling/sampler.py.
+Changing the rows changes the Redis schema: bump scheduler_svc/ledger/store.py's SCHEMA_VERSION.
 
 Plain data: no protobuf, gRPC or numpy here.
 """
@@ -117,10 +118,10 @@ FIELDS: tuple[SamplingField, ...] = (
     # where the output ends with the tokens before it.
     SamplingField("bad_words", TOKEN_SEQS, [], max_items=MAX_BAD_WORDS, vllm=_SAME),
     # None: none; k >= 0: every prompt token's logprob (the first has none) and its k top ones, from the prefill
-    # forward; such a request never reads the prefix cache (worker_svc/prompt_logprobs.py).
+    # forward; such a request never reads the prefix cache (worker_svc/sampling/prompt_logprobs.py).
     SamplingField("prompt_logprobs", INT, None, Limit(0, 20), vllm=_SAME, column="int64", column_fill=-1),
     # An embedding request (the Embed RPC sets it): prefill only, the pooled hidden state comes back
-    # (worker_svc/pooling.py); never reads the prefix cache either.
+    # (worker_svc/sampling/pooling.py); never reads the prefix cache either.
     SamplingField("embed", BOOL, False, api=None, openai=False, column="bool"),
 )
 BY_NAME = {f.name: f for f in FIELDS}

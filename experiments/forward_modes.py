@@ -30,9 +30,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/worker_fo
 import torch
 
 import kernels
-from worker_svc import kv_cache
 from worker_svc.compiled import CompiledForward
 from worker_svc.config import CompilationConfig
+from worker_svc.core import kv_cache
 from worker_svc.loader import default_model_path, load_model_weights
 from worker_svc.model import LlamaModel
 

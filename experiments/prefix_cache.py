@@ -96,7 +96,7 @@ class Bench:
         """The current run's Redis ledger (block accounting)."""
         import redis
 
-        from scheduler_svc.store import RedisLedger
+        from scheduler_svc.ledger.store import RedisLedger
 
         return RedisLedger(redis.Redis.from_url(self.redis.url), namespace=f"bench-{self.runs}")
 
@@ -229,8 +229,8 @@ def _bookkeeping_cost(prompt_len: int, max_tokens: int, hit: bool, reps: int) ->
     """Microseconds the caching path adds per request in the scheduler: hash the full blocks, look the prefix up,
     register each computed block (what admission and `_register_computed_blocks` do), without any model."""
     from protos import worker_pb2 as wpb
-    from scheduler_svc.block_pool import BlockPool
-    from scheduler_svc.request import Request
+    from scheduler_svc.core.block_pool import BlockPool
+    from scheduler_svc.core.request import Request
 
     rng = random.Random(1)
     ids = [rng.randrange(100, 49000) for _ in range(prompt_len)]

@@ -217,8 +217,8 @@ class Probe:
     """Timing wrappers around the driver's pieces; one record per ExecuteStep call, in step order."""
 
     def __init__(self, driver):
-        import scheduler_svc.core as core_mod
-        import scheduler_svc.driver as driver_mod
+        import scheduler_svc.core.scheduler as core_mod
+        import scheduler_svc.driver.driver as driver_mod
 
         self.driver = driver
         self.records: list[dict] = []
@@ -348,7 +348,7 @@ class DirectClients:
 
     def __init__(self, stack: Stack, prompts: list[list[int]], max_tokens: int, tag: str):
         from protos import llmserve_pb2 as pb
-        from scheduler_svc import admission
+        from scheduler_svc.driver import admission
 
         self.driver = stack.driver
         info = self.driver.worker_info

@@ -5,8 +5,8 @@
    M new tokens; the unconstrained ones `ignore_eos`), after a baseline wave of 2N unconstrained requests in the
    same run. Per class: output tokens/s (its tokens / (first submit -> its last stream end)), ITL p50/p99 (gaps
    between streamed messages), and whether every constrained output validates (the `jsonschema` package).
-2. Grammar compile time per schema against the model's vocabulary (in process, `worker_svc.grammar.GrammarCache`):
-   cold (first request) and cached (the next one).
+2. Grammar compile time per schema against the model's vocabulary (in process,
+   `worker_svc.sampling.grammar.GrammarCache`): cold (first request) and cached (the next one).
 3. The cost of masking per step at R running requests (in process): fill the R rows' bitmasks, apply them to
    [R, vocab] logits, advance the matchers; against the plain greedy sampling of the same logits.
 
@@ -147,8 +147,8 @@ def compile_times() -> dict:
     from gguf import GGUFReader
 
     from common.structured_outputs import Constraint
-    from worker_svc.grammar import GrammarCache
     from worker_svc.loader import default_model_path, gguf_vocabulary
+    from worker_svc.sampling.grammar import GrammarCache
 
     reader = GGUFReader(default_model_path())
     vocabulary = gguf_vocabulary(reader)
@@ -173,8 +173,8 @@ def masking_cost(cache, cfg, rows: int, repeats: int) -> dict:
     """Per step at `rows` running, all constrained (one matcher per row, a mix of the schemas, each a few tokens
     into its output), against greedy sampling of the same logits."""
     from common.structured_outputs import Constraint
-    from worker_svc.grammar import GrammarMasks
-    from worker_svc.sampler import greedy_batch
+    from worker_svc.sampling.grammar import GrammarMasks
+    from worker_svc.sampling.sampler import greedy_batch
 
     names = list(SCHEMAS)
     masks = GrammarMasks(cfg.vocab_size)

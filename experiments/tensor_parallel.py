@@ -33,8 +33,8 @@ import torch.multiprocessing as mp
 import kernels
 from worker_svc.config import ModelConfig
 from worker_svc.model import LlamaModel
-from worker_svc.parallel import RankGroup
-from worker_svc.tensor_parallel import Shard, check_shardable, local_config, shard_weights
+from worker_svc.parallel.rank_group import RankGroup
+from worker_svc.parallel.sharding import Shard, check_shardable, local_config, shard_weights
 
 BLOCK_SIZE = 16
 

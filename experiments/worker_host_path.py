@@ -147,7 +147,7 @@ def run_case(model: str, case: str, n: int, args: argparse.Namespace) -> dict:
 
     from protos import worker_pb2 as pb
     from worker_svc.config import WorkerConfig
-    from worker_svc.runner import ModelRunner
+    from worker_svc.core.runner import ModelRunner
 
     gc.collect()  # the previous case's runner and KV pool go first
     total_steps = args.warmup + args.steps

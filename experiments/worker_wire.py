@@ -62,15 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_size(model: str, n: int, args: argparse.Namespace) -> dict:
     import torch
 
+    from common.sampling_fields import SamplingParams
     from protos import worker_pb2 as pb
-    from scheduler_svc import worker_client as wc
-    from scheduler_svc.block_pool import BlockPool
-    from scheduler_svc.core import SchedulerCore
-    from scheduler_svc.policy import PolicyConfig
-    from scheduler_svc.request import Request
-    from scheduler_svc.sampling import SamplingParams
+    from scheduler_svc.core.block_pool import BlockPool
+    from scheduler_svc.core.policy import PolicyConfig
+    from scheduler_svc.core.request import Request
+    from scheduler_svc.core.scheduler import SchedulerCore
+    from scheduler_svc.driver import worker_client as wc
     from worker_svc.config import WorkerConfig
-    from worker_svc.runner import ModelRunner
+    from worker_svc.core.runner import ModelRunner
 
     total = args.warmup + args.steps
     per_request = -(-(args.prompt_len + total + 2) // BLOCK_SIZE)

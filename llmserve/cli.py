@@ -13,7 +13,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _scheduler(args: argparse.Namespace) -> None:
-    from scheduler_svc.server import serve
+    from scheduler_svc.servers.process import serve
 
     serve(args)
 
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.client import add_generate_args
     from llmserve.diagnose import add_diagnose_args
     from llmserve.serve import add_serve_args
-    from scheduler_svc.server import add_scheduler_args
+    from scheduler_svc.servers.process import add_scheduler_args
     from worker_svc.server import add_worker_args
 
     parser = argparse.ArgumentParser(prog="llmserve", description="Paged-attention LLM serving over gRPC.")

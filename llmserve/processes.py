@@ -6,7 +6,7 @@ tests start their processes through here.
 - `start_worker(...)`, `start_scheduler(...)`, `start_api(...)`, `start_serve(...)`: `python -m llmserve.cli
   worker|scheduler|api|serve` in their own session (process group), stdout+stderr appended to a log file; with
   `wait` they return once the ready line the server prints is in the log (`worker_svc.server.READY_LINE`,
-  `scheduler_svc.server.LISTENING_LINE`, `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one
+  `scheduler_svc.servers.process.LISTENING_LINE`, `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one
   returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
 - `start_smg(...)`: the smg gateway in front of schedulers.
 - `health(address)`, `wait_healthy(address)`: grpc.health.v1.
@@ -197,7 +197,7 @@ def spawn(kind: str, argv: list[str], *, log_path: str | None = None, log_dir: s
 def _ready(proc: Proc, text: str) -> bool:
     """Fill in port/epoch from the ready line in `text` (complete lines of this run's log); True once it is there."""
     from api_svc.server import parse_listening_line as parse_api_line
-    from scheduler_svc.server import parse_listening_line
+    from scheduler_svc.servers.process import parse_listening_line
     from worker_svc.server import parse_ready_line
 
     if proc.kind == "worker":

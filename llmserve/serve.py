@@ -192,7 +192,7 @@ def serve(args: argparse.Namespace) -> None:
     """`llmserve serve`: a private redis-server (unless --redis-url), a worker process and the scheduler in this
     process, until SIGTERM / Ctrl-C; the children are supervised (module docstring)."""
     from common import tracing
-    from scheduler_svc.server import Scheduler, config_from_args, redact_url
+    from scheduler_svc.servers.process import Scheduler, config_from_args, redact_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # The worker of `serve` is a private process on loopback and stays plaintext; --tls-* secure the public server.

@@ -16,8 +16,8 @@ import redis
 from common.lora import parse_lora_modules
 from common.validation import ConfigError
 from protos import worker_pb2 as wpb
-from scheduler_svc.admission import AdmissionError
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.driver.admission import AdmissionError
 
 
 def _text(x: bytes | str) -> str:

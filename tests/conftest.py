@@ -80,7 +80,7 @@ def hf_model(bundled_model_path):
 @pytest.fixture(scope="session")
 def runner(bundled_model_path):
     from worker_svc.config import WorkerConfig
-    from worker_svc.runner import ModelRunner
+    from worker_svc.core.runner import ModelRunner
 
     return ModelRunner(WorkerConfig(model=bundled_model_path, dtype="float32", num_gpu_blocks_override=512))
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from common import config as c
 from common.config import setting
-from worker_svc import cpu_binding
-from worker_svc.pooler_config import PoolerConfig
+from worker_svc.cpu import binding as cpu_binding
+from worker_svc.sampling.pooler_config import PoolerConfig
 
 
 @dataclass

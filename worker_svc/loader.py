@@ -21,7 +21,7 @@ from common import gguf_cache
 from worker_svc import models
 from worker_svc.config import ModelConfig
 from worker_svc.models.hf import hf_rope
-from worker_svc.tensor_parallel import (
+from worker_svc.parallel.sharding import (
     FULL,
     Shard,
     check_shardable,

@@ -30,9 +30,9 @@ import torch
 from common.lora import parse_lora_modules
 from common.validation import ConfigError
 from worker_svc.config import ModelConfig, WorkerConfig
-from worker_svc.errors import InvalidPlan
-from worker_svc.plan import StepPlan
-from worker_svc.tensor_parallel import FULL, Shard, local_config, param_slice
+from worker_svc.core.errors import InvalidPlan
+from worker_svc.core.plan import StepPlan
+from worker_svc.parallel.sharding import FULL, Shard, local_config, param_slice
 
 # PEFT target module -> (the model's projection group, its index in that group)
 MODULES: dict[str, tuple[str, int]] = {

@@ -218,7 +218,7 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 class Collectives(Protocol):
-    """What a tensor-parallel rank's model needs from its process group (worker_svc.parallel.RankGroup)."""
+    """What a tensor-parallel rank's model needs from its process group (worker_svc.parallel.rank_group.RankGroup)."""
 
     rank: int
     size: int

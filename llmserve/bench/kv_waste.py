@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.core.block_pool import BlockPool
 
 Trace = list[tuple[int, int]]  # (prompt tokens, output tokens) per request
 

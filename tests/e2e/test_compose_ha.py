@@ -13,7 +13,7 @@ import yaml
 
 from llmserve.cli import build_parser
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.server import config_from_args
+from scheduler_svc.servers.process import config_from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVICES = yaml.safe_load(open(os.path.join(ROOT, "compose.yaml")))["services"]

@@ -20,8 +20,8 @@ from tests.e2e.test_tensor_parallel import BLOCK_SIZE, NUM_BLOCKS
 from worker_svc import models
 from worker_svc.loader import load_hf_dir
 from worker_svc.lora import LoraPool
-from worker_svc.parallel import StepInputs, step_inputs
-from worker_svc.tensor_parallel import FULL, Shard, local_config
+from worker_svc.parallel.rank_group import StepInputs, step_inputs
+from worker_svc.parallel.sharding import FULL, Shard, local_config
 
 SIZE = 2
 ROWS = np.array([0, 1, 2])  # batch rows of the three sequences: adapter "all", adapter "attn", the base model
@@ -99,7 +99,7 @@ def _model(path: str, adapters: dict[str, str] | None, shard: Shard, group=None)
 def _rank_main(rank: int, port: int, checkpoints, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from worker_svc.parallel import RankGroup
+    from worker_svc.parallel.rank_group import RankGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -173,8 +173,8 @@ def _runner_rank(rank: int, port: int, path: str, adapters: dict[str, str], prom
 
     from tests.service.test_lora_worker import drive
     from worker_svc.config import WorkerConfig
-    from worker_svc.parallel import RankGroup
-    from worker_svc.runner import ModelRunner
+    from worker_svc.core.runner import ModelRunner
+    from worker_svc.parallel.rank_group import RankGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -208,7 +208,7 @@ def test_worker_group_with_adapters_equals_one_rank(checkpoints, tmp_path):
     carry the adapters and token slots, and the greedy tokens equal one rank's."""
     from tests.service.test_lora_worker import drive
     from worker_svc.config import WorkerConfig
-    from worker_svc.runner import ModelRunner
+    from worker_svc.core.runner import ModelRunner
 
     path, adapters = checkpoints[0]
     gen = torch.Generator().manual_seed(3)

@@ -30,8 +30,8 @@ from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from scheduler_svc.block_pool import BlockPool, hash_block
-from scheduler_svc.store import RedisLedger, StepCommit
+from scheduler_svc.core.block_pool import BlockPool, hash_block
+from scheduler_svc.ledger.store import RedisLedger, StepCommit
 from tests.support import cluster
 
 BS = 16

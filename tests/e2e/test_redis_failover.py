@@ -25,7 +25,7 @@ import redis
 from common.client import Client
 from llmserve.processes import start_redis
 from protos import llmserve_pb2 as pb
-from scheduler_svc.store import RedisLedger
+from scheduler_svc.ledger.store import RedisLedger
 from tests.support import cluster
 from tests.support.redis_ha import RedisHA, restart_redis
 

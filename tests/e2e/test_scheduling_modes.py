@@ -14,12 +14,12 @@ from collections import deque
 import grpc
 import pytest
 
+from common.sampling_fields import SamplingParams
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.policy import PolicyConfig, schedule
-from scheduler_svc.request import Request, Status
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.policy import PolicyConfig, schedule
+from scheduler_svc.core.request import Request, Status
 from tests.support import cluster
 
 

@@ -19,8 +19,8 @@ from common import config
 from common.config import from_namespace
 from llmserve import processes, serve
 from llmserve.cli import build_parser
-from scheduler_svc import server as scheduler_server
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.servers import process as scheduler_server
 from worker_svc import server as worker_server
 from worker_svc.config import WorkerConfig
 
@@ -224,5 +224,5 @@ def test_free_port_start_redis_percentile_and_ready_lines_are_defined_once():
     assert defs["start_redis"] == ["llmserve/processes.py"]
     assert defs["percentile"] == ["llmserve/bench/metrics.py"]
     assert set(literals["LLMSERVE_WORKER_READY"]) == {"worker_svc/server.py"}
-    assert set(literals["LLMSERVE_SCHEDULER_LISTENING"]) == {"scheduler_svc/server.py"}
+    assert set(literals["LLMSERVE_SCHEDULER_LISTENING"]) == {"scheduler_svc/servers/process.py"}
     assert set(literals["llmserve ready on"]) == {"llmserve/processes.py"}

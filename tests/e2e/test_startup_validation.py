@@ -8,7 +8,7 @@ import sys
 import pytest
 import redis
 
-from scheduler_svc.store import SCHEMA_VERSION
+from scheduler_svc.ledger.store import SCHEMA_VERSION
 from tests.support import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -24,7 +24,7 @@ from worker_svc.compiled import CompiledForward
 from worker_svc.config import CompilationConfig
 from worker_svc.loader import load_hf_dir
 from worker_svc.model import LlamaModel
-from worker_svc.tensor_parallel import Shard, check_shardable, local_config
+from worker_svc.parallel.sharding import Shard, check_shardable, local_config
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -70,7 +70,7 @@ def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
     """One rank of a world of max(SIZES); each size runs on the subgroup of the first `size` ranks."""
     import torch.distributed as dist
 
-    from worker_svc.parallel import RankGroup
+    from worker_svc.parallel.rank_group import RankGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from llmserve.processes import free_port
 from tests.e2e.test_tensor_parallel import _steps
 from worker_svc import models
 from worker_svc.loader import load_hf_dir
-from worker_svc.tensor_parallel import Shard, local_config
+from worker_svc.parallel.sharding import Shard, local_config
 
 FAMILIES = ("qwen3_sliding", "gemma2", "gemma3")
 SIZE = 2
@@ -41,7 +41,7 @@ def _load(path: str, shard: Shard, group=None):
 def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
-    from worker_svc.parallel import RankGroup
+    from worker_svc.parallel.rank_group import RankGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ from common import tls
 from llmserve import processes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from scheduler_svc.server import LISTENING_LINE
+from scheduler_svc.servers.process import LISTENING_LINE
 from tests.support import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -329,7 +329,7 @@ def test_serve_parses_the_tls_flags_and_keeps_its_worker_plaintext():
 
 
 def test_redact_url_hides_every_password():
-    from scheduler_svc.server import redact_url
+    from scheduler_svc.servers.process import redact_url
 
     assert redact_url("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
     assert redact_url("rediss://user:hunter2@h:6380/1?ssl_ca_certs=/c/ca.pem&ssl_password=hunter2") == \

@@ -61,7 +61,7 @@ def _console_spans(text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def traced_stack(redis_server, tmp_path_factory):  # noqa: F811
     from llmserve.cli import build_parser
-    from scheduler_svc.server import build_driver, build_server, config_from_args
+    from scheduler_svc.servers.process import build_driver, build_server, config_from_args
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -21,7 +21,7 @@ import triton  # noqa: E402, F401
 import kernels  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
 from tests.support.driver import DriverRequest, run_requests  # noqa: E402
-from worker_svc.runner import ModelRunner, resolve_attention_backend  # noqa: E402
+from worker_svc.core.runner import ModelRunner, resolve_attention_backend  # noqa: E402
 from worker_svc.server import add_worker_args, config_from_args, execute_step  # noqa: E402
 
 if not torch.cuda.is_available() and not kernels.get_backend("triton").INTERPRET:

@@ -17,10 +17,10 @@ import pytest
 import torch
 import transformers
 
+from common.sampling_fields import SamplingParams
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.core.request import Request
 from tests.support import cluster
 
 PROMPTS = [[100 + 37 * i + j for j in range(12 + 3 * i)] for i in range(8)]
@@ -108,7 +108,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_start(redis_server, tmp
 def test_the_worker_says_why_it_refused_a_plan_in_trailing_metadata(stack):
     """Fencing is told apart from a bad entry by the worker's structured reason, not by its message text."""
     from protos import worker_pb2 as wpb
-    from scheduler_svc.worker_client import PlanRejected, WorkerClient, WorkerFenced, WorkerLost
+    from scheduler_svc.driver.worker_client import PlanRejected, WorkerClient, WorkerFenced, WorkerLost
 
     client = WorkerClient(stack.worker.address)
     info = client.describe()

@@ -18,9 +18,9 @@ from tests.support.driver import DriverRequest, run_requests
 from tests.support.random_weights import randomize
 from worker_svc.compiled import CompiledForward, wants_compiled
 from worker_svc.config import CompilationConfig, WorkerConfig
+from worker_svc.core.runner import ModelRunner
 from worker_svc.loader import load_model_weights
 from worker_svc.model import LlamaModel
-from worker_svc.runner import ModelRunner
 from worker_svc.server import execute_step
 
 SIZES = (4, 8)

@@ -16,7 +16,7 @@ from tests.service.test_compiled_forward import tiny_path  # noqa: F401  (the mo
 from tests.support.driver import DriverRequest, run_requests
 from worker_svc.compiled import CompiledForward
 from worker_svc.config import WorkerConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.core.runner import ModelRunner
 from worker_svc.server import execute_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -15,17 +15,17 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
+from common.sampling_fields import SamplingParams
 from llmserve import cli
 from llmserve.diagnose import Observation, Scrape, diagnose, histogram_quantile, observe_bench, observe_scrapes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.policy import PolicyConfig
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.core.step_records import SampledToken, SchedulerOutput, WorkerOutput
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.outputs import SampledToken, SchedulerOutput, WorkerOutput
-from scheduler_svc.policy import PolicyConfig
-from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
 from tests.support import cluster
 
 ITL_BOUNDS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)

@@ -16,7 +16,7 @@ from tests.service.test_model import PagedRunner
 from tests.support import moe_checkpoints as mc
 from worker_svc import models
 from worker_svc.loader import load_hf_dir
-from worker_svc.tensor_parallel import FULL, Shard, local_config
+from worker_svc.parallel.sharding import FULL, Shard, local_config
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_compiled_forward_is_refused(checkpoints):
 def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
-    from worker_svc.parallel import RankGroup
+    from worker_svc.parallel.rank_group import RankGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

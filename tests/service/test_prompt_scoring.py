@@ -10,8 +10,8 @@ import torch
 
 from protos import worker_pb2 as pb
 from tests.support.driver import DriverRequest, run_requests
-from worker_svc.pooler_config import CLS, LAST, MEAN, PoolerConfig
-from worker_svc.pooling import Pooler
+from worker_svc.sampling.pooler_config import CLS, LAST, MEAN, PoolerConfig
+from worker_svc.sampling.pooling import Pooler
 from worker_svc.server import execute_step
 
 PROMPT = ("In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of "

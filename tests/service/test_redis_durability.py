@@ -12,8 +12,8 @@ import redis
 from common.validation import ConfigError
 from llmserve.processes import start_redis, stop
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.redis_ha import Durability, DurabilityError, parse_sentinels, redis_unavailable
-from scheduler_svc.store import RedisLedger, StepCommit
+from scheduler_svc.ledger.redis_ha import Durability, DurabilityError, parse_sentinels, redis_unavailable
+from scheduler_svc.ledger.store import RedisLedger, StepCommit
 
 HOLDER, TTL_MS = "test-holder", 10_000
 

@@ -10,14 +10,14 @@ import json
 import pytest
 import redis
 
+from common.sampling_fields import SamplingParams
 from common.validation import ConfigError
 from protos import llmserve_pb2 as pb
 from protos import worker_pb2 as wpb
-from scheduler_svc.admission import Limits, build_requests
-from scheduler_svc.request import Request, Status
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.store import SCHEMA_VERSION, RedisLedger, SchemaMismatch, StepCommit
-from scheduler_svc.worker_wire import sampling_to_wire
+from scheduler_svc.core.request import Request, Status
+from scheduler_svc.driver.admission import Limits, build_requests
+from scheduler_svc.driver.worker_client import sampling_to_wire
+from scheduler_svc.ledger.store import SCHEMA_VERSION, RedisLedger, SchemaMismatch, StepCommit
 
 HOLDER = "sched-a"
 TTL_MS = 5000

@@ -9,13 +9,20 @@ import time
 import pytest
 import redis
 
-from scheduler_svc.block_pool import BlockPool, BlockState
-from scheduler_svc.core import SchedulerCore
-from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
-from scheduler_svc.policy import PolicyConfig
-from scheduler_svc.request import FINISH_LENGTH, Request, Status
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.store import InvariantViolation, LeaseLost, LedgerBehind, RedisLedger, SchemaMismatch, StepCommit
+from common.sampling_fields import SamplingParams
+from scheduler_svc.core.block_pool import BlockPool, BlockState
+from scheduler_svc.core.policy import PolicyConfig
+from scheduler_svc.core.request import FINISH_LENGTH, Request, Status
+from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
+from scheduler_svc.ledger.store import (
+    InvariantViolation,
+    LeaseLost,
+    LedgerBehind,
+    RedisLedger,
+    SchemaMismatch,
+    StepCommit,
+)
 
 HOLDER = "sched-a"
 TTL_MS = 5000

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from common.tokenizer import Tokenizer
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.core.detokenizer import IncrementalDetokenizer
 
 
 def _gguf_path() -> str:

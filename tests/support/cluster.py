@@ -19,7 +19,7 @@ API (all blocking, all with timeouts that raise ``ProcError`` naming the process
   ``Proc.port`` / ``Proc.epoch`` come from its ``worker_svc.server.READY_LINE``.
 - ``start_scheduler(redis_url, worker, extra_args=(), namespace=None, wait=True, env=None) -> Proc``: ``worker``
   is a worker ``Proc``, a port, or a "host:port" string; the namespace defaults to a fresh ``new_namespace()``
-  (``Proc.namespace``). ``Proc.port`` comes from ``scheduler_svc.server.LISTENING_LINE``. Listening is not
+  (``Proc.namespace``). ``Proc.port`` comes from ``scheduler_svc.servers.process.LISTENING_LINE``. Listening is not
   ready: call ``wait_healthy`` before sending work.
 - ``start_serve(extra_args=(), wait=True, env=None) -> Proc``: ``llmserve serve`` on a free port (and a free
   ``--http-port``: ``Proc.extra["http_port"]``), returned once it printed its ready line.
@@ -115,7 +115,7 @@ def ledger(redis_url: str, namespace: str):
     """A RedisLedger on `namespace` (e.g. for `check_ledger()` or the `active` set)."""
     import redis
 
-    from scheduler_svc.store import RedisLedger
+    from scheduler_svc.ledger.store import RedisLedger
 
     return RedisLedger(redis.Redis.from_url(redis_url), namespace=namespace)
 

@@ -10,9 +10,9 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from common.sampling_fields import SamplingParams
 from kernels.reference import DECODE_GROUP_ROWS, PADDING_LIMIT, AttentionMetadata, ReferencePlan, _Group
-from worker_svc.sampler import draw_keys, draw_tokens
-from worker_svc.sampling import SamplingParams
+from worker_svc.sampling.sampler import draw_keys, draw_tokens
 
 # ------------------------------------------------------------------------------ inputs (runner._prepare)
 

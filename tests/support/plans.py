@@ -2,7 +2,7 @@
 
 Tests name requests by id, as the scheduler's core does; `Wire` turns such entries into a v2 plan (slots from the
 real `SlotTable`, cached entries packed) and reads a result's packed arrays back as tokens by id, freeing the slots
-of finished requests, as `scheduler_svc.worker_client` does. Cases about malformed slots build plans directly.
+of finished requests, as `scheduler_svc.driver.worker_client` does. Cases about malformed slots build plans directly.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from common.worker_protocol import MAX_SLOTS
 from protos import worker_pb2 as pb
-from scheduler_svc.slot_table import SlotTable
+from scheduler_svc.core.slot_table import SlotTable
 
 UNKNOWN_SLOT = MAX_SLOTS - 1  # where a test addresses a request the edge never gave a slot
 

@@ -13,7 +13,7 @@ from common import config
 from common.validation import ConfigError
 from llmserve.processes import Proc, RedisServer, address_of, start_redis, start_worker, stop, wait_ready
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.server import Scheduler
+from scheduler_svc.servers.process import Scheduler
 
 
 def start_scheduler_in_process(redis_url: str, worker, extra_args: Iterable = (), *, host: str = "127.0.0.1",

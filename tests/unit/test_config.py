@@ -19,8 +19,8 @@ from llmserve import config_docs
 from llmserve.cli import build_parser
 from llmserve.serve import ServeConfig
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.driver import DriverConfig
-from scheduler_svc.policy import PolicyConfig
+from scheduler_svc.core.policy import PolicyConfig
+from scheduler_svc.driver.driver import DriverConfig
 from worker_svc.config import WorkerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -135,7 +135,7 @@ def test_scheduler_combinations_fail_naming_both_flags():
 def test_no_flag_is_declared_outside_the_dataclasses():
     """The services' and serve's options come only from common.config.add_arguments."""
     wrong = []
-    for rel in ("scheduler_svc/server.py", "worker_svc/server.py", "api_svc/server.py", "llmserve/serve.py"):
+    for rel in ("scheduler_svc/servers/process.py", "worker_svc/server.py", "api_svc/server.py", "llmserve/serve.py"):
         tree = ast.parse(open(os.path.join(ROOT, rel)).read())
         wrong += [f"{rel}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                   and n.attr in ("add_argument", "_actions")]

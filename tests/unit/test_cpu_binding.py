@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from worker_svc import cpu_binding
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu import binding as cpu_binding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

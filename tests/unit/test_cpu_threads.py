@@ -1,9 +1,9 @@
-"""worker_svc.cpu_threads.SmallStepThreads: small steps run on the thread count that has been faster lately, the other
+"""worker_svc.cpu.threads.SmallStepThreads: small steps run on the thread count that has been faster lately, the other
 count is still tried now and then, and large steps always get every thread. Times are given, not measured."""
 
 from __future__ import annotations
 
-from worker_svc.cpu_threads import SMALL_STEP_TOKENS, SmallStepThreads
+from worker_svc.cpu.threads import SMALL_STEP_TOKENS, SmallStepThreads
 
 
 def _serve(choice: SmallStepThreads, seconds_on: dict[int, float], steps: int, tokens: int = 1) -> list[int]:

@@ -17,11 +17,11 @@ import kernels.reference as ref
 from protos import worker_pb2 as pb
 from tests.support import legacy_host_path as legacy
 from tests.support.plans import Cached, Wire, add_cached
-from worker_svc.batch import BatchLimits, CachedDeltas, PersistentBatch, Schedule
-from worker_svc.errors import InvalidPlan, PlanError
-from worker_svc.input_batch import InputBatch
-from worker_svc.model_inputs import build_model_inputs
-from worker_svc.server import step_plan
+from worker_svc.core.errors import InvalidPlan, PlanError
+from worker_svc.core.input_batch import InputBatch
+from worker_svc.core.persistent_batch import BatchLimits, CachedDeltas, PersistentBatch, Schedule
+from worker_svc.core.step_inputs import build_model_inputs
+from worker_svc.wire import step_plan
 
 BLOCK = 4
 VOCAB = 50

@@ -28,10 +28,15 @@ FORBIDDEN = {
 }
 # The settings' modules are read to build every command line (and the docs): no I/O library, no model code.
 CONFIG_MODULES = ("common/config.py", "scheduler_svc/config.py", "worker_svc/config.py", "api_svc/config.py")
-# The scheduling core is plain data in, plain data out: no I/O library, no wire format.
-PURE_MODULES = ("scheduler_svc/core.py", "scheduler_svc/policy.py", "scheduler_svc/request.py",
-                "scheduler_svc/block_pool.py", "scheduler_svc/outputs.py", "scheduler_svc/sampling.py")
+# The scheduling core (every module of scheduler_svc/core/) is plain data in, plain data out: no I/O library, no wire
+# format.
+PURE_PACKAGE = "scheduler_svc/core"
 IO_LIBRARIES = {"grpc", "redis", "opentelemetry", "torch", "protos", "prometheus_client", "google"}
+# The worker's core and its parts see plain plans and return plain arrays: the wire is worker_svc/wire.py's.
+WIRE_FREE_PACKAGES = ("worker_svc/core", "worker_svc/sampling", "worker_svc/cpu", "worker_svc/parallel")
+WIRE = {"grpc", "grpc_health", "grpc_reflection", "protos", "google"}
+PRODUCT_PACKAGES = ("api_svc", "common", "kernels", "llmserve", "scheduler_svc", "worker_svc")
+MAX_PRODUCT_LINES = 450
 
 
 def imported_packages(path: str) -> set[tuple[int, str]]:
@@ -75,14 +80,34 @@ def test_api_imports_only_common_and_protos():
     assert not wrong, "api_svc may import only common/ and protos/ of this repository:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("module", PURE_MODULES)
-def test_scheduling_core_has_no_io_imports(module):
-    path = os.path.join(ROOT, module)
-    if not os.path.exists(path):
-        pytest.fail(f"{module} is missing")
-    wrong = [f"{module}:{line} imports {name}" for line, name in sorted(imported_packages(path))
-             if name in IO_LIBRARIES]
+def test_scheduling_core_has_no_io_imports():
+    modules = python_files(PURE_PACKAGE)
+    assert {"scheduler.py", "policy.py", "request.py", "block_pool.py", "step_records.py"} <= {
+        os.path.basename(m) for m in modules}
+    wrong = [f"{os.path.relpath(path, ROOT)}:{line} imports {name}" for path in modules
+             for line, name in sorted(imported_packages(path)) if name in IO_LIBRARIES]
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", WIRE_FREE_PACKAGES)
+def test_worker_core_imports_no_wire_format(package):
+    """Only worker_svc/server.py and worker_svc/wire.py convert to and from protos/worker.proto."""
+    assert python_files(package), f"no Python files under {package}/"
+    wrong = [f"{os.path.relpath(path, ROOT)}:{line} imports {name}" for path in python_files(package)
+             for line, name in sorted(imported_packages(path)) if name in WIRE]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_product_module_is_over_the_line_limit():
+    """One concept per file: a product module over 450 lines holds more than one and should be split."""
+    long = []
+    for package in PRODUCT_PACKAGES:
+        for path in python_files(package):
+            with open(path) as f:
+                n = sum(1 for _ in f)
+            if n > MAX_PRODUCT_LINES:
+                long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert not long, f"product modules over {MAX_PRODUCT_LINES} lines:\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("module", CONFIG_MODULES)

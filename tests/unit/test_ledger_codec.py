@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import msgpack
 
-from scheduler_svc.block_pool import BlockState
-from scheduler_svc.ledger_codec import CommitEncoder, pack_ids, unpack_cached_block, unpack_ids
-from scheduler_svc.outputs import StepCommit
-from scheduler_svc.request import Request, Status
-from scheduler_svc.sampling import SamplingParams
+from common.sampling_fields import SamplingParams
+from scheduler_svc.core.block_pool import BlockState
+from scheduler_svc.core.request import Request, Status
+from scheduler_svc.core.step_records import StepCommit
+from scheduler_svc.ledger.codec import CommitEncoder, pack_ids, unpack_cached_block, unpack_ids
 
 SECTIONS = ("new", "state", "computed", "blk_add", "blk_set", "out", "fin", "blocks")
 

@@ -9,13 +9,13 @@ from collections import deque
 import pytest
 
 from common.lora import parse_lora_modules
-from scheduler_svc import outputs
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.ledger_codec import final_fields, spec_fields
-from scheduler_svc.policy import PolicyConfig, schedule
-from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.store import _decode_request
+from common.sampling_fields import SamplingParams
+from scheduler_svc.core import step_records
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.policy import PolicyConfig, schedule
+from scheduler_svc.core.request import Request
+from scheduler_svc.ledger.codec import final_fields, spec_fields
+from scheduler_svc.ledger.store import _decode_request
 
 BS = 4
 PROMPT = list(range(1, 17))
@@ -58,7 +58,7 @@ def test_max_loras_bounds_the_distinct_adapters_running():
     out = schedule(waiting, running, pool, cfg)
     # a, base, a, b run; c would be a third adapter: it waits, and FCFS keeps the ones behind it waiting too.
     assert [r.request_id for r in out.admitted] == ["r0", "r1", "r2", "r3"]
-    assert out.admission_stopped_by == outputs.STOP_MAX_LORAS
+    assert out.admission_stopped_by == step_records.STOP_MAX_LORAS
     assert [r.request_id for r in waiting] == ["r4", "r5", "r6"]
     # Without --enable-lora (max_loras 0) there is no such limit.
     out = schedule(deque(req(f"s{i}", x, seq=i) for i, x in enumerate("abc")), [], BlockPool(64),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from scheduler_svc.outbox import UNAVAILABLE, Outbox, Published
-from scheduler_svc.outputs import SampledToken
-from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
+from common.sampling_fields import SamplingParams
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.step_records import SampledToken
+from scheduler_svc.driver.outbox import UNAVAILABLE, Outbox, Published
 
 
 def _request(rid: str) -> Request:

@@ -1,4 +1,4 @@
-"""Unit tests for the pure scheduling policy (scheduler_svc/policy.py) and its block pool.
+"""Unit tests for the pure scheduling policy (scheduler_svc/core/policy.py) and its block pool.
 
 The policy does not advance `num_computed_tokens` nor append output tokens: the scheduler core does that
 after the worker step (`SchedulerCore.update_from_output`). `Engine.step` below runs the real core and fakes only
@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
-from scheduler_svc.core import SchedulerCore
-from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, SchedulerOutput, WorkerOutput
-from scheduler_svc.policy import PolicyConfig, blocks_for
-from scheduler_svc.request import Request, Status
-from scheduler_svc.sampling import SamplingParams
+from common.sampling_fields import SamplingParams
+from scheduler_svc.core.block_pool import BlockPool, NoFreeBlocks
+from scheduler_svc.core.policy import PolicyConfig, blocks_for
+from scheduler_svc.core.request import Request, Status
+from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, SampledToken, SchedulerOutput, WorkerOutput
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, seq: int = 0) -> Request:

@@ -18,18 +18,18 @@ from collections import deque
 import numpy as np
 import pytest
 
+from common.sampling_fields import SamplingParams
 from protos import llmserve_pb2 as pb
 from protos import worker_pb2 as wpb
-from scheduler_svc.admission import Limits, build_requests
-from scheduler_svc.block_pool import BlockPool, NoFreeBlocks, hash_block
-from scheduler_svc.core import SchedulerCore
-from scheduler_svc.driver import Driver, DriverConfig
+from scheduler_svc.core.block_pool import BlockPool, NoFreeBlocks, hash_block
+from scheduler_svc.core.policy import PolicyConfig, schedule
+from scheduler_svc.core.request import Request, Status
+from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.driver.admission import Limits, build_requests
+from scheduler_svc.driver.driver import Driver, DriverConfig
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.policy import PolicyConfig, schedule
-from scheduler_svc.request import Request, Status
-from scheduler_svc.sampling import SamplingParams
-from worker_svc.batch import BatchLimits, PersistentBatch
-from worker_svc.server import skip_finished_requests, step_plan
+from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch
+from worker_svc.wire import skip_finished_requests, step_plan
 
 BS = 4
 VOCAB = 500

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from worker_svc.input_batch import InputBatch
-from worker_svc.sampler import (
+from common.sampling_fields import SamplingParams
+from worker_svc.core.input_batch import InputBatch
+from worker_svc.sampling.sampler import (
     BatchSample,
     SamplingBatch,
     apply_penalties,
@@ -18,7 +19,6 @@ from worker_svc.sampler import (
     exponential_noise,
     sample_batch,
 )
-from worker_svc.sampling import SamplingParams
 
 V = 64
 Row = tuple[SamplingParams, Sequence[int], Sequence[int]]  # params, prompt, output so far

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from common.sampling_fields import SamplingParams
 from protos import worker_pb2 as pb
 from tests.support import legacy_host_path as legacy
 from tests.support.legacy_host_path import SampleRow
 from tests.unit.test_sampler import sampling_batch
-from worker_svc import sampler
-from worker_svc.batch import BatchLimits, PersistentBatch
-from worker_svc.sampler import (
+from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch
+from worker_svc.sampling import sampler
+from worker_svc.sampling.sampler import (
     BatchSample,
     _filter,
     apply_min_tokens,
@@ -28,8 +29,7 @@ from worker_svc.sampler import (
     greedy_batch,
     sample_batch,
 )
-from worker_svc.sampling import SamplingParams, to_proto
-from worker_svc.server import step_plan
+from worker_svc.wire import sampling_to_wire, step_plan
 
 EOS = frozenset({0, 3})
 
@@ -174,7 +174,7 @@ def test_through_the_persistent_batch_with_finish_checks(seed):
     for i, r in enumerate(rows):
         ids = r.prompt_ids + r.output_ids
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=ids, num_prompt_tokens=len(r.prompt_ids),
-                                  sampling=to_proto(r.params), block_ids=range(i * 10, i * 10 + 10))
+                                  sampling=sampling_to_wire(r.params), block_ids=range(i * 10, i * 10 + 10))
     p = step_plan(plan)
     batch.apply_plan(p, batch.check_plan(p, "e"))
     inputs = batch.inputs

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from common.sampling_fields import SamplingParams
 from protos import worker_pb2 as pb
 from tests.support.legacy_host_path import SampleRow
 from tests.unit.test_sampler_batched import sample
-from worker_svc.batch import BatchLimits, PersistentBatch
-from worker_svc.sampler import sample_batch
-from worker_svc.sampling import SamplingParams, to_proto
-from worker_svc.server import step_plan
+from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch
+from worker_svc.sampling.sampler import sample_batch
+from worker_svc.wire import sampling_to_wire, step_plan
 
 V = 32
 EOS = frozenset({0})
@@ -94,7 +94,7 @@ def test_through_the_persistent_batch_equals_the_plain_reference(seed):
     plan = pb.StepPlan(step_id=1)
     for i, r in enumerate(rows):
         plan.resumed_requests.add(slot=i, request_id=f"r{i}", token_ids=r.prompt_ids + r.output_ids,
-                                  num_prompt_tokens=len(r.prompt_ids), sampling=to_proto(r.params),
+                                  num_prompt_tokens=len(r.prompt_ids), sampling=sampling_to_wire(r.params),
                                   block_ids=range(i * 10, i * 10 + 10))
     p = step_plan(plan)
     batch.apply_plan(p, batch.check_plan(p, "e"))
@@ -111,7 +111,7 @@ def test_rows_without_them_carry_nothing():
     batch = PersistentBatch(BatchLimits(num_blocks=100, block_size=4, max_model_len=64, vocab_size=V))
     plan = pb.StepPlan(step_id=1)
     for i, p in enumerate([greedy(), greedy(logit_bias={3: 1.0}), greedy(bad_words=[[4, 5]])]):
-        plan.new_requests.add(slot=i, request_id=f"r{i}", prompt_token_ids=[1, 2], sampling=to_proto(p),
+        plan.new_requests.add(slot=i, request_id=f"r{i}", prompt_token_ids=[1, 2], sampling=sampling_to_wire(p),
                               block_ids=[i], num_scheduled_tokens=2)
     plan = step_plan(plan)
     batch.apply_plan(plan, batch.check_plan(plan, "e"))

@@ -19,13 +19,13 @@ from common.tokenizer import Tokenizer
 from protos import llmserve_pb2 as pb
 from protos import vllm_engine_pb2 as vpb
 from protos import worker_pb2 as wpb
-from scheduler_svc.admission import AdmissionError, Limits, bad_words_token_ids, build_requests, check_sampling
-from scheduler_svc.ledger_codec import final_fields, spec_fields
-from scheduler_svc.request import Request
-from scheduler_svc.store import _decode_request
-from scheduler_svc.vllm_engine import _Refused, to_llmserve
-from scheduler_svc.worker_wire import sampling_to_wire
-from worker_svc.sampling import from_proto
+from scheduler_svc.core.request import Request
+from scheduler_svc.driver.admission import AdmissionError, Limits, bad_words_token_ids, build_requests, check_sampling
+from scheduler_svc.driver.worker_client import sampling_to_wire
+from scheduler_svc.ledger.codec import final_fields, spec_fields
+from scheduler_svc.ledger.store import _decode_request
+from scheduler_svc.servers.vllm_engine import _Refused, to_llmserve
+from worker_svc.wire import sampling_from_wire
 
 LIMITS = Limits(max_model_len=64, vocab_size=1000, kv_pool_tokens=128, block_size=4)
 PROMPT = [1, 2, 3]
@@ -85,14 +85,14 @@ def test_every_row_has_a_sample_and_a_record_field():
 
 @pytest.mark.parametrize("name", [f.name for f in FIELDS])
 def test_round_trip(name, tokenizer):
-    if name == "embed":  # no public sampling field: the Embed RPC sets it (scheduler_svc/embed.py)
+    if name == "embed":  # no public sampling field: the Embed RPC sets it (scheduler_svc/driver/embed.py)
         record = SamplingParams(embed=True, seed=1, max_tokens=1)
     else:
         (req,) = completion_requests(_openai_body(name, SAMPLE[name]), "r")
         record = _admit(req, tokenizer)
     want = _record_value(name, tokenizer)
     assert getattr(record, name) == want
-    worker = from_proto(wpb.SamplingParams.FromString(sampling_to_wire(record).SerializeToString()))
+    worker = sampling_from_wire(wpb.SamplingParams.FromString(sampling_to_wire(record).SerializeToString()))
     assert worker == record
     assert getattr(_through_redis(worker), name) == want
     assert _through_redis(worker) == record
@@ -123,7 +123,7 @@ def test_defaults_are_one_value_everywhere(name, tokenizer):
         assert getattr(from_openai, name) == getattr(from_grpc_, name) == getattr(from_vllm, name) == default
     # The worker wire carries every value; the record of defaults crosses it unchanged.
     record = SamplingParams(seed=5)
-    assert from_proto(sampling_to_wire(record)) == record
+    assert sampling_from_wire(sampling_to_wire(record)) == record
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.core import SchedulerCore
-from scheduler_svc.outputs import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
-from scheduler_svc.policy import PolicyConfig
-from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.speculative import SpeculativeConfig, parse_speculative_config
-from worker_svc.sampler import SamplingBatch, sample_batch
-from worker_svc.speculative import accepted_lengths, propose_ngram
+from common.sampling_fields import SamplingParams
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.policy import PolicyConfig
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.core.speculative import SpeculativeConfig, parse_speculative_config
+from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
+from worker_svc.core.ngram_drafts import accepted_lengths, propose_ngram
+from worker_svc.sampling.sampler import SamplingBatch, sample_batch
 
 # ---- the flag -------------------------------------------------------------------------------------------------
 
@@ -228,8 +228,8 @@ def test_core_accounting_with_drafts(pipelined, num_blocks):
 def test_spec_metrics_use_vllm_names():
     from prometheus_client import generate_latest
 
+    from scheduler_svc.driver.worker_client import spec_stats
     from scheduler_svc.metrics import Metrics
-    from scheduler_svc.worker_client import spec_stats
 
     m = Metrics("m")
     m.spec_decode(spec_stats([3, 2, 4], [3, 0, 1]))

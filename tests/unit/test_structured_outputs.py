@@ -17,7 +17,7 @@ from common.structured_outputs import (
     check_shape,
     choice_spec,
 )
-from worker_svc.grammar import GrammarCache, GrammarMasks
+from worker_svc.sampling.grammar import GrammarCache, GrammarMasks
 
 VOCAB = ["a", "b", "c", "1", "2", "{", "}", '"', ":", ",", "x", "<eos>"]
 EOS = VOCAB.index("<eos>")

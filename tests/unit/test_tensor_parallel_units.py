@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc import parallel
 from worker_svc.config import ModelConfig
-from worker_svc.parallel import StepInputs, placement
-from worker_svc.tensor_parallel import Shard, local_config, shard_weights
+from worker_svc.parallel import rank_group
+from worker_svc.parallel.rank_group import StepInputs, placement
+from worker_svc.parallel.sharding import Shard, local_config, shard_weights
 
 
 def _config(heads: int = 8, kv: int = 4, vocab: int = 250) -> ModelConfig:
@@ -92,7 +92,7 @@ def test_placement_refuses_numbers_that_do_not_fit(monkeypatch):
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not match the WORLD_SIZE 2"):
         placement(3, 1, 0, "127.0.0.1", None)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 1 does not match the WORLD_SIZE 2"):
-        parallel.start_group(1, 1, 0, "127.0.0.1", None, torch.device("cpu"), 5)
+        rank_group.start_group(1, 1, 0, "127.0.0.1", None, torch.device("cpu"), 5)
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    assert parallel.start_group(1, 1, 0, "127.0.0.1", None, torch.device("cpu"), 5) is None
+    assert rank_group.start_group(1, 1, 0, "127.0.0.1", None, torch.device("cpu"), 5) is None

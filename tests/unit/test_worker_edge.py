@@ -1,6 +1,6 @@
-"""The worker's gRPC edge: only worker_svc/server.py speaks protobuf and gRPC status codes; it converts a StepPlan
-message into the core's plain plan field by field, packs a StepOutput into a StepResult, and maps each kind of
-refusal to its status code and trailing metadata."""
+"""The worker's gRPC edge: only worker_svc/server.py and worker_svc/wire.py speak protobuf and gRPC status codes;
+wire.py converts a StepPlan message into the core's plain plan field by field, packs a StepOutput into a StepResult,
+and maps each kind of refusal to its status code and trailing metadata."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import pytest
 from common import plan_errors
 from protos import worker_pb2 as pb
 from tests.unit.test_layering import ROOT, imported_packages, python_files
-from worker_svc import errors, outputs
-from worker_svc.outputs import Logprobs, StepOutput
-from worker_svc.server import plan_error_code, plan_error_metadata, step_plan, step_result
+from worker_svc.core import errors, step_output
+from worker_svc.core.step_output import Logprobs, StepOutput
+from worker_svc.wire import plan_error_code, plan_error_metadata, step_plan, step_result
 
 WIRE = {"grpc", "grpc_health", "grpc_reflection", "protos", "google"}
-# server.py is the edge; sampling.py holds from_proto / to_proto (record <-> worker wire), which server.py calls.
-EDGE = {"worker_svc/server.py", "worker_svc/sampling.py"}
+# server.py is the gRPC servicer; wire.py holds the conversions (plan, result, sampling record, refusals).
+EDGE = {"worker_svc/server.py", "worker_svc/wire.py"}
 
 
 def test_only_the_edge_imports_the_wire_format():
@@ -30,7 +30,8 @@ def test_only_the_edge_imports_the_wire_format():
 
 
 def test_finish_codes_are_the_wire_values():
-    assert (outputs.FINISH_NONE, outputs.FINISH_EOS, outputs.FINISH_STOP_TOKEN, outputs.FINISH_MAX_TOKENS) == (
+    assert (step_output.FINISH_NONE, step_output.FINISH_EOS, step_output.FINISH_STOP_TOKEN,
+            step_output.FINISH_MAX_TOKENS) == (
         pb.FINISH_REASON_NONE, pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_TOKEN, pb.FINISH_REASON_MAX_TOKENS)
 
 
@@ -68,7 +69,7 @@ def test_a_plan_converts_field_by_field():
 
 def test_an_output_packs_into_a_result():
     out = StepOutput(step_id=7, previous_step_id=6, num_scheduled_tokens=9, slots=np.array([1, 3, 3]),
-                     token_ids=np.array([5, 6, 7]), finish_reasons=np.array([0, 0, outputs.FINISH_EOS]),
+                     token_ids=np.array([5, 6, 7]), finish_reasons=np.array([0, 0, step_output.FINISH_EOS]),
                      logprobs=Logprobs(np.array([2]), np.array([-0.5], np.float32), np.array([1]), np.array([7]),
                                        np.array([-0.5], np.float32)),
                      spec_slots=np.array([3]), spec_num_draft_tokens=np.array([2]),

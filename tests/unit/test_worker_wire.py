@@ -9,13 +9,13 @@ import grpc
 import pytest
 
 from common import plan_errors
+from common.sampling_fields import SamplingParams
 from common.validation import ConfigError
 from protos import worker_pb2 as wpb
-from scheduler_svc.outputs import SchedulerOutput
-from scheduler_svc.request import Request
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.slot_table import SlotTable
-from scheduler_svc.worker_client import (
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.slot_table import SlotTable
+from scheduler_svc.core.step_records import SchedulerOutput
+from scheduler_svc.driver.worker_client import (
     PlanRejected,
     WorkerClient,
     WorkerLost,

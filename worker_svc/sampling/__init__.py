@@ -1,0 +1,1 @@
+"""From logits to what a step returns: the sampler, structured-output grammars, prompt logprobs, pooling."""
