@@ -8,7 +8,7 @@ tests start their processes through here.
   `wait` they return once the ready line the server prints is in the log (`worker_svc.server.READY_LINE`,
   `scheduler_svc.servers.process.LISTENING_LINE`, `api_svc.server.LISTENING_LINE`, `SERVE_READY_LINE` below). Every one
   returns a `Proc`; `wait_ready`, `stop`, `kill`, `stop_all` act on them.
-- `start_smg(...)`: the smg gateway in front of schedulers.
+- The smg gateway in front of schedulers: llmserve/smg_gateway.py (`start_smg`), on the same `Proc`s.
 - `health(address)`, `wait_healthy(address)`: grpc.health.v1.
 
 Children die with the thread that started them (`spawn`'s `die_with_parent`): a `serve` (or a test run) killed with
@@ -309,54 +309,6 @@ def start_api(scheduler: str, extra_args: Iterable = (), *, port: int = 0, wait:
     argv = cli_argv("api", "--host", "127.0.0.1", "--port", port, "--scheduler", scheduler, *extra_args)
     proc = spawn("api", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd)
     return wait_ready(proc, timeout) if wait else proc
-
-
-def smg_binary() -> str:
-    """The smg gateway's launcher next to this interpreter (the `smg` wheel of the test extra), else on PATH."""
-    local = os.path.join(os.path.dirname(sys.executable), "smg")
-    return local if os.path.exists(local) else (shutil.which("smg") or "smg")
-
-
-def start_smg(worker_urls: Iterable[str], policy: str = "cache_aware", extra_args: Iterable = (), *,
-              port: int | None = None, wait: bool = True, timeout: float = 120.0, env: dict[str, str] | None = None,
-              log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
-    """The smg gateway (OpenAI HTTP on `port`) in front of llmserve schedulers, spoken to over vLLM's gRPC engine
-    protocol: `smg launch --backend vllm --worker-urls grpc://HOST:PORT ... --policy POLICY *extra_args`. With
-    `wait`, returns once every worker is healthy in its /readiness (it has fetched the tokenizer from them).
-    Its Prometheus endpoint listens on `proc.extra["metrics_port"]`."""
-    urls = [u if "://" in u else f"grpc://{u}" for u in worker_urls]
-    port, metrics_port = port or free_port(), free_port()
-    argv = [smg_binary(), "launch", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--worker-urls", *urls, *map(str, extra_args)]
-    proc = spawn("smg", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd,
-                 extra={"metrics_port": metrics_port})
-    proc.port = port
-    if wait:
-        wait_smg(proc, len(urls), timeout)
-    return proc
-
-
-def wait_smg(proc: Proc, healthy_workers: int, timeout: float = 120.0) -> Proc:
-    """Wait until smg's /readiness counts `healthy_workers` healthy workers; ProcError if it exits or times out."""
-    import json
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/readiness", timeout=2) as r:
-                if json.load(r).get("healthy_workers", 0) >= healthy_workers:
-                    return proc
-        except (OSError, ValueError):
-            pass
-        if not proc.alive():
-            forget(proc)
-            raise ProcError(f"{proc.describe()} exited before it was ready:\n{proc.log_tail()}")
-        if time.monotonic() > deadline:
-            raise ProcError(f"{proc.describe()}: fewer than {healthy_workers} healthy workers after {timeout:.0f} s:"
-                            f"\n{proc.log_tail()}")
-        time.sleep(0.2)
 
 
 def start_redis(data_dir: str, *, port: int | None = None, appendonly: bool = False, extra_args: Iterable = (),

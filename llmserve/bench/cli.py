@@ -222,9 +222,9 @@ def _serve_http_vs_grpc(args: argparse.Namespace, settings) -> None:
                                               api_pid=server.api_pid(), model=dict(grpc_target.model))
             records.append(_run_and_write(http_target, settings, args))
             if args.smg:  # the same workload through the smg gateway in front of the same scheduler
-                from llmserve import processes
+                from llmserve import processes, smg_gateway
 
-                gw = processes.start_smg([server.address], "round_robin",
+                gw = smg_gateway.start_smg([server.address], "round_robin",
                                      log_path=os.path.join(args.result_dir, "smg.log"))
                 try:
                     records.append(_run_and_write(dataclasses.replace(

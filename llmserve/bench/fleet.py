@@ -24,7 +24,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from llmserve import processes
+from llmserve import processes, smg_gateway
 from llmserve.bench import loadgen, metrics, report, runner
 from llmserve.bench.runner import LocalServer, RunSettings, Target, model_info
 
@@ -87,7 +87,7 @@ def run_policy(policy: str, settings: RunSettings, args: argparse.Namespace, ser
             list(starting.map(LocalServer.__enter__, pools))
         for pool in pools:  # first-step costs and the detokenizer load, outside the gateway and the measurement
             asyncio.run(loadgen.warm_up(loadgen.GrpcTransport(pool.address, settings.api_key), settings.warmup))
-        gateway = processes.start_smg([p.address for p in pools], policy, args.smg_args.split(),
+        gateway = smg_gateway.start_smg([p.address for p in pools], policy, args.smg_args.split(),
                                   log_path=os.path.join(args.result_dir, f"smg_{policy}.log"))
         pools_up.callback(processes.stop, gateway)
         url = f"http://127.0.0.1:{gateway.port}"

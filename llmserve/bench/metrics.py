@@ -31,7 +31,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.common import RequestResult
-from llmserve.diagnose import histogram_quantile  # Prometheus-style bucket quantile, shared with diagnose
+from llmserve.observation import histogram_quantile  # Prometheus-style bucket quantile, shared with diagnose
 
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 

@@ -17,7 +17,8 @@ from prometheus_client import generate_latest
 
 from common.sampling_fields import SamplingParams
 from llmserve import cli
-from llmserve.diagnose import Observation, Scrape, diagnose, histogram_quantile, observe_bench, observe_scrapes
+from llmserve.diagnose import diagnose
+from llmserve.observation import Observation, Scrape, histogram_quantile, observe_bench, observe_scrapes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.core.block_pool import BlockPool

@@ -44,7 +44,7 @@ import tempfile
 
 import pytest
 
-from llmserve import processes
+from llmserve import processes, smg_gateway
 from llmserve.processes import (  # noqa: F401  (re-exported for the tests)
     START_TIMEOUT_S,
     Proc,
@@ -107,7 +107,7 @@ def start_smg(worker_urls, policy: str = "cache_aware", extra_args=(), wait: boo
               port: int | None = None) -> Proc:
     """The smg gateway in front of llmserve schedulers (`grpc://host:port` or "host:port"); `Proc.port` is its HTTP
     port; with `wait`, returns once every worker is healthy there."""
-    return processes.start_smg(worker_urls, policy, extra_args, port=port, wait=wait, timeout=timeout,
+    return smg_gateway.start_smg(worker_urls, policy, extra_args, port=port, wait=wait, timeout=timeout,
                                log_dir=log_dir(), cwd=ROOT)
 
 

@@ -243,7 +243,8 @@ def test_spec_metrics_use_vllm_names():
 
 
 def test_diagnose_flags_speculation_that_costs_more_than_it_gains():
-    from llmserve.diagnose import Observation, diagnose
+    from llmserve.diagnose import diagnose
+    from llmserve.observation import Observation
 
     def obs(running, accepted):
         return Observation(source="x", running=running, waiting=0, kv_usage=0.3, steps=100,
