@@ -66,7 +66,7 @@ def check_sampling(s: pb.SamplingParams) -> None:
 
 def constraint_of(s: pb.SamplingParams) -> tuple[str, Constraint] | None:
     """The request's structured-output constraint and its field name, shape-checked (compiling is the worker's:
-    server.py asks it before the request is queued); None without one."""
+    the servicer asks it before the request is queued); None without one."""
     name = s.WhichOneof("constraint")
     if name is None:
         return None

@@ -1,7 +1,7 @@
 """The Lua scripts of the Redis ledger (`store.py`), each run with EVALSHA in one round trip.
 
 Every write script first checks that the caller still holds the lease (`LEASE_CHECK`), so a scheduler that lost
-its lease changes nothing. COMMIT reads one msgpack payload whose sections `ledger_codec.py` describes and writes.
+its lease changes nothing. COMMIT reads one msgpack payload whose sections `codec.py` describes and writes.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ redis.call('HSET', KEYS[2], unpack(args))
 return prev
 """
 
-# KEYS: lease meta free refs active. ARGV: lease value, ttl_ms, key prefix, msgpack payload (ledger_codec.py).
+# KEYS: lease meta free refs active. ARGV: lease value, ttl_ms, key prefix, msgpack payload (codec.py).
 COMMIT = LEASE_CHECK + """
 local c = cmsgpack.unpack(ARGV[4])
 local pre = ARGV[3]

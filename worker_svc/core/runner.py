@@ -113,7 +113,7 @@ class ModelRunner:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.local_config = local_config(self.config, tp_size)  # this rank's heads, its KV pool's shape
-        # The process's intra-op threads (all cores unless told); small steps may run on one fewer (cpu_threads.py).
+        # The process's intra-op threads (all cores unless told); small steps may run on one fewer (cpu/threads.py).
         self.small_step_threads = SmallStepThreads(torch.get_num_threads())
         compiled = wants_compiled(opts)  # inductor cannot trace CPU-packed weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
