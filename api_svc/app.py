@@ -1,5 +1,5 @@
 """The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models;
-/v1/responses in api_svc/responses_api.py) and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
+/v1/responses in api_svc/responses/routes.py) and vLLM's (/health, /version, /tokenize, /detokenize, /metrics)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from api_svc import errors, lora, openapi, responses_api, tools
+from api_svc import errors, lora, openapi, tools
 from api_svc.bridge import Bridge, Generation, chat_request, completion_requests
+from api_svc.completion_responses import ChoiceText, Reply, TokenStrings, whole
 from api_svc.config import APIConfig
 from api_svc.embeddings import EmbeddingRequest, embeddings
 from api_svc.errors import APIError
 from api_svc.limits import BodyLimit, check_prompts
 from api_svc.metrics import HTTPMetrics, MetricsMiddleware
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from api_svc.response_store import ResponseStore
-from api_svc.responses import ChoiceText, Reply, TokenStrings, whole
+from api_svc.responses import routes as responses_api
+from api_svc.responses.store import ResponseStore
 from api_svc.streaming import events, merged
 from common.tokenizer import CHAT_ROLES
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from api_svc.bridge import Delta
-from api_svc.responses import Reply
+from api_svc.completion_responses import Reply
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 

@@ -8,8 +8,8 @@ import json
 from collections.abc import AsyncIterator
 
 from api_svc.bridge import Delta, Generation
+from api_svc.completion_responses import Reply
 from api_svc.errors import APIError
-from api_svc.responses import Reply
 from api_svc.sse import ChunkBytes
 
 DONE = "data: [DONE]\n\n"

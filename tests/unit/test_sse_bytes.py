@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from api_svc.bridge import Delta
-from api_svc.responses import Reply, TokenStrings
+from api_svc.completion_responses import Reply, TokenStrings
 from api_svc.sse import ChunkBytes
 from api_svc.streaming import sse
 

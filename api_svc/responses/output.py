@@ -9,7 +9,7 @@ import secrets
 import time
 
 from api_svc import tools
-from api_svc.responses_request import NamedFunction, ResponsesRequest
+from api_svc.responses.request import NamedFunction, ResponsesRequest
 
 
 def _hex_id(prefix: str) -> str:

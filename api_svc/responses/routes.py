@@ -5,11 +5,11 @@ A response is a chat completion underneath: `instructions` + the conversation (t
 `input`) become chat messages, function `tools` / `tool_choice` / `text.format` become the chat fields they
 mirror, and the one generation goes through the same bridge, tool plan and constraints as /v1/chat/completions.
 What comes back is Responses' shape: output items (`message` with `output_text`, `function_call`), streamed as
-typed events (response.created ... response.completed). The request side is api_svc/responses_request.py, the
-output side api_svc/responses_output.py; here are the routes.
+typed events (response.created ... response.completed). The request side is api_svc/responses/request.py, the
+output side api_svc/responses/output.py; here are the routes.
 
 With `--redis-url` (which `llmserve serve` passes), `store: true` (the default) keeps the response and its
-conversation in Redis (api_svc/response_store.py), so any API process can serve GET, cancel and
+conversation in Redis (api_svc/responses/store.py), so any API process can serve GET, cancel and
 `previous_response_id`; a cancel aborts the generation through the scheduler, wherever it runs. Without Redis,
 nothing is stored (`store` comes back false).
 """
@@ -29,9 +29,9 @@ from api_svc import openapi, tools
 from api_svc.bridge import Bridge, Generation, chat_request
 from api_svc.config import APIConfig
 from api_svc.errors import APIError, bad_request
-from api_svc.response_store import ResponseStore
-from api_svc.responses_output import Draft, sse
-from api_svc.responses_request import ResponsesRequest, chat_body, input_messages, renamed
+from api_svc.responses.output import Draft, sse
+from api_svc.responses.request import ResponsesRequest, chat_body, input_messages, renamed
+from api_svc.responses.store import ResponseStore
 
 log = logging.getLogger("llmserve.api")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
