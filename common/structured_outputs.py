@@ -11,10 +11,13 @@ import json
 import re
 from dataclasses import dataclass
 
+from common.json_flag import key_error, parse_json_object
+
 JSON_SCHEMA, REGEX, GRAMMAR, JSON_OBJECT, CHOICE = "json_schema", "regex", "grammar", "json_object", "choice"
 KINDS = (JSON_SCHEMA, REGEX, GRAMMAR, JSON_OBJECT, CHOICE)
 BACKENDS = ("auto", "xgrammar")  # vLLM's values that mean xgrammar here
 MAX_SPEC_BYTES = 1 << 20
+FLAG = "--structured-outputs-config"
 
 
 class ConstraintError(ValueError):
@@ -39,28 +42,15 @@ class StructuredOutputsConfig:
 
     @staticmethod
     def parse(text: str | None) -> StructuredOutputsConfig:
-        """From the flag's JSON (None or "": the defaults); SystemExit naming the flag and the key when wrong."""
-        if not text:
+        """From the flag's JSON (None or "": the defaults); JsonFlagError naming the flag and the key when wrong."""
+        d = parse_json_object(FLAG, text, {"backend": (str,), "disable_any_whitespace": (bool,)},
+                              '{"backend": "xgrammar"}')
+        if d is None:
             return StructuredOutputsConfig()
-        flag = "--structured-outputs-config"
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{flag} must be a JSON object, e.g. '{{\"backend\": \"xgrammar\"}}': {e}") from None
-        if not isinstance(d, dict):
-            raise SystemExit(f"{flag} must be a JSON object, got {text!r}")
-        known = {"backend", "disable_any_whitespace"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SystemExit(f"{flag}: unknown key(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}")
         backend = d.get("backend", "auto")
         if backend not in BACKENDS:
-            raise SystemExit(f"{flag}: backend {backend!r} is not available; llmserve has {', '.join(BACKENDS)} "
-                             "(auto = xgrammar)")
-        compact = d.get("disable_any_whitespace", False)
-        if not isinstance(compact, bool):
-            raise SystemExit(f"{flag}: disable_any_whitespace must be true or false, got {compact!r}")
-        return StructuredOutputsConfig(backend=backend, disable_any_whitespace=compact)
+            raise key_error(FLAG, "backend", f"one of {', '.join(BACKENDS)} (auto = xgrammar)", backend)
+        return StructuredOutputsConfig(backend=backend, disable_any_whitespace=d.get("disable_any_whitespace", False))
 
 
 def choice_spec(choices: list[str]) -> str:

@@ -45,7 +45,7 @@ setup() {
     echo "no CUDA device through $PY (torch with CUDA is needed)"; return 3; }
   "$PY" -m pip install -q --no-deps -e . || return $?
   if ! "$PY" -c 'import llmserve, grpc, redis, tokenizers, safetensors, gguf, fastapi, uvicorn, httpx, msgpack, xgrammar, triton, transformers, pytest, psutil, tqdm' 2>/dev/null; then
-    "$PY" -m pip install -q -e '.[test,bench]' || return $?  # torch is already there: pip keeps it
+    "$PY" -m pip install -q -e '.[worker,test,bench]' || return $?  # torch is already there: pip keeps it
   fi
   command -v redis-server >/dev/null || { echo "redis-server is missing (apt-get install redis-server)"; return 4; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true

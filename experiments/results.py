@@ -1,12 +1,13 @@
 """Produce experiments/RESULTS.md: every run the benchmark issue asks for, on this machine, in one command.
 
     .venv/bin/python -m experiments.results                 # all sections (about 45 minutes on a 2-core CPU)
-    .venv/bin/python -m experiments.results --page-only     # rebuild the page from the JSON files already there
+    .venv/bin/python -m experiments.results --page-only     # rebuild the page from the JSON files already in --out
     .venv/bin/python -m experiments.results --smoke --out /tmp/r --page /tmp/r/RESULTS.md   # the pipeline in a minute
 
 Each run is a separate `llmserve bench ...` process (a launched server per llmserve mode, the Hugging Face
 baselines in the bench process itself), so one run's memory or threads never leak into the next. JSON files, the
-sweep's plots and the server logs go under --out; the page links to them.
+sweep's plots and the server logs go under --out (default experiments/out/results/, not tracked); the page keeps
+the figures, and the plots it shows are copied beside it (results/sweep/ next to the page), so they can be committed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ import time
 from llmserve.bench import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "experiments", "out", "results")  # ignored: raw results stay out of the tree
 
 MODES = ("naive", "static", "continuous", "chunked")
 HF = ("hf-naive", "hf-static", "hf-continuous")
@@ -130,13 +133,20 @@ def _machine() -> str:
             "SmolLM2-135M-Instruct GGUF in float32; llmserve's worker uses the torch paged-attention path on CPU")
 
 
-def page(out: str) -> str:
-    rel = os.path.relpath(out, os.path.join(ROOT, "experiments"))
+def _shown(path: str) -> str:
+    inside = os.path.abspath(path).startswith(ROOT + os.sep)
+    return os.path.relpath(path, ROOT) if inside else path
+
+
+def page(out: str, page_dir: str) -> str:
+    """The page's Markdown; the sweep plots it shows are copied to `page_dir`/results/sweep/, and the hand-written
+    analysis is read from `page_dir`/results/ANALYSIS.md."""
     runs_path = os.path.join(out, "runs.json")
     runs = json.load(open(runs_path)) if os.path.exists(runs_path) else []
     lines = ["# llmserve benchmark results", "",
              "Produced by `.venv/bin/python -m experiments.results` (every command it ran is listed at the end). "
-             f"Raw JSON per run, plots and server logs: `experiments/{rel}/`.", "", f"Machine: {_machine()}.", ""]
+             f"Raw JSON per run, plots and server logs: {_shown(out)}/ of the machine that ran it (not tracked).", "",
+             f"Machine: {_machine()}.", ""]
     sections: dict[str, dict[str, dict]] = {w: _latest(os.path.join(out, w)) for w in ("chat", "mixed")}
     for workload, recs in sections.items():
         if not recs:
@@ -148,15 +158,20 @@ def page(out: str) -> str:
                      if workload == "mixed" else "") + ". Latencies in ms.", "",
                   report.markdown_table([recs[k] for k in sorted(recs, key=_order)])]
     lines += _ratios(sections, out)
-    analysis = os.path.join(out, "ANALYSIS.md")  # hand-written: why each missed target is missed, with a profile
+    analysis = os.path.join(page_dir, "results", "ANALYSIS.md")  # hand-written: why each missed target is missed
     if os.path.exists(analysis):
         with open(analysis) as f:
             lines += [f.read(), ""]
     sweep = _latest(os.path.join(out, "sweep"))
     if sweep:
         lines += ["## Rate sweep on `mixed`", "", report.markdown_table(sorted(sweep.values(), key=_sweep_order))]
+        plots = os.path.join(page_dir, "results", "sweep")
         for png in sorted(glob.glob(os.path.join(out, "sweep", "*.png")))[-2:]:
-            lines += [f"![{os.path.basename(png)}]({os.path.relpath(png, os.path.join(ROOT, 'experiments'))})", ""]
+            os.makedirs(plots, exist_ok=True)
+            shown = os.path.join(plots, os.path.basename(png))
+            if os.path.abspath(png) != os.path.abspath(shown):
+                shutil.copyfile(png, shown)
+            lines += [f"![{os.path.basename(png)}]({os.path.relpath(shown, page_dir)})", ""]
     lines += _rag(out)
     lines += _fleet(out)
     kv_path = os.path.join(out, "kv_waste.json")
@@ -242,7 +257,7 @@ def _fleet(out: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results"))
+    ap.add_argument("--out", default=DEFAULT_OUT, help="raw results: JSON, plots, logs (default: %(default)s)")
     ap.add_argument("--num-requests", type=int, default=64, help="chat and mixed runs")
     ap.add_argument("--sweep-requests", type=int, default=32, help="each sweep point and each RAG run")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (chat, mixed, sweep, rag-on, "
@@ -263,7 +278,7 @@ def main() -> None:
             runs = [r for r in runs if not any(f"hf-{m}" in r[1] for m in ("naive", "static", "continuous"))]
         execute(runs, args.out)
     with open(args.page, "w") as f:
-        f.write(page(args.out))
+        f.write(page(args.out, os.path.dirname(os.path.abspath(args.page))))
     print(f"[results] wrote {args.page}", file=sys.stderr)
 
 

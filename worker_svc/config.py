@@ -3,11 +3,13 @@ loaders, the model and Describe (`ModelConfig`)."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common import config as c
 from common.config import setting
+from common.json_flag import JsonFlagError, key_error, parse_json_object
+from common.structured_outputs import StructuredOutputsConfig
 from worker_svc.cpu import binding as cpu_binding
 from worker_svc.sampling.pooler_config import PoolerConfig
 
@@ -68,47 +70,33 @@ class CompilationConfig:
 
     @staticmethod
     def parse(text: str | None) -> CompilationConfig:
-        """From the flag's JSON (None or "": the defaults); ValueError naming the key when wrong."""
-        if not text:
+        """From the flag's JSON (None or "": the defaults); JsonFlagError naming the flag and the key when wrong."""
+        flag = "--compilation-config"
+        d = parse_json_object(flag, text, {"cudagraph_capture_sizes": (list, type(None)),
+                                           "max_cudagraph_capture_size": (int,), "cache_dir": (str, type(None))},
+                              '{"cudagraph_capture_sizes": [1, 2, 4, 8]}')
+        if d is None:
             return CompilationConfig()
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"must be a JSON object, e.g. '{{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}}': {e}") \
-                from None
-        if not isinstance(d, dict):
-            raise ValueError(f"must be a JSON object, got {text!r}")
-        known = {f for f in CompilationConfig.__dataclass_fields__}
-        if unknown := sorted(set(d) - known):
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}")
         sizes = d.get("cudagraph_capture_sizes")
         if sizes is not None:
-            if not isinstance(sizes, list) or not sizes or not all(type(n) is int and n >= 1 for n in sizes):
-                raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of ints >= 1, got {sizes!r}")
+            if not sizes or not all(type(n) is int and n >= 1 for n in sizes):
+                raise key_error(flag, "cudagraph_capture_sizes", "a non-empty list of integers >= 1", sizes)
             sizes = tuple(sorted(set(sizes)))
         top = d.get("max_cudagraph_capture_size", 64)
-        if type(top) is not int or top < 1:
-            raise ValueError(f"max_cudagraph_capture_size must be an int >= 1, got {top!r}")
-        cache_dir = d.get("cache_dir")
-        if cache_dir is not None and not isinstance(cache_dir, str):
-            raise ValueError(f"cache_dir must be a string, got {cache_dir!r}")
-        return CompilationConfig(sizes, top, cache_dir)
+        if top < 1:
+            raise key_error(flag, "max_cudagraph_capture_size", "an integer >= 1", top)
+        return CompilationConfig(sizes, top, d.get("cache_dir"))
 
 
-def _check_pooler_config(text: str | None) -> str | None:
-    try:
-        PoolerConfig.parse(text)
-    except ValueError as e:
-        return str(e).removeprefix("--pooler-config").lstrip(": ")
-    return None
-
-
-def _check_compilation_config(text: str | None) -> str | None:
-    try:
-        CompilationConfig.parse(text)
-    except ValueError as e:
-        return str(e)
-    return None
+def _json_flag_problem(parse: Callable[[str | None], object]) -> Callable[[str | None], str | None]:
+    """A setting's check from a JSON flag's parser: the parser's problem (the settings check names the flag)."""
+    def check(text: str | None) -> str | None:
+        try:
+            parse(text)
+        except JsonFlagError as e:
+            return e.problem
+        return None
+    return check
 
 
 def _check_optimization_level(level: int | None) -> str | None:
@@ -164,11 +152,12 @@ class WorkerConfig:
         120.0, "seconds a rank waits for the others (joining, or inside a step) before the group ends")
     structured_outputs_config: str | None = setting(
         None, 'structured outputs (vLLM\'s flag): {"backend": "xgrammar"} (the only one; "auto" means it), '
-        '"disable_any_whitespace": true for JSON without optional whitespace', metavar="JSON")
+        '"disable_any_whitespace": true for JSON without optional whitespace', metavar="JSON",
+        check=_json_flag_problem(StructuredOutputsConfig.parse))
     pooler_config: str | None = setting(
         None, 'embeddings (vLLM\'s flag): {"pooling_type": "LAST"} (the last prompt token; or "MEAN", "CLS") of the '
         'final hidden state after the last norm, "normalize": true (L2; the default)', metavar="JSON",
-        check=_check_pooler_config)
+        check=_json_flag_problem(PoolerConfig.parse))
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")
@@ -189,7 +178,7 @@ class WorkerConfig:
         None, 'compiled forward (vLLM\'s flag): {"cudagraph_capture_sizes": [1, 2, 4, 8]} (the step sizes compiled; '
         'default 1, 2, 4, then multiples of 8 up to "max_cudagraph_capture_size", default 64; larger steps run '
         'eager), "cache_dir" (inductor\'s cache, default ~/.cache/llmserve/inductor)', metavar="JSON",
-        check=_check_compilation_config)
+        check=_json_flag_problem(CompilationConfig.parse))
     cpu_omp_threads_bind: str = setting(
         "auto", "CPU cores of the model's threads, one thread per core (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto = an "
         "equal share of this process's cores for each tensor-parallel rank on this host (when the rank runs a thread "

@@ -27,7 +27,6 @@ from grpc_reflection.v1alpha import reflection
 from common import tls, tracing
 from common.auth import worker_token_interceptor
 from common.config import MAX_MESSAGE_BYTES, ConfigError, add_arguments, from_namespace
-from common.structured_outputs import StructuredOutputsConfig
 from common.worker_protocol import SERVICE
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
@@ -201,7 +200,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         cfg = from_namespace(WorkerConfig, args)
     except ConfigError as e:
         raise SystemExit(f"worker: {e}") from None
-    StructuredOutputsConfig.parse(cfg.structured_outputs_config)  # a bad one fails here, naming the key
     return replace(cfg, model=cfg.model or default_model_path())
 
 

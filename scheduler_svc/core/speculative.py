@@ -9,8 +9,9 @@ one step stale. The drafts are a pure function of the request's tokens, so a rec
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from common.json_flag import key_error, missing_key, parse_json_object
 
 FLAG = "--speculative-config"
 METHODS = ("ngram",)
@@ -27,39 +28,24 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
-    """The flag's JSON (vLLM's keys) as a config, None when unset; ValueError naming the flag and the key."""
-    if text is None or not text.strip():
+    """The flag's JSON (vLLM's keys) as a config, None when unset; JsonFlagError naming the flag and the key."""
+    raw = parse_json_object(FLAG, text, {"method": (str,), **dict.fromkeys(_KEYS[1:], (int,))},
+                            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+                            '"prompt_lookup_max": 4}')
+    if raw is None:
         return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{FLAG} must be a JSON object, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": "
-                         f"4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}}': {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{FLAG} must be a JSON object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"{FLAG}: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})")
     method = raw.get("method", "ngram")
     if method not in METHODS:
-        raise ValueError(f"{FLAG}: method {method!r} is not supported (supported: {', '.join(METHODS)}: n-gram "
-                         "prompt lookup)")
+        raise key_error(FLAG, "method", f"one of {', '.join(METHODS)} (n-gram prompt lookup)", method)
     if "num_speculative_tokens" not in raw:
-        raise ValueError(f"{FLAG}: num_speculative_tokens is required")
-    values = {}
-    for key, default in (("num_speculative_tokens", None), ("prompt_lookup_min", 1), ("prompt_lookup_max", None)):
-        v = raw.get(key, default)
-        if v is None:  # prompt_lookup_max: 4, or prompt_lookup_min when that is larger
-            v = max(4, values.get("prompt_lookup_min", 1))
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ValueError(f"{FLAG}: {key} must be an integer, got {v!r}")
-        if v < 1:
-            raise ValueError(f"{FLAG}: {key} must be >= 1, got {v}")
-        values[key] = v
-    if values["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"{FLAG}: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got "
-                         f"{values['num_speculative_tokens']}")
-    if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
-        raise ValueError(f"{FLAG}: prompt_lookup_min ({values['prompt_lookup_min']}) must be <= prompt_lookup_max "
-                         f"({values['prompt_lookup_max']})")
-    return SpeculativeConfig(method=method, **values)
+        raise missing_key(FLAG, "num_speculative_tokens", f"an integer >= 1 and <= {MAX_SPECULATIVE_TOKENS}")
+    n = raw["num_speculative_tokens"]
+    if not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+        raise key_error(FLAG, "num_speculative_tokens", f"an integer >= 1 and <= {MAX_SPECULATIVE_TOKENS}", n)
+    low = raw.get("prompt_lookup_min", 1)
+    if low < 1:
+        raise key_error(FLAG, "prompt_lookup_min", "an integer >= 1", low)
+    high = raw.get("prompt_lookup_max", max(4, low))  # 4, or prompt_lookup_min when that is larger
+    if high < low:
+        raise key_error(FLAG, "prompt_lookup_max", f"an integer >= prompt_lookup_min ({low})", high)
+    return SpeculativeConfig(num_speculative_tokens=n, prompt_lookup_min=low, prompt_lookup_max=high, method=method)

@@ -14,7 +14,7 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
                           index
     active        SET     ids of unfinished requests (waiting or running)
     req:{rid}     HASH    written whole when the request joins and when it finishes: the spec -- prompt ("1,2,3"),
-                          sampling (JSON object of scheduler_svc.sampling.SamplingParams.to_dict(), e.g.
+                          sampling (JSON object of common.sampling_fields.SamplingParams.to_dict(), e.g.
                           {"temperature": 0.7, ..., "seed": 1234, "logprobs": null}), priority, arrival_time,
                           arrival_seq, stop (JSON list), include_stop, skip_special, cache_salt, fork_of (n > 1:
                           the sequence it forks from; a new leader queues it on its own), lora and lora_path (its

@@ -92,7 +92,7 @@ def test_pooled_embedding_matches_hf(runner, ids, hf_states, kind, chunk):
 
 def test_pooler_config_refuses_bad_json():
     for text, word in [('{"pooling_type": "MAX"}', "pooling_type"), ('{"normalize": 1}', "normalize"),
-                       ('{"pooling": "LAST"}', "unknown keys"), ("[1]", "JSON object"), ("{", "JSON object")]:
+                       ('{"pooling": "LAST"}', "unknown key 'pooling'"), ("[1]", "JSON object"), ("{", "JSON object")]:
         with pytest.raises(ValueError, match=word):
             PoolerConfig.parse(text)
     assert PoolerConfig.parse('{"pooling_type": "mean", "normalize": false}') == PoolerConfig(MEAN, False)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.json_flag import JsonFlagError
 from common.structured_outputs import (
     Constraint,
     ConstraintError,
@@ -37,7 +38,7 @@ def test_config_takes_vllm_keys_and_names_the_wrong_one():
         StructuredOutputsConfig("xgrammar", True)
     for text, words in (('{"backend": "guidance"}', "guidance"), ('{"cache": 3}', "cache"), ("[1]", "JSON object"),
                         ("{", "JSON object"), ('{"disable_any_whitespace": 1}', "disable_any_whitespace")):
-        with pytest.raises(SystemExit, match=words) as e:
+        with pytest.raises(JsonFlagError, match=words) as e:
             StructuredOutputsConfig.parse(text)
         assert "--structured-outputs-config" in str(e.value)
 
