@@ -1,5 +1,5 @@
-"""The C++ decode attention (kernels/csrc/cpu_ops.cpp's `decode_attention`) over 30 layers of a paged KV cache on
-SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, blocks of 16): the numbers in kernels/README.md.
+"""The C++ decode attention (kernels/csrc/paged_attention.cpp's `decode_attention`) over 30 layers of a paged KV cache
+on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, blocks of 16): the numbers in kernels/README.md.
 
 Two placements of the cache: `memory`, a cache per layer (at batch 64 and context 192, ~300 MB in bfloat16: every
 call reads its layer from memory, as a decode step does), and `l3`, one layer's cache read by all 30 calls (it stays
@@ -11,7 +11,7 @@ server's pool after some traffic) instead of in sequence.
 
     .venv/bin/python -m experiments.decode_attention_layers --cases 1x192,16x512,64x192
     .venv/bin/python -m experiments.decode_attention_layers --library \
-        ~/.cache/llmserve/cpu_ops/<hash>/llmserve_cpu_ops.so
+        ~/.cache/llmserve/cpu_ops/<hash>/llmserve_cpu_ops_x86_64_v3.so
 """
 
 from __future__ import annotations

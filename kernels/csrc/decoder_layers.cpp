@@ -10,26 +10,9 @@
 #include <utility>
 #include <vector>
 
-// The kernels, defined in cpu_ops.cpp, quant_matmul.cpp and dense_matmul.cpp.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-void rope_(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
-void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor key_cache, torch::Tensor value_cache,
-              const torch::Tensor& slot_mapping);
-void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, const torch::Tensor& tables, const torch::Tensor& seq_lens,
-                      double scale, int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks,
-                      torch::Tensor out);
-void silu_mul_(torch::Tensor gate, const torch::Tensor& up);
-#if defined(__AVX2__) && defined(__FMA__)
-torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& zero, int64_t activation_bits,
-                          const std::optional<torch::Tensor>& residual);
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          int64_t activation_bits, const std::optional<torch::Tensor>& residual);
-torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
-torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N);
+#include "cpu_ops.h"  // the kernels it calls
 
+#if defined(__AVX2__) && defined(__FMA__)
 namespace {
 
 // x @ w.T as worker_svc.model.linear runs a bfloat16 weight: oneDNN's matmul for its prepacked copy (the op

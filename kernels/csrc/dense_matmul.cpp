@@ -13,7 +13,7 @@
 //
 // Every (row, output) sums over k in order, in one register lane or tile element, whatever the tile: a row's result
 // does not depend on the other rows of the batch. (AMX and `vdpbf16ps` round a few sums differently: a CPU uses one.)
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: no Python here, and half the parse
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -227,7 +227,7 @@ struct EpilogueBF16 {
   bool swiglu = false;       // the tile's two panels are gate's and up's: y = silu(gate) * up (see swiglu16)
 };
 
-// exp_any of cpu_ops.cpp on 16 lanes, step for step (the same bits: no fused multiply-adds, as that file's
+// exp_any of cpu_math.h on 16 lanes, step for step (the same bits: no fused multiply-adds, as that file's
 // -ffp-contract=off build computes it)
 inline __m512 exp_any16(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));  // std::min(std::max(x, ..))
@@ -242,7 +242,7 @@ inline __m512 exp_any16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
 }
 
-// silu(gate) * up from the float32 sums of both, with the roundings of the unfused ops (cpu_ops.cpp's silu_mul_ on
+// silu(gate) * up from the float32 sums of both, with the roundings of the unfused ops (elementwise.cpp's silu_mul_ on
 // the bfloat16 matmul's output): gate and up rounded, silu rounded, the product rounded; bfloat16 bits per lane.
 inline __m512i swiglu16(__m512 gate_sum, __m512 up_sum) {
   const auto widen = [](__m512i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)); };
@@ -600,7 +600,7 @@ torch::Tensor dense_matmul_bf16(const torch::Tensor& x, const torch::Tensor& pan
 
 // silu(x @ gate.T) * (x @ up.T) [M, N] bfloat16, from gate's and up's bfloat16 panels interleaved in one tensor
 // [2 ceil(N / 32), ceil(K / 2), 32, 2] (gate's panel j, then up's panel j): the same bits as the two matmuls and
-// silu_mul_ (cpu_ops.cpp), without their [M, 2 N] output and its second pass.
+// silu_mul_ (elementwise.cpp), without their [M, 2 N] output and its second pass.
 torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N) {
   TORCH_CHECK(N > 0, "dense_swiglu: N must be positive");
   check_bf16(x, panels, 2 * ((N + kPanelBF16 - 1) / kPanelBF16), "dense_swiglu");

@@ -3,7 +3,7 @@
 // into every row; or, with integer activations (--activation-quantization), multiplied in integers into rows
 // quantized per 32-group. torch's int4 and int8 weight-packed CPU kernels run these shapes at a fraction of the
 // memory bandwidth; they remain the fallback where this file is not built (worker_svc/quant.py picks).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: no Python here, and half the parse
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>

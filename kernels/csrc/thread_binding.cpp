@@ -1,5 +1,5 @@
 // Pins the threads of torch's OpenMP pool to cores, one each (the worker's --cpu-omp-threads-bind).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: no Python here, and half the parse
 
 #include <omp.h>
 #include <sched.h>

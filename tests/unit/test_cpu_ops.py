@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch ops they replace.
+"""The C++ CPU kernels (kernels/csrc/: paged_attention.cpp, elementwise.cpp) against the torch ops they replace, once
+per ISA tier under test (tests/support/cpu_tiers.py: the default tier here and one more, each its own build).
 
 Decode attention is checked against the gathered-SDPA path of kernels/reference.py (itself tested against a dense
 float64 reference); the elementwise kernels against the torch expressions of worker_svc/model.py, bit for bit
@@ -19,16 +20,40 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_isa, cpu_ops
 from kernels.reference import build_reference_plan, paged_attention, write_kv_cache
+from tests.support.cpu_tiers import kernel_test_tiers, tier_ops
 from worker_svc.model import swap_halves
 
-ops = cpu_ops.load()
+TIERS = kernel_test_tiers()
+
+# what each tier's build says it was compiled for (module.cpp's `isa`), beyond plain x86-64
+_TIER_ISA = {"x86-64-v2": set(), "x86-64-v3": {"avx2", "fma"}}
+_TIER_ISA["x86-64-v4"] = _TIER_ISA["x86-64-v3"] | {"avx512f", "avx512bw", "avx512vl"}
+_TIER_ISA["x86-64-v4-vnni"] = _TIER_ISA["x86-64-v4"] | {"avx512_vnni"}
+_TIER_ISA["x86-64-v4-bf16"] = _TIER_ISA["x86-64-v4-vnni"] | {"avx512_bf16"}
+_TIER_ISA["x86-64-v4-amx"] = _TIER_ISA["x86-64-v4-bf16"] | {"amx_tile", "amx_bf16"}
+
+
+@pytest.fixture(params=TIERS)
+def ops(request, monkeypatch):
+    """One tier's build; paged_attention's kernel rows run it too (the tier is the process's default meanwhile)."""
+    return tier_ops(request.param, monkeypatch)
 
 
 def test_kernels_are_built_here():
     # CI builds them (scripts/setup.sh); a machine where they silently failed would test only the torch paths.
-    assert ops is not None, "kernels/csrc/cpu_ops.cpp did not build: see the warning logged by kernels.cpu_ops"
+    assert cpu_ops.load() is not None, "kernels/csrc did not build: see the warning logged by kernels.cpu_ops"
+    # the default tier and one more run here (where this CPU executes two)
+    assert cpu_ops.tier().name in TIERS and len(TIERS) >= min(2, len(cpu_ops.runnable_tiers())), TIERS
+
+
+def test_each_tier_is_built_for_its_own_target(ops):
+    tier = cpu_ops.tier().name  # the fixture's (LLMSERVE_CPU_ISA)
+    assert set(ops.isa.split()) == {"x86-64"} | _TIER_ISA[tier], (tier, ops.isa)
+    assert set(_TIER_ISA) == set(cpu_isa.NAMES)
+    # the matmuls and the layer loop need AVX2 + FMA: absent below x86-64-v3, present from it on
+    assert hasattr(ops, "dense_matmul") == hasattr(ops, "DecoderLayers") == ("avx2" in ops.isa)
 
 
 def test_a_build_left_locked_by_a_killed_process_still_loads(tmp_path):
@@ -79,7 +104,7 @@ def _case(dtype, head_dim, num_heads, num_kv_heads, query_lens, seq_lens, seed=0
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (80, 6, 2)])
 @pytest.mark.parametrize("extra", [{}, {"sliding_window": 7}, {"sliding_window": 1}, {"sliding_window": 200},
                                    {"softcap": 5.0}, "sinks"])
-def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_heads, num_kv_heads, extra):
+def test_decode_attention_matches_the_gathered_sdpa_path(ops, dtype, head_dim, num_heads, num_kv_heads, extra):
     # decodes of many lengths (1, a block's worth, past several blocks) mixed with prefill chunks: short ones (the
     # kernel's, row by row) and one past KERNEL_PREFILL_MAX_CONTEXT (SDPA's)
     query_lens = [1, 5, 1, 1, 3, 1, 1, 40]
@@ -110,8 +135,8 @@ def test_decode_attention_matches_the_gathered_sdpa_path(dtype, head_dim, num_he
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
 @pytest.mark.parametrize("extra", [{}, {"sliding_window": 7, "sinks": True}])
-def test_decode_attention_is_the_same_bits_whatever_the_batch_and_threads(dtype, head_dim, num_heads, num_kv_heads,
-                                                                          extra):
+def test_decode_attention_is_the_same_bits_whatever_the_batch_and_threads(ops, dtype, head_dim, num_heads,
+                                                                          num_kv_heads, extra):
     # The kernel splits its work by whole decodes, KV heads or query heads depending on how many decodes there are
     # and how many threads: a decode's output must not depend on that split.
     seq_lens = [37, 1, 100, 16, 64, 5, 200, 48]
@@ -143,8 +168,8 @@ def test_decode_attention_is_the_same_bits_whatever_the_batch_and_threads(dtype,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (64, 32, 8), (64, 16, 1),
                                                             (32, 4, 4)])
-def test_a_rows_attention_is_the_same_bits_as_a_decode_in_a_prefill_chunk_or_a_draft(dtype, head_dim, num_heads,
-                                                                                     num_kv_heads):
+def test_a_rows_attention_is_the_same_bits_as_a_decode_in_a_prefill_chunk_or_a_draft(ops, dtype, head_dim,
+                                                                                     num_heads, num_kv_heads):
     # With AMX, the rows of one sequence share key tiles (16 rows of a head, or a decode's heads, per tile): a row's
     # output must not depend on which rows it shares them with, however a prompt is chunked.
     rows = 45  # blocks of 16, 16 and 13 rows
@@ -170,12 +195,14 @@ def test_a_rows_attention_is_the_same_bits_as_a_decode_in_a_prefill_chunk_or_a_d
     assert torch.equal(attend([(0, 1)])[rows:], want[rows:])  # the decodes, whatever shares their call
 
 
-def test_bfloat16_attention_takes_amx_tiles_where_the_cpu_has_them():
+def test_bfloat16_attention_takes_amx_tiles_where_the_cpu_has_them(ops):
+    # only an AMX tier's build has the tile path (and below x86-64-v3 the module lacks the flag)
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    assert ops.attention_bfloat16_amx == ("amx_bf16" in flags and "amx_tile" in flags)
+    amx_build = "amx_tile" in ops.isa.split()
+    assert getattr(ops, "attention_bfloat16_amx", False) == (amx_build and "amx_bf16" in flags and "amx_tile" in flags)
 
 
-def test_bfloat16_attention_with_32_position_blocks_matches_sdpa():
+def test_bfloat16_attention_with_32_position_blocks_matches_sdpa(ops):
     # a 32-position block holds two key tiles (the tiles take 16 positions at a time, from inside a block)
     g = torch.Generator().manual_seed(5)
     bs, query_lens, seq_lens = 32, [1, 20, 1], [75, 60, 1]
@@ -194,7 +221,7 @@ def test_bfloat16_attention_with_32_position_blocks_matches_sdpa():
     assert bool(((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all())
 
 
-def test_decode_attention_of_an_empty_sequence_is_zero():
+def test_decode_attention_of_an_empty_sequence_is_zero(ops):
     q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1, 1], [0, 10])
     plan = build_reference_plan(tables, [1, 1], [0, 10], 16, decode_kernel=True)
     out = paged_attention(q, kc, vc, tables, torch.tensor([0, 1, 2], dtype=torch.int32),
@@ -202,7 +229,7 @@ def test_decode_attention_of_an_empty_sequence_is_zero():
     assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(out[1].abs().sum() > 0)
 
 
-def test_decode_attention_in_the_cache_dtype_when_the_query_differs():
+def test_decode_attention_in_the_cache_dtype_when_the_query_differs(ops):
     q, kc, vc, tables = _case(torch.bfloat16, 64, 4, 2, [1, 1], [33, 10])
     args = (kc, vc, tables, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([33, 10], dtype=torch.int32))
     got = paged_attention(q.float(), *args, 0.125, plan=build_reference_plan(tables, [1, 1], [33, 10], 16))
@@ -210,7 +237,7 @@ def test_decode_attention_in_the_cache_dtype_when_the_query_differs():
     assert got.dtype == torch.float32 and torch.equal(got, want.float())
 
 
-def test_decode_attention_refuses_mismatched_dtypes_naming_them():
+def test_decode_attention_refuses_mismatched_dtypes_naming_them(ops):
     q, kc, vc, tables = _case(torch.float32, 64, 4, 2, [1], [5])
     with pytest.raises(RuntimeError, match="share a dtype"):
         ops.decode_attention(q, torch.tensor([0]), kc.bfloat16(), vc.bfloat16(), tables,
@@ -222,7 +249,7 @@ def _composite_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.T
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def test_rms_norm_equals_the_composite_up_to_summation_order():
+def test_rms_norm_equals_the_composite_up_to_summation_order(ops):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(300, 576, generator=g) * 3).bfloat16()
     w = torch.randn(576, generator=g).bfloat16()
@@ -233,14 +260,14 @@ def test_rms_norm_equals_the_composite_up_to_summation_order():
     assert torch.equal(ops.rms_norm(x[::2], w, 1e-5), ops.rms_norm(x[::2].contiguous(), w, 1e-5))
 
 
-def test_rms_norm_in_float32_equals_torch_up_to_summation_order():
+def test_rms_norm_in_float32_equals_torch_up_to_summation_order(ops):
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(300, 576, generator=g) * 3, torch.randn(576, generator=g)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_is_bit_identical_to_the_torch_expression(dtype):
+def test_rope_is_bit_identical_to_the_torch_expression(ops, dtype):
     g = torch.Generator().manual_seed(2)
     num_tokens, heads, dim = 37, 12, 64
     qkv = torch.randn(num_tokens, (heads + 3) * dim, generator=g).to(dtype)
@@ -255,7 +282,7 @@ def test_rope_is_bit_identical_to_the_torch_expression(dtype):
     assert torch.equal(qk, want)
 
 
-def test_silu_mul_within_one_rounding_of_torch():
+def test_silu_mul_within_one_rounding_of_torch(ops):
     g = torch.Generator().manual_seed(3)
     gate = (torch.randn(64, 1536, generator=g) * 4).bfloat16()
     up = torch.randn(64, 1536, generator=g).bfloat16()
@@ -266,7 +293,7 @@ def test_silu_mul_within_one_rounding_of_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_equals_index_copy_and_skips_negative_slots(dtype):
+def test_write_kv_equals_index_copy_and_skips_negative_slots(ops, dtype):
     g = torch.Generator().manual_seed(4)
     kv = torch.randn(5, 2 + 2 * 3, 64, generator=g).to(dtype)  # q heads, then k and v heads, as the model's qkv
     key, value = kv[:, 2:5], kv[:, 5:8]

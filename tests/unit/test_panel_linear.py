@@ -1,6 +1,7 @@
 """Matmuls over panels (worker_svc/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
 bfloat16 in 32-output panels of input pairs (on a CPU with AVX512-BF16), against torch's matmul in float64 at every
-tile shape; batch invariance; the fused bias and residual; bad operands."""
+tile shape; batch invariance; the fused bias and residual; bad operands. Once per ISA tier under test from x86-64-v3
+on (tests/support/cpu_tiers.py), and the float32 tiles of every tier bit for bit against the AVX2 build's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from tests.support.cpu_tiers import kernel_test_tiers, tier_ops
 from worker_svc.model import (
     cpu_has_native_bf16,
     linear,
@@ -19,11 +21,27 @@ from worker_svc.model import (
 )
 from worker_svc.panel_linear import PanelLinear, pack_panels
 
+TIERS = kernel_test_tiers(lowest="x86-64-v3")  # the matmuls need AVX2 + FMA
 
-@pytest.fixture(scope="module")
-def ops():
-    assert panels_available(torch.float32), "kernels/csrc/dense_matmul.cpp needs AVX2 + FMA and a C++ compiler"
-    return cpu_ops.load()
+
+@pytest.fixture(scope="module", params=TIERS)
+def ops(request):
+    """One tier's build, the process's default meanwhile (worker_svc.model's linear loads the kernels itself)."""
+    with pytest.MonkeyPatch.context() as mp:
+        module = tier_ops(request.param, mp)
+        assert panels_available(torch.float32), "kernels/csrc/dense_matmul.cpp needs AVX2 + FMA and a C++ compiler"
+        yield module
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 64, 200])
+def test_every_tier_sums_float32_panels_to_the_avx2_builds_bits(ops, rows):
+    # one lane per (row, output) summing over k in order, whatever the tile: AVX-512's 12-row tiles give AVX2's bits
+    torch.manual_seed(rows)
+    w, x, bias, res = torch.randn(100, 96), torch.randn(rows, 96), torch.randn(100), torch.randn(rows, 100)
+    avx2 = cpu_ops.load("x86-64-v3")
+    panels = pack_panels(w)
+    for args in ((None, None), (bias, None), (bias, res)):
+        assert torch.equal(ops.dense_matmul(x, panels, 100, *args), avx2.dense_matmul(x, panels, 100, *args))
 
 
 def test_panels_hold_the_matrix_padded_to_16_outputs():
@@ -76,7 +94,7 @@ def test_model_linear_uses_the_panels_for_float32(ops):
     assert isinstance(packed, PanelLinear)
     torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear_add(x, packed, None, res.clone()), res + F.linear(x, w), rtol=1e-5, atol=1e-5)
-    # bfloat16 panels are built where the CPU has AVX512-BF16 (-march=native); elsewhere bfloat16 stays with oneDNN
+    # bfloat16 panels are built in the AVX512-BF16 tiers (kernels/cpu_isa.py); elsewhere bfloat16 stays with oneDNN
     assert panels_available(torch.bfloat16) == (cpu_has_native_bf16() and bool(ops.dense_bfloat16))
 
 
@@ -145,7 +163,7 @@ def test_bfloat16_rows_do_not_depend_on_the_rest_of_the_batch(bf16_ops):
 
 def test_a_cpu_with_amx_sums_the_bfloat16_panels_in_amx_tiles(bf16_ops):
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    assert bf16_ops.dense_bfloat16_amx == ("amx_bf16" in flags)
+    assert bf16_ops.dense_bfloat16_amx == ("amx_bf16" in flags and "amx_tile" in bf16_ops.isa.split())
 
 
 def test_onednn_and_the_bfloat16_panels_take_turns(bf16_ops):

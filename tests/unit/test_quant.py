@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from tests.support.cpu_tiers import kernel_test_tiers, tier_ops  # noqa: E402
 from worker_svc import quant  # noqa: E402
 from worker_svc.loader import GGUF_TYPES  # noqa: E402
 
@@ -24,6 +25,13 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # Every quantized type the loader reads (worker_svc/loader.py's GGUF_TYPES less the float ones).
 QUANTIZED_TYPES = [t for t in GGUF_TYPES if t not in ("F32", "F16", "BF16")]
+
+
+@pytest.fixture(params=kernel_test_tiers(lowest="x86-64-v3"))
+def tier(request, monkeypatch):
+    """kernels/csrc/quant_matmul.cpp built for one ISA tier from x86-64-v3 on (tests/support/cpu_tiers.py), the
+    process's default meanwhile: `quant.cpu_kernels()` returns it."""
+    return tier_ops(request.param, monkeypatch)
 
 
 def random_rows(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray:
@@ -97,7 +105,7 @@ def test_cpu_matmul_equals_dequantize_then_matmul(type_name, rows, kernel, dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 17])
-def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(dtype, rows):
+def test_project_kernels_equal_the_dequantized_matmul_at_every_row_count(tier, dtype, rows):
     ops = quant.cpu_kernels()
     assert ops is not None, "the quantized matmuls in kernels/csrc/quant_matmul.cpp need AVX2 + FMA: absent here?"
     torch.manual_seed(rows)
@@ -133,7 +141,7 @@ def group_reference(x: torch.Tensor, levels: float) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("bits,levels", [(8, 127.0), (16, 32767.0)])
-def test_activations_are_made_integers_per_group_as_stated(bits, levels):
+def test_activations_are_made_integers_per_group_as_stated(tier, bits, levels):
     ops = quant.cpu_kernels()
     torch.manual_seed(bits)
     x = torch.randn(5, 192) * torch.logspace(-3, 2, 192)  # groups of very different sizes
@@ -151,7 +159,7 @@ def test_activations_are_made_integers_per_group_as_stated(bits, levels):
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 17])
 @pytest.mark.parametrize("inp", [96, 128])  # 128: whole pairs of groups (int8 codes on AVX512-VNNI run by pairs)
-def test_integer_activation_matmuls_equal_the_matmul_of_the_quantized_activations(bits, rows, inp):
+def test_integer_activation_matmuls_equal_the_matmul_of_the_quantized_activations(tier, bits, rows, inp):
     """--activation-quantization: the kernel's result is the exact matmul of the activations it quantized (the
     int4 zero term uses the group's float sum), each row's result independent of the batch, and the distance to
     the float matmul within the quantization's own bound."""
@@ -185,7 +193,7 @@ def test_integer_activation_matmuls_equal_the_matmul_of_the_quantized_activation
 
 @pytest.mark.parametrize("bits", [0, 8, 16])
 @pytest.mark.parametrize("inp", [96, 128])
-def test_the_residual_add_inside_the_kernel_equals_a_separate_add(bits, inp):
+def test_the_residual_add_inside_the_kernel_equals_a_separate_add(tier, bits, inp):
     ops = quant.cpu_kernels()
     torch.manual_seed(bits)
     out, rows = 100, 5

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 import torch
 
 from common.sampling_fields import SamplingParams
+from tests.support.cpu_tiers import kernel_test_tiers, tier_ops
 from worker_svc.core.input_batch import InputBatch
 from worker_svc.sampling.sampler import (
     BatchSample,
@@ -79,30 +81,34 @@ def test_noise_is_a_function_of_seed_and_position():
     assert (a > 0).all() and bool(torch.isfinite(a).all())
 
 
-def test_the_cpu_kernel_draws_what_the_torch_form_draws():
+@pytest.fixture(params=kernel_test_tiers())
+def ops(request, monkeypatch):
+    """kernels/csrc/sampling.cpp built for one ISA tier (tests/support/cpu_tiers.py), the process's default meanwhile"""
+    return tier_ops(request.param, monkeypatch)
+
+
+def test_the_cpu_kernel_draws_what_the_torch_form_draws(ops):
     g = torch.Generator().manual_seed(0)
     scaled = torch.randn(32, 5000, generator=g) * 3
     scaled[:, ::7] = float("-inf")  # masked tokens are never drawn
     keys = draw_keys(np.arange(32), np.arange(32) * 11)
     weights = (scaled - scaled.amax(-1, keepdim=True)).exp()
     want = (weights / exponential_noise(keys, 5000)).argmax(-1)
-    from kernels import cpu_ops
-    got = cpu_ops.load().sample_rows(scaled.contiguous(), torch.from_numpy(keys.view(np.int64)))
+    got = ops.sample_rows(scaled.contiguous(), torch.from_numpy(keys.view(np.int64)))
     assert got.tolist() == want.tolist() and bool((got % 7 != 0).all())
     assert draw_tokens(scaled, keys).tolist() == want.tolist()
 
 
-def test_the_cpu_kernel_picks_the_first_best_token():
+def test_the_cpu_kernel_picks_the_first_best_token(ops):
     """Ties go to the first index (the torch argmax's rule), inside a 16-wide chunk, across chunks and in the tail;
     a row with every token masked gives token 0."""
-    from kernels import cpu_ops
     V = 16 * 9 + 5
     scaled = torch.full((4, V), float("-inf"))
     scaled[0, [3, 40]] = 0.0  # the two weights equal: the draws decide; both candidates stay in range
     scaled[1, V - 2] = 0.0  # one token left, in the tail
     scaled[2, 20] = 0.0
     keys = draw_keys(np.arange(4), np.zeros(4, dtype=np.int64))
-    got = cpu_ops.load().sample_rows(scaled.contiguous(), torch.from_numpy(keys.view(np.int64))).tolist()
+    got = ops.sample_rows(scaled.contiguous(), torch.from_numpy(keys.view(np.int64))).tolist()
     weights = (scaled[:3] - scaled[:3].amax(-1, keepdim=True)).exp()
     assert got[:3] == (weights / exponential_noise(keys[:3], V)).argmax(-1).tolist()
     assert got[1:] == [V - 2, 20, 0]

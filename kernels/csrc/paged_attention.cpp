@@ -1,8 +1,7 @@
-// CPU kernels the torch ops do not cover well (built by kernels/cpu_ops.py; see kernels/README.md):
-//   decode_attention: each decode's one query row over its paged K/V, blocks read in place, float32 scores;
-//   rms_norm, rope_: the decoder's per-token elementwise steps in one pass each, rounded where Hugging Face's
-//   bfloat16 ops round (so the results equal the chain of torch ops up to float32 summation order).
-#include <torch/extension.h>
+// decode_attention: each query row over its sequence's paged K/V, blocks read in place, float32 scores, rounded
+// once to the cache dtype (see kernels/README.md). Paths by ISA tier: AMX tiles (bfloat16, x86-64-v4-amx), AVX-512
+// (head_dim 64 / 128), AVX2 (head_dim a multiple of 64), and a portable loop for everything else.
+#include <torch/types.h>  // not torch/extension.h: no Python here, and half the parse
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -10,6 +9,8 @@
 #include "amx_tiles.h"
 #include "avx2_sum.h"
 #include "bf16_lanes.h"
+#include "cpu_math.h"
+#include "cpu_ops.h"
 #include "shared_chunks.h"
 
 #include <algorithm>
@@ -24,70 +25,15 @@
 
 namespace {
 
-void check_cpu(std::initializer_list<torch::Tensor> tensors, const char* op) {
-  for (const auto& t : tensors) TORCH_CHECK(t.device().is_cpu(), op, ": CPU tensors only");
-}
-
-// Conversions written as plain bit arithmetic (no branch) so that loops over them vectorize.
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) {
-  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-template <typename T>
-inline T from_float(float v);
-template <>
-inline float from_float<float>(float v) { return v; }
-// Round to nearest even, NaN to the quiet NaN: the same bits as torch's float -> bfloat16 conversion.
-template <>
-inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
-}
-
-// e^x (x clamped to [-87, 88]) as plain arithmetic a compiler vectorizes: 2^(x log2 e) split into 2^n, built in the
-// exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, float32's own).
-inline float exp_any(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
-
+using llmserve::check_cpu;
+using llmserve::exp_any;
+using llmserve::from_float;
+using llmserve::to_float;
 #ifdef __AVX512F__
-// 16 values as float32 lanes
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using llmserve::load16;
 #endif
-
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// 8 values as float32 lanes: the portable attention path's dot and axpy on CPUs with AVX2 but not AVX-512
-#define LLMSERVE_AVX2_ONLY 1
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+#ifdef LLMSERVE_AVX2_ONLY
+using llmserve::load8;
 using llmserve::sum8;
 using llmserve::sum8x8;
 #endif
@@ -865,188 +811,6 @@ void decode_attention_impl(const torch::Tensor& query, const torch::Tensor& rows
 
 }  // namespace
 
-namespace {
-
-template <typename T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
-  const int64_t rows = x.size(0), H = x.size(1), xs = x.stride(0), os = out.stride(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * xs;
-      T* orow = op + r * os;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      // HF: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype): the normalized row is rounded first.
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i)
-        orow[i] = from_float<T>(to_float(wp[i]) * to_float(from_float<T>(to_float(xr[i]) * inv)));
-    }
-  });
-}
-
-template <typename T>
-void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
-               const torch::Tensor& sin) {
-  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0);
-  T* xp = x.data_ptr<T>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
-#ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (half % 16 == 0) {  // 16 lanes of each half at a time, the same roundings as the loop below
-      using llmserve::round_bf16;
-      at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          const T* c = cp + pos[t] * cs;
-          const T* s = sp + pos[t] * cs;
-          for (int64_t h = 0; h < H; ++h) {
-            T* v = xp + t * ts + h * hs;
-            for (int64_t d = 0; d < half; d += 16) {
-              const __m512 x0 = load16(v + d), x1 = load16(v + d + half);
-              const __m512 y0 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x0, load16(c + d))),
-                                              round_bf16(_mm512_mul_ps(x1, load16(s + d))));
-              const __m512 y1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load16(c + d + half))),
-                                              round_bf16(_mm512_mul_ps(x0, load16(s + d + half))));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + d), _mm512_cvtepi32_epi16(llmserve::to_bf16(y0)));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + d + half),
-                                  _mm512_cvtepi32_epi16(llmserve::to_bf16(y1)));
-            }
-          }
-        }
-      });
-      return;
-    }
-  }
-#endif
-  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(D);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cp + pos[t] * cs;
-      const T* s = sp + pos[t] * cs;
-      for (int64_t h = 0; h < H; ++h) {
-        T* v = xp + t * ts + h * hs;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(v[d]);
-        // x * cos + swap_halves(x) * sin_signed, each product and the sum rounded to T as the torch ops do; a loop
-        // per half, so that each reads its partner half in order (one loop picking d +- half ran scalar)
-        const auto rotate = [&](int64_t d0, int64_t shift) {
-#pragma omp simd
-          for (int64_t d = d0; d < d0 + half; ++d) {
-            const float a = to_float(from_float<T>(tmp[d] * to_float(c[d])));
-            const float b = to_float(from_float<T>(tmp[d + shift] * to_float(s[d])));
-            v[d] = from_float<T>(a + b);
-          }
-        };
-        rotate(0, half);
-        rotate(half, -half);
-      }
-    }
-  });
-}
-
-template <typename T>
-void silu_mul_impl(torch::Tensor& gate, const torch::Tensor& up) {
-  const int64_t rows = gate.size(0), H = gate.size(1), gs = gate.stride(0), us = up.stride(0);
-  T* g = gate.data_ptr<T>();
-  const T* u = up.data_ptr<T>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* gr = g + r * gs;
-      const T* ur = u + r * us;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) {
-        const float x = to_float(gr[i]);
-        // F.silu(gate) rounded to T, then * up rounded: the two torch ops
-        gr[i] = from_float<T>(to_float(from_float<T>(x / (1.f + exp_any(-x)))) * to_float(ur[i]));
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// gate = silu(gate) * up in place; gate, up [rows, H] with unit stride in H.
-void silu_mul_(torch::Tensor gate, const torch::Tensor& up) {
-  check_cpu({gate, up}, "silu_mul_");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
-                  gate.scalar_type() == up.scalar_type(), "silu_mul_: gate and up [rows, H], unit stride, one dtype");
-  if (gate.scalar_type() == torch::kBFloat16) {
-    silu_mul_impl<c10::BFloat16>(gate, up);
-  } else {
-    TORCH_CHECK(gate.scalar_type() == torch::kFloat32, "silu_mul_: float32 or bfloat16");
-    silu_mul_impl<float>(gate, up);
-  }
-}
-
-// key/value [T, Hkv, D] (each token's heads contiguous) into the caches [blocks, bs, Hkv, D] at slot_mapping [T]
-// (int64, block * bs + offset; negative = skip), all of one dtype.
-void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor key_cache, torch::Tensor value_cache,
-              const torch::Tensor& slot_mapping) {
-  check_cpu({key, value, key_cache, value_cache, slot_mapping}, "write_kv");
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
-                  key.stride(1) == key.size(2) && value.stride(1) == value.size(2) &&
-                  key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == key.size(0) &&
-                  key_cache.size(2) * key_cache.size(3) == key.size(1) * key.size(2),
-              "write_kv: key/value [T, Hkv, D] with contiguous heads, contiguous caches of their dtype, int64 slots");
-  const int64_t n = key.size(0), row = key.size(1) * key.size(2) * key.element_size();
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " past the cache");
-  auto kp = static_cast<const char*>(key.data_ptr());
-  auto vp = static_cast<const char*>(value.data_ptr());
-  auto kc = static_cast<char*>(key_cache.data_ptr());
-  auto vc = static_cast<char*>(value_cache.data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  for (int64_t t = 0; t < n; ++t) {
-    if (slots[t] < 0) continue;
-    std::memcpy(kc + slots[t] * row, kp + t * ks, row);
-    std::memcpy(vc + slots[t] * row, vp + t * vs, row);
-  }
-}
-
-// RMSNorm of each row of x [rows, H] (unit stride in H) with weight [H], into a new tensor.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  check_cpu({x, w}, "rms_norm");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1) &&
-                  w.scalar_type() == x.scalar_type(), "rms_norm: x [rows, H] with unit stride, w [H] of x's dtype");
-  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
-  if (x.scalar_type() == torch::kBFloat16) {
-    rms_norm_impl<c10::BFloat16>(x, w, eps, out);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rms_norm: float32 or bfloat16");
-    rms_norm_impl<float>(x, w, eps, out);
-  }
-  return out;
-}
-
-// Rotary embedding in place: x [T, H, D] (unit stride in D) at positions [T] (int64), with the cos and sign-flipped
-// sin tables [max_position, D] (worker_svc.model.rope_tables): x = x * cos + swap_halves(x) * sin.
-void rope_(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
-  check_cpu({x, positions, cos, sin}, "rope_");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.size(1) == x.size(2) && x.size(2) % 2 == 0 && positions.scalar_type() == torch::kInt64 &&
-                  positions.is_contiguous() && positions.numel() == x.size(0) &&
-                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "rope_: x [T, H, D] unit stride in D, positions [T] int64, tables [P, D] of x's dtype");
-  if (x.scalar_type() == torch::kBFloat16) {
-    rope_impl<c10::BFloat16>(x, positions, cos, sin);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rope_: float32 or bfloat16");
-    rope_impl<float>(x, positions, cos, sin);
-  }
-}
-
 // out[rows[i]] = attention of query[rows[i]] over sequence i's first seq_lens[i] cached positions (the last
 // `window` of them when window > 0). query/out: [T, Hq, D] with unit stride in D; caches [blocks, bs, Hkv, D].
 void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, const torch::Tensor& key_cache,
@@ -1076,154 +840,4 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& rows, con
     decode_attention_impl<float>(query, rows, key_cache, value_cache, tables, seq_lens, scale, window, softcap,
                                  sinks, out);
   }
-}
-
-// ln x for a positive normal float, as plain arithmetic a compiler vectorizes: x = 2^e m with m in [sqrt(1/2),
-// sqrt(2)), ln m = 2 atanh(s), s = (m - 1) / (m + 1) in [-0.172, 0.172], by its series to s^9 (relative error ~1e-8).
-inline float log_positive(float x) {
-  int32_t bits;
-  std::memcpy(&bits, &x, 4);
-  int32_t e = ((bits >> 23) & 0xff) - 127;
-  bits = (bits & 0x007fffff) | 0x3f800000;
-  float m;
-  std::memcpy(&m, &bits, 4);
-  const bool big = m > 1.41421356f;
-  m = big ? m * 0.5f : m;
-  e += big ? 1 : 0;
-  const float s = (m - 1.f) / (m + 1.f), s2 = s * s;
-  const float series = s * (2.f + s2 * (0.6666666667f + s2 * (0.4f + s2 * (0.2857142857f + s2 * 0.2222222222f))));
-  return static_cast<float>(e) * 0.69314718056f + series;
-}
-
-// The Exp(1) variable of vocabulary entry i in the row keyed by `key`: a 32-bit hash of (key, i) (lowbias32) gives
-// 24 uniform bits u in (0, 1), never 0, and E = -ln u > 0.
-inline float exponential_draw(uint64_t key, uint32_t i) {
-  uint32_t x = i * 0x9E3779B9u + static_cast<uint32_t>(key);
-  x ^= static_cast<uint32_t>(key >> 32);
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  const float u = (static_cast<float>(x >> 8) + 0.5f) * (1.f / 16777216.f);
-  return -log_positive(u);
-}
-
-// The largest of x[0..n) (n >= 1; no NaN), in vector lanes: the compiler keeps a float max reduction scalar.
-inline float max_of(const float* x, int64_t n) {
-  int64_t i = 0;
-  float best = x[0];
-#ifdef __AVX512F__
-  __m512 mv = _mm512_set1_ps(best);
-  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
-  best = _mm512_reduce_max_ps(mv);
-#elif defined(LLMSERVE_AVX2_ONLY)
-  __m256 mv = _mm256_set1_ps(best);
-  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mv);
-  for (const float v : lanes) best = std::max(best, v);
-#endif
-  for (; i < n; ++i) best = std::max(best, x[i]);
-  return best;
-}
-
-// The first index of the largest of x[0..n) (n >= 1; no NaN): a max pass, then the first lane equal to it.
-inline int64_t first_argmax(const float* x, int64_t n) {
-  const float best = max_of(x, n);
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 bv = _mm512_set1_ps(best);
-  for (; i + 16 <= n; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), bv, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
-  }
-#elif defined(LLMSERVE_AVX2_ONLY)
-  const __m256 bv = _mm256_set1_ps(best);
-  for (; i + 8 <= n; i += 8) {
-    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), bv, _CMP_EQ_OQ));
-    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
-  }
-#endif
-  for (; i < n; ++i)
-    if (x[i] == best) return i;
-  return 0;
-}
-
-// Each row's token by the exponential race: argmax over the vocabulary of e^(logit - max) / E_i, E_i the Exp(1) draws
-// of the row's key (uint64 as int64), which samples from softmax(logits[row]). Masking a token that would not have
-// won (a -inf logit: weight 0) never changes the winner, so logit bias, bad words and grammars change only the draws
-// they must. First index on ties. logits [rows, vocab] float32 contiguous, keys [rows] int64.
-torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& keys) {
-  check_cpu({logits, keys}, "sample_rows");
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
-                  keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.numel() == logits.size(0),
-              "sample_rows: logits [rows, vocab] float32 contiguous, keys [rows] int64");
-  const int64_t rows = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({rows}, torch::kInt64);
-  const float* lp = logits.data_ptr<float>();
-  const int64_t* kp = keys.data_ptr<int64_t>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> score;  // a vocabulary's worth: kept, not mapped and faulted in per call
-    score.resize(V);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = lp + r * V;
-      const uint64_t key = static_cast<uint64_t>(kp[r]);
-      float m = V > 0 ? max_of(x, V) : -std::numeric_limits<float>::infinity();
-      if (!(m > -std::numeric_limits<float>::infinity())) m = 0.f;  // every logit -inf: all weights 0, token 0
-#pragma omp simd
-      for (int64_t i = 0; i < V; ++i) {
-        const float w = x[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_any(x[i] - m);
-        score[i] = w / exponential_draw(key, static_cast<uint32_t>(i));
-      }
-      op[r] = first_argmax(score.data(), V);
-    }
-  });
-  return out;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)  // csrc/quant_matmul.cpp
-torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& zero, int64_t activation_bits,
-                          const std::optional<torch::Tensor>& residual);
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          int64_t activation_bits, const std::optional<torch::Tensor>& residual);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits);
-torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,  // csrc/dense_matmul.cpp
-                           const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
-bool dense_bfloat16();  // whether dense_matmul takes bfloat16 panels (AVX512-BF16)
-bool dense_bfloat16_amx();  // whether it sums them with AMX tiles (inputs a multiple of 32)
-torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N);  // the same file
-void bind_decoder_layers(pybind11::module_& m);  // csrc/decoder_layers.cpp
-#endif
-
-std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);  // csrc/thread_binding.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bind_omp_threads", &bind_omp_threads);
-  m.def("sample_rows", &sample_rows);
-  m.def("decode_attention", &decode_attention);
-  m.def("rms_norm", &rms_norm);
-  m.def("rope_", &rope_);
-  m.def("silu_mul_", &silu_mul_);
-  m.def("write_kv", &write_kv);
-#if defined(__AVX2__) && defined(__FMA__)
-  m.def("int4_matmul", &int4_matmul, pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale"),
-        pybind11::arg("zero"), pybind11::arg("activation_bits") = 0, pybind11::arg("residual") = pybind11::none());
-  m.def("int8_matmul", &int8_matmul, pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale"),
-        pybind11::arg("activation_bits") = 0, pybind11::arg("residual") = pybind11::none());
-  m.def("quantize_activations", &quantize_activations);
-  m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
-  m.attr("dense_bfloat16") = dense_bfloat16();
-  m.attr("dense_bfloat16_amx") = dense_bfloat16_amx();
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  m.attr("attention_bfloat16_amx") = llmserve::amx_ready();  // bfloat16 attention in AMX tiles (attend_columns_amx)
-#else
-  m.attr("attention_bfloat16_amx") = false;
-#endif
-  m.def("dense_swiglu", &dense_swiglu, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"));
-  bind_decoder_layers(m);
-#endif
 }
