@@ -6,7 +6,7 @@ AVX512-BF16 or AMX). Every repetition runs each mode once, in rotating order, so
 modes alike; the table shows medians and the ratio to the first mode. The attention share is the time inside
 `write_kv_cache` + `paged_attention` over the whole forward (a perf_counter around each call). The timer keeps those
 modes on the Python layer loop; the `-cpp` modes run the same weights through the C++ layer loop
-(worker_svc/cpu_layers.py, bit-identical), untimed inside. `bfloat16-onednn-cpp` packs the bfloat16 weights for
+(worker_svc/cpu/layer_loop.py, bit-identical), untimed inside. `bfloat16-onednn-cpp` packs the bfloat16 weights for
 oneDNN instead of the project's panels (what `--dtype auto` ran before the bfloat16 panel kernel).
 
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16,64 --context 256
@@ -31,10 +31,10 @@ import torch
 
 import kernels
 from worker_svc import kv_cache
-from worker_svc.compiled import CompiledForward
 from worker_svc.config import CompilationConfig
-from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model.compiled import CompiledForward
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import default_model_path, load_model_weights
 
 BLOCK_SIZE = 16
 # name: (dtype, prepack, compiled): the compiled modes run `-O1`'s forward (dense weights) at the batch sizes

@@ -148,7 +148,7 @@ def compile_times() -> dict:
 
     from common.structured_outputs import Constraint
     from worker_svc.grammar import GrammarCache
-    from worker_svc.loader import default_model_path, gguf_vocabulary
+    from worker_svc.model.loader import default_model_path, gguf_vocabulary
 
     reader = GGUFReader(default_model_path())
     vocabulary = gguf_vocabulary(reader)

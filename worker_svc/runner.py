@@ -19,14 +19,17 @@ import kernels
 from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
-from worker_svc import kv_cache, lora, models, prompt_logprobs, quant, speculative
+from worker_svc import kv_cache, prompt_logprobs, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
-from worker_svc.compiled import compile_model, wants_compiled
-from worker_svc.config import ModelConfig, WorkerConfig
+from worker_svc.config import WorkerConfig
 from worker_svc.cpu_threads import SmallStepThreads
 from worker_svc.grammar import GrammarCache, GrammarMasks
-from worker_svc.loader import load_model_weights
-from worker_svc.model import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model import families as models
+from worker_svc.model import lora, quant
+from worker_svc.model.compiled import compile_model, wants_compiled
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.decoder import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.loader import load_model_weights
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.outputs import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
 from worker_svc.plan import StepPlan

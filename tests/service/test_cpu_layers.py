@@ -1,4 +1,4 @@
-"""The decoder layers in one C++ call (worker_svc/cpu_layers.py, kernels/csrc/decoder_layers.cpp) against the Python
+"""The decoder layers in one C++ call (worker_svc/cpu/layer_loop.py, kernels/csrc/decoder_layers.cpp) against the Python
 layer loop on the bundled model: the same logits bit for bit over prefill chunks, decodes and mixed steps, dense
 float32 and bfloat16 and quantized (float and int8 activations, float32 and bfloat16); steps the decode kernel does
 not wholly serve, LoRA steps and models the loop does not cover keep the Python loop."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.service.test_model import PagedRunner
-from worker_svc import quant
-from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel, panels_available
-from worker_svc.panel_linear import PanelLinear
+from worker_svc.cpu.panel_linear import PanelLinear
+from worker_svc.model import quant
+from worker_svc.model.decoder import LlamaModel, panels_available
+from worker_svc.model.loader import default_model_path, load_model_weights
 
 # (chunks per step): short prefill chunks, decodes of three sequences, a mixed step; then one chunk long enough
 # (past the decode kernel's 256-position limit for prefill rows) that attention needs SDPA: the Python loop.

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch ops they replace.
 
 Decode attention is checked against the gathered-SDPA path of kernels/reference.py (itself tested against a dense
-float64 reference); the elementwise kernels against the torch expressions of worker_svc/model.py, bit for bit
+float64 reference); the elementwise kernels against the torch expressions of worker_svc/model/decoder.py, bit for bit
 where the arithmetic is the same and within one bfloat16 rounding step where only the float32 summation order or
 the exp approximation differs.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from kernels.reference import build_reference_plan, paged_attention, write_kv_cache
-from worker_svc.model import swap_halves
+from worker_svc.model.decoder import swap_halves
 
 ops = cpu_ops.load()
 

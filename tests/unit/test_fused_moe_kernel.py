@@ -1,4 +1,4 @@
-"""The Triton fused-MoE kernel against the torch path (worker_svc.moe.experts_torch); on CPU under
+"""The Triton fused-MoE kernel against the torch path (worker_svc.model.layers.moe.experts_torch); on CPU under
 TRITON_INTERPRET=1 (tests/conftest.py sets it), so the shapes stay small."""
 
 from __future__ import annotations

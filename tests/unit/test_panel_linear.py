@@ -1,4 +1,4 @@
-"""Matmuls over panels (worker_svc/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
+"""Matmuls over panels (worker_svc/cpu/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
 bfloat16 in 32-output panels of input pairs (on a CPU with AVX512-BF16), against torch's matmul in float64 at every
 tile shape; batch invariance; the fused bias and residual; bad operands."""
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from worker_svc.model import (
+from worker_svc.cpu.panel_linear import PanelLinear, pack_panels
+from worker_svc.model.decoder import (
     cpu_has_native_bf16,
     linear,
     linear_add,
@@ -17,7 +18,6 @@ from worker_svc.model import (
     panels_available,
     prepack_linear_weight,
 )
-from worker_svc.panel_linear import PanelLinear, pack_panels
 
 
 @pytest.fixture(scope="module")

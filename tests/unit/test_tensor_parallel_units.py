@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from worker_svc import parallel
-from worker_svc.config import ModelConfig
+from worker_svc.model.config import ModelConfig
 from worker_svc.parallel import StepInputs, placement
 from worker_svc.tensor_parallel import Shard, local_config, shard_weights
 

@@ -14,9 +14,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from worker_svc.config import ModelConfig
-from worker_svc.model import LlamaModel, linear, rope_tables, swap_halves
-from worker_svc.models.hf import require, rope, windowed_layer_types
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.decoder import LlamaModel, linear, rope_tables, swap_halves
+from worker_svc.model.families.hf import require, rope, windowed_layer_types
 
 
 def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -29,8 +29,9 @@ import torch
 
 from common.lora import parse_lora_modules
 from common.validation import ConfigError
-from worker_svc.config import ModelConfig, WorkerConfig
+from worker_svc.config import WorkerConfig
 from worker_svc.errors import InvalidPlan
+from worker_svc.model.config import ModelConfig
 from worker_svc.plan import StepPlan
 from worker_svc.tensor_parallel import FULL, Shard, local_config, param_slice
 

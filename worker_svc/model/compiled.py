@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from common.validation import ConfigError
 from worker_svc.config import CompilationConfig, WorkerConfig
-from worker_svc.model import LlamaModel, head_rms_norm, rms_norm, swap_halves
+from worker_svc.model.decoder import LlamaModel, head_rms_norm, rms_norm, swap_halves
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What the sparse mixture-of-experts families (Mixtral, Qwen3-MoE) share on top of the Llama-shaped decoder:
-config.json's MoE fields, and a feed-forward that runs worker_svc.moe's block on the layers that are sparse."""
+config.json's MoE fields, and a feed-forward that runs the MoE block (layers/moe.py) on the layers that are sparse."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from worker_svc import moe
-from worker_svc.model import LayerWeights
+from worker_svc.model.decoder import LayerWeights
+from worker_svc.model.layers import moe
 
 
 def moe_fields(cfg: dict, num_experts: int, intermediate: int, norm_topk_prob: bool,

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from kernels.reference import ReferencePlan, paged_attention
-from worker_svc.panel_linear import PANEL_WIDTH, PanelLinear
-from worker_svc.quant import QuantLinear
+from worker_svc.cpu.panel_linear import PANEL_WIDTH, PanelLinear
+from worker_svc.model.quant import QuantLinear
 
 TORCH = 3  # the C++ Matmul kind of a bfloat16 tensor: oneDNN's matmul for a prepacked copy, F.linear for a plain one
 SWIGLU = 4  # gate's and up's bfloat16 panels interleaved: the matmul gives silu(gate) * up (dense_swiglu)

@@ -1,6 +1,6 @@
 """The Llama-shaped decoder over a paged KV cache, and the layer functions every family shares.
 
-`LlamaModel` runs Llama, Mistral, Qwen2 and Qwen3 (q/k norm); other families (worker_svc/models/) subclass it.
+`LlamaModel` runs Llama, Mistral, Qwen2 and Qwen3 (q/k norm); other families (worker_svc/model/families/) subclass it.
 
 One forward runs one flattened batch: prefill chunks and decode tokens of many sequences are
 concatenated into `num_tokens` rows. Everything except attention is per-token, so only
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import cpu_ops
-from worker_svc import cpu_layers
-from worker_svc.config import ModelConfig
-from worker_svc.panel_linear import PanelLinear
-from worker_svc.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
+from worker_svc.cpu import layer_loop as cpu_layers
+from worker_svc.cpu.panel_linear import PanelLinear
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
 
 
 @dataclass
@@ -42,7 +42,7 @@ class LayerWeights:
     up: torch.Tensor | None = None
     down: torch.Tensor | None = None
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per-head q then k RMSNorm weights (Qwen3); None: none
-    moe: Any = None  # worker_svc.moe.MoEWeights: a sparse block instead of gate/up/down (`_feed_forward`)
+    moe: Any = None  # worker_svc.model.layers.moe.MoEWeights: a sparse block instead of gate/up/down (`_feed_forward`)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -324,7 +324,7 @@ class LlamaModel:
         self.cos_cache, self.sin_signed_cache = rope_tables(config, self.max_position, dtype, self.device)
         # The C++ CPU kernels (rope in place, and rms_norm / decode attention through their callers), or None.
         self.cpu_ops = cpu_ops.load() if self.device.type == "cpu" else None
-        # The decoder layers as one C++ call where the step allows it (worker_svc/cpu_layers.py), or None; not for
+        # The decoder layers as one C++ call where the step allows it (worker_svc/cpu/layer_loop.py), or None; not for
         # a family that overrides the layer code.
         own_layers = all(getattr(type(self), f) is getattr(LlamaModel, f)
                          for f in ("forward", "_layers", "_feed_forward", "_row_parallel_add"))
