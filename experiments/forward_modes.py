@@ -32,6 +32,7 @@ import torch
 import kernels
 from worker_svc import kv_cache
 from worker_svc.config import CompilationConfig
+from worker_svc.cpu import layer_loop
 from worker_svc.model.compiled import CompiledForward
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.loader import default_model_path, load_model_weights
@@ -83,13 +84,15 @@ def main(argv: list[str] | None = None) -> None:
         timers[name] = TimedAttention()
         cpp = name.endswith("-cpp")  # the default backend: the C++ loop is built for it
         # oneDNN's packing: the panel kernel hidden from the model's packing for bfloat16
-        onednn = mock.patch("worker_svc.model.panels_available", lambda d: d == torch.float32) \
+        onednn = mock.patch("worker_svc.model.layers.linear.panels_available", lambda d: d == torch.float32) \
             if "onednn" in name else contextlib.nullcontext()
         with onednn:
             models[name] = LlamaModel(config, weights, dtype, "cpu", prepack=prepack,
                                       **({} if cpp else {"attention": timers[name]}))
-        if cpp and models[name].cpu_layers is None:
+        if cpp and (loop := layer_loop.build(models[name])) is None:
             raise SystemExit(f"{name}: the C++ layer loop is not built here (kernels/cpu_ops.py)")
+        if cpp:
+            models[name] = loop  # as the runner serves it
         if compiled:
             models[name] = CompiledForward(models[name], CompilationConfig(tuple(batch_sizes), cache_dir=a.cache_dir))
             t = time.perf_counter()

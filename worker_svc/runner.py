@@ -22,13 +22,14 @@ from common.structured_outputs import StructuredOutputsConfig
 from worker_svc import kv_cache, prompt_logprobs, speculative
 from worker_svc.batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu import layer_loop
 from worker_svc.cpu_threads import SmallStepThreads
 from worker_svc.grammar import GrammarCache, GrammarMasks
 from worker_svc.model import families as models
 from worker_svc.model import lora, quant
 from worker_svc.model.compiled import compile_model, wants_compiled
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.decoder import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
 from worker_svc.model.loader import load_model_weights
 from worker_svc.model_inputs import ModelInputs, build_model_inputs
 from worker_svc.outputs import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
@@ -127,6 +128,8 @@ class ModelRunner:
         self.model.lora = self.lora
         if compiled:
             self.model = compile_model(self.model, opts)
+        elif self.lora is None and (loop := layer_loop.build(self.model)) is not None:
+            self.model = loop  # the model's layers in one C++ call, where a step allows it (cpu/layer_loop.py)
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from kernels.reference import build_reference_plan, paged_attention, write_kv_cache
-from worker_svc.model.decoder import swap_halves
+from worker_svc.model.layers.rotary import swap_halves
 
 ops = cpu_ops.load()
 

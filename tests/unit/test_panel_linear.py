@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from worker_svc.cpu.panel_linear import PanelLinear, pack_panels
-from worker_svc.model.decoder import (
+from worker_svc.model.layers.linear import (
     cpu_has_native_bf16,
     linear,
     linear_add,
