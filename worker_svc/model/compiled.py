@@ -31,6 +31,8 @@ from worker_svc.model.decoder import LlamaModel
 
 log = logging.getLogger(__name__)
 
+_CACHE_ENTRIES = 0  # the compiled functions' cache entries the models of this process may need
+
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor")
 
 
@@ -85,8 +87,12 @@ class CompiledForward:
         traced = model.traced()  # the same weights and layer code, over the plain-torch ops
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
-        # One graph per size and function; never fall back to dynamic shapes or stop compiling at serving time.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes))
+        # One graph per size and function (and, with CUDA graphs, per mode); never fall back to dynamic shapes or stop
+        # compiling at serving time. The graphs guard on the model they trace (its bound methods), so each model
+        # built in this process adds its own entries to the functions' shared caches.
+        global _CACHE_ENTRIES
+        _CACHE_ENTRIES += 2 * len(self.sizes)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_ENTRIES)
         self._rope = traced.rotaries[0].prepare  # the step's cos / sin rows, gathered eagerly
         self._qkv_rope = torch.compile(traced.attention_inputs, dynamic=False, fullgraph=True)
         self._o_mlp = torch.compile(traced.post_attention, dynamic=False, fullgraph=True)
