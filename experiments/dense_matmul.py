@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 
 from kernels import cpu_ops
-from worker_svc.model import panels_available, prepack_linear_weight
-from worker_svc.panel_linear import PanelLinear
+from worker_svc.cpu.panel_linear import PanelLinear
+from worker_svc.model.layers.linear import panels_available, prepack_linear_weight
 
 SHAPES = [(576, 576), (960, 576), (1536, 576), (576, 1536), (49152, 576)]  # o, qkv, gate/up, down, the head
 

@@ -6,7 +6,7 @@ AVX512-BF16 or AMX). Every repetition runs each mode once, in rotating order, so
 modes alike; the table shows medians and the ratio to the first mode. The attention share is the time inside
 `write_kv_cache` + `paged_attention` over the whole forward (a perf_counter around each call). The timer keeps those
 modes on the Python layer loop; the `-cpp` modes run the same weights through the C++ layer loop
-(worker_svc/cpu_layers.py, bit-identical), untimed inside. `bfloat16-onednn-cpp` packs the bfloat16 weights for
+(worker_svc/cpu/layer_loop.py, bit-identical), untimed inside. `bfloat16-onednn-cpp` packs the bfloat16 weights for
 oneDNN instead of the project's panels (what `--dtype auto` ran before the bfloat16 panel kernel).
 
     .venv/bin/python -m experiments.forward_modes --batch-sizes 1,16,64 --context 256
@@ -30,11 +30,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/worker_fo
 import torch
 
 import kernels
-from worker_svc.compiled import CompiledForward
 from worker_svc.config import CompilationConfig
 from worker_svc.core import kv_cache
-from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.cpu import layer_loop
+from worker_svc.model.compiled import CompiledForward
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import default_model_path, load_model_weights
 
 BLOCK_SIZE = 16
 # name: (dtype, prepack, compiled): the compiled modes run `-O1`'s forward (dense weights) at the batch sizes
@@ -83,13 +84,15 @@ def main(argv: list[str] | None = None) -> None:
         timers[name] = TimedAttention()
         cpp = name.endswith("-cpp")  # the default backend: the C++ loop is built for it
         # oneDNN's packing: the panel kernel hidden from the model's packing for bfloat16
-        onednn = mock.patch("worker_svc.model.panels_available", lambda d: d == torch.float32) \
+        onednn = mock.patch("worker_svc.model.layers.linear.panels_available", lambda d: d == torch.float32) \
             if "onednn" in name else contextlib.nullcontext()
         with onednn:
             models[name] = LlamaModel(config, weights, dtype, "cpu", prepack=prepack,
                                       **({} if cpp else {"attention": timers[name]}))
-        if cpp and models[name].cpu_layers is None:
+        if cpp and (loop := layer_loop.build(models[name])) is None:
             raise SystemExit(f"{name}: the C++ layer loop is not built here (kernels/cpu_ops.py)")
+        if cpp:
+            models[name] = loop  # as the runner serves it
         if compiled:
             models[name] = CompiledForward(models[name], CompilationConfig(tuple(batch_sizes), cache_dir=a.cache_dir))
             t = time.perf_counter()

@@ -21,7 +21,7 @@ import torch
 from experiments.decode_attention_layers import median_ms
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
-from worker_svc.loader import default_model_path
+from worker_svc.model.loader import default_model_path
 
 BLOCK = 16
 

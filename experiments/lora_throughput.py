@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 from protos import worker_pb2 as pb
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
-from worker_svc.loader import default_model_path
-from worker_svc.lora import module_shapes
+from worker_svc.model.loader import default_model_path
+from worker_svc.model.lora import module_shapes
 from worker_svc.server import execute_step
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -24,8 +24,8 @@ import torch
 import transformers
 
 import kernels
-from worker_svc import models
-from worker_svc.loader import load_hf_dir
+from worker_svc.model import families as models
+from worker_svc.model.loader import load_hf_dir
 
 BLOCK_SIZE = 16
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,

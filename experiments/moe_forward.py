@@ -33,8 +33,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/worker_fo
 import torch
 
 import kernels
-from worker_svc import models, moe
-from worker_svc.loader import load_hf_dir
+from worker_svc.model import families as models
+from worker_svc.model.layers import moe
+from worker_svc.model.loader import load_hf_dir
 
 BLOCK_SIZE = 16
 

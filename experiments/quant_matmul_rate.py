@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker_svc import quant
+from worker_svc.model import quant
 
 # (name, N, K, bits): q + k + v, o, gate + up, down (int4 from Q4_1), the head (int8 from Q8_0)
 SHAPES = [("qkv", 960, 576, 4), ("o", 576, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4),

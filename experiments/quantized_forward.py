@@ -18,9 +18,9 @@ import time
 import torch
 
 import kernels
-from worker_svc import quant
-from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model import quant
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import default_model_path, load_model_weights
 
 BLOCK = 16
 TOPICS = ["the ocean", "a robot", "Paris", "prime numbers", "a dragon", "coffee", "the moon", "a violin",

@@ -167,7 +167,7 @@ def main() -> None:
     if not 1 <= args.hf_requests <= args.num_requests:
         raise SystemExit("--hf-requests must be in 1..--num-requests")
 
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     model = args.model or default_model_path()
     import gguf

@@ -24,7 +24,7 @@ import torch
 from protos import worker_pb2 as pb
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
-from worker_svc.loader import default_model_path
+from worker_svc.model.loader import default_model_path
 from worker_svc.server import execute_step
 
 BLOCK = 16

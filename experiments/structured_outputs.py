@@ -147,7 +147,7 @@ def compile_times() -> dict:
     from gguf import GGUFReader
 
     from common.structured_outputs import Constraint
-    from worker_svc.loader import default_model_path, gguf_vocabulary
+    from worker_svc.model.loader import default_model_path, gguf_vocabulary
     from worker_svc.sampling.grammar import GrammarCache
 
     reader = GGUFReader(default_model_path())

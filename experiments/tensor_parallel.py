@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kernels
-from worker_svc.config import ModelConfig
-from worker_svc.model import LlamaModel
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.decoder import LlamaModel
 from worker_svc.parallel.rank_group import RankGroup
 from worker_svc.parallel.sharding import Shard, check_shardable, local_config, shard_weights
 

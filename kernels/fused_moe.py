@@ -1,5 +1,5 @@
 """Triton fused mixture-of-experts: the experts of a sparse block as two grouped GEMMs over the (token, expert)
-pairs sorted by expert. Same interface as `worker_svc.moe.experts_torch`; the worker picks it on CUDA.
+pairs sorted by expert. Same interface as `worker_svc.model.layers.moe.experts_torch`; the worker picks it on CUDA.
 
 - **Alignment without a host sync.** The pairs are sorted by expert and each expert's run is padded to a multiple
   of BLOCK_M (`align_by_expert`, torch ops only), so every row tile of BLOCK_M pairs belongs to one expert. The

@@ -1,4 +1,4 @@
-"""Triton dequantize-GEMM for int4 weights in groups of 32 (worker_svc/quant.py's CUDA path).
+"""Triton dequantize-GEMM for int4 weights in groups of 32 (worker_svc/model/quant.py's CUDA path).
 
 y[m, n] = sum_k x[m, k] * (scale[n, k // 32] * q[n, k] + zero[n, k // 32]), with q two codes a byte along k
 (element 2j in the low nibble of byte j, 2j+1 in the high one). Each program owns a BLOCK_M x BLOCK_N tile of

@@ -55,7 +55,7 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     return default_model_path()
 

@@ -1,10 +1,10 @@
-"""The worker's settings (`WorkerConfig`, one field each) and the model architecture description shared by the
-loaders, the model and Describe (`ModelConfig`)."""
+"""The worker's settings (`WorkerConfig`, one field each); the model's architecture (`ModelConfig`) lives in
+worker_svc/model/config.py."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common import config as c
 from common.config import setting
@@ -14,48 +14,9 @@ from worker_svc.cpu import binding as cpu_binding
 from worker_svc.sampling.pooler_config import PoolerConfig
 
 
-@dataclass
-class ModelConfig:
-    architecture: str  # the family's short name (worker_svc.models): "llama", "qwen3", "gemma2", ...
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # HF-style rope_scaling dict: {"rope_type": "llama3"|"linear", "factor": ..., ...} or None.
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    name: str = ""
-    # Per layer "full_attention" or "sliding_attention" (HF's layer_types); None: every layer full.
-    layer_types: list[str] | None = None
-    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
-    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
-    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
-    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
-    rope_local_theta: float | None = None  # rope base of sliding layers, unscaled (Gemma 3); None: rope_theta
-    # Sparse mixture-of-experts feed-forward (worker_svc.moe; Mixtral, Qwen3-MoE): experts per sparse layer (0: a
-    # dense model), experts each token runs, each expert's intermediate size, whether the kept routing weights are
-    # renormalised to sum to 1, and which layers are sparse (None: all; the others run the dense MLP).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    moe_layers: list[int] | None = None
-    # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
-    # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
-    vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)
-
-
 @dataclass(frozen=True)
 class CompilationConfig:
-    """vLLM's `--compilation-config` keys that apply here (the compiled forward, worker_svc/compiled.py)."""
+    """vLLM's `--compilation-config` keys that apply here (the compiled forward, worker_svc/model/compiled.py)."""
 
     # Step sizes (tokens) the compiled forward pads to; None: 1, 2, 4, then multiples of 8 up to the max.
     cudagraph_capture_sizes: tuple[int, ...] | None = None

@@ -125,7 +125,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def LoadLoraAdapter(self, request: pb.LoraAdapterRef, context):
         """Read and check off the step loop (the batch is untouched); the host cache has its own lock."""
-        from worker_svc.lora import LoraError
+        from worker_svc.model.lora import LoraError
 
         try:
             with self.turn:  # between steps: the pool's host cache is the step's too
@@ -194,7 +194,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """The settings on the command line, validated (SystemExit naming the flag); the bundled model unless --model."""
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     try:
         cfg = from_namespace(WorkerConfig, args)

@@ -51,7 +51,7 @@ def load_hf_model(model_path: str | None = None, dtype: torch.dtype = torch.floa
     from transformers import AutoModelForCausalLM
 
     if model_path is None:
-        from worker_svc.loader import default_model_path
+        from worker_svc.model.loader import default_model_path
 
         model_path = default_model_path()
     if model_path.endswith(".gguf"):

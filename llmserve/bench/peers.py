@@ -212,7 +212,7 @@ def main(args: argparse.Namespace) -> None:
     os.makedirs(args.result_dir, exist_ok=True)
     gguf = args.model
     if gguf is None:
-        from worker_svc.loader import default_model_path
+        from worker_svc.model.loader import default_model_path
 
         gguf = default_model_path()
 

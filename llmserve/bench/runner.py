@@ -148,7 +148,7 @@ def _json_number(x: float) -> float | str:
 
 def _hf_results(target: Target, specs: list[RequestSpec], s: RunSettings) -> list[RequestResult]:
     from llmserve.bench.hf_backends import run_hf_backend
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     path = s.model_path or default_model_path()
     target.model = target.model or {"model_path": path}
@@ -170,7 +170,7 @@ def _cpu_seconds(pid: int | None) -> float | None:
 def prompt_text(target: Target):
     """Token ids -> text with the served model's tokenizer (for a gateway that takes only text prompts)."""
     from common.tokenizer import load_tokenizer
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     tok = load_tokenizer((target.model or {}).get("model_path") or default_model_path())
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)

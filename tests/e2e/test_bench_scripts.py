@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tests.support.bench_runs import run_bench, run_llmserve_bench
-from worker_svc.model import cpu_has_native_bf16
+from worker_svc.model.layers.linear import cpu_has_native_bf16
 
 pytestmark = pytest.mark.slow
 

@@ -122,7 +122,7 @@ def stack():
             assert time.monotonic() < deadline and redis.poll() is None, "redis did not start"
             time.sleep(0.2)
         # The worker's command, with a free port and the bundled model, plus a test-sized pool.
-        from worker_svc.loader import default_model_path
+        from worker_svc.model.loader import default_model_path
 
         wargs = [_sub(unescape(a), {"50061": "0", "${LLMSERVE_MODEL:-/models/model.gguf}": default_model_path(),
                                            "${LLMSERVE_TENSOR_PARALLEL_SIZE:-1}": "1", BUDGET: "256"})

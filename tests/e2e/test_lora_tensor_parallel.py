@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 import kernels
 from llmserve.processes import free_port
 from tests.e2e.test_tensor_parallel import BLOCK_SIZE, NUM_BLOCKS
-from worker_svc import models
-from worker_svc.loader import load_hf_dir
-from worker_svc.lora import LoraPool
+from worker_svc.model import families as models
+from worker_svc.model.loader import load_hf_dir
+from worker_svc.model.lora import LoraPool
 from worker_svc.parallel.rank_group import StepInputs, step_inputs
 from worker_svc.parallel.sharding import FULL, Shard, local_config
 

@@ -200,7 +200,7 @@ class Cluster:
                                                  wait=False)}
         self.procs += pending.values()
         from common.tokenizer import Tokenizer
-        from worker_svc.loader import default_model_path
+        from worker_svc.model.loader import default_model_path
 
         self.tok = Tokenizer.from_gguf(default_model_path())  # while the workers load
         self.corpus = self.tok.encode(CORPUS, add_special_tokens=False)

@@ -186,7 +186,7 @@ class Cluster:
     @staticmethod
     def _load_tokenizer():
         from common.tokenizer import Tokenizer
-        from worker_svc.loader import default_model_path
+        from worker_svc.model.loader import default_model_path
 
         return Tokenizer.from_gguf(default_model_path())
 

@@ -20,10 +20,10 @@ from torch._dynamo.utils import counters
 import kernels
 from llmserve.processes import free_port
 from tests.support.random_weights import randomize
-from worker_svc.compiled import CompiledForward
 from worker_svc.config import CompilationConfig
-from worker_svc.loader import load_hf_dir
-from worker_svc.model import LlamaModel
+from worker_svc.model.compiled import CompiledForward
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import load_hf_dir
 from worker_svc.parallel.sharding import Shard, check_shardable, local_config
 
 BLOCK_SIZE = 4

@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 
 from llmserve.processes import free_port
 from tests.e2e.test_tensor_parallel import _steps
-from worker_svc import models
-from worker_svc.loader import load_hf_dir
+from worker_svc.model import families as models
+from worker_svc.model.loader import load_hf_dir
 from worker_svc.parallel.sharding import Shard, local_config
 
 FAMILIES = ("qwen3_sliding", "gemma2", "gemma3")

@@ -222,6 +222,6 @@ def test_history_arguments_must_be_json(st):
 
 
 def test_served_name_is_the_model_file_name(st):
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     assert st.model == default_model_path().rsplit("/", 1)[1]

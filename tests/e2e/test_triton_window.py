@@ -30,8 +30,8 @@ def test_gemma2_model_on_triton_equals_torch_backend(tmp_path):
     past the window, then decodes; logits as the torch backend's."""
     from tests.service.test_model import PagedRunner
     from tests.service.test_model_families import make_checkpoint, prompts
-    from worker_svc import models
-    from worker_svc.loader import load_hf_dir
+    from worker_svc.model import families as models
+    from worker_svc.model.loader import load_hf_dir
 
     make_checkpoint("gemma2", tmp_path)
     config, weights = load_hf_dir(str(tmp_path))

@@ -11,10 +11,10 @@ import torch
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
 from tests.support import moe_checkpoints as mc
-from worker_svc import models
-from worker_svc.compiled import CompiledForward
 from worker_svc.config import CompilationConfig
-from worker_svc.loader import load_hf_dir
+from worker_svc.model import families as models
+from worker_svc.model.compiled import CompiledForward
+from worker_svc.model.loader import load_hf_dir
 
 SIZES = (4, 8)
 CHUNK = 3  # prompt tokens per sequence and step: two prompts + a decode stay within the largest size

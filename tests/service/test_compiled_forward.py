@@ -16,11 +16,11 @@ from protos import worker_pb2 as pb
 from tests.service.test_model import PagedRunner
 from tests.support.driver import DriverRequest, run_requests
 from tests.support.random_weights import randomize
-from worker_svc.compiled import CompiledForward, wants_compiled
 from worker_svc.config import CompilationConfig, WorkerConfig
 from worker_svc.core.runner import ModelRunner
-from worker_svc.loader import load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model.compiled import CompiledForward, wants_compiled
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import load_model_weights
 from worker_svc.server import execute_step
 
 SIZES = (4, 8)

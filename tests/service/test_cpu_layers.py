@@ -1,7 +1,8 @@
-"""The decoder layers in one C++ call (worker_svc/cpu_layers.py, kernels/csrc/decoder_layers.cpp) against the Python
+"""The decoder layers in one C++ call (worker_svc/cpu/layer_loop.py, kernels/csrc/decoder_layers.cpp) against the Python
 layer loop on the bundled model: the same logits bit for bit over prefill chunks, decodes and mixed steps, dense
 float32 and bfloat16 and quantized (float and int8 activations, float32 and bfloat16); steps the decode kernel does
-not wholly serve, LoRA steps and models the loop does not cover keep the Python loop."""
+not wholly serve, LoRA steps and models the loop does not cover keep the Python loop (the model's own forward, which
+the loop falls back to)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pytest
 import torch
 
 from tests.service.test_model import PagedRunner
-from worker_svc import quant
-from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel, panels_available
-from worker_svc.panel_linear import PanelLinear
+from worker_svc.cpu import layer_loop
+from worker_svc.cpu.panel_linear import PanelLinear
+from worker_svc.model import quant
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.layers.linear import panels_available
+from worker_svc.model.loader import default_model_path, load_model_weights
 
 # (chunks per step): short prefill chunks, decodes of three sequences, a mixed step; then one chunk long enough
 # (past the decode kernel's 256-position limit for prefill rows) that attention needs SDPA: the Python loop.
@@ -28,25 +31,25 @@ SCRIPT = [
 PYTHON_STEPS = [8]  # the step indices whose attention is not all kernel rows
 
 
-def run(model: LlamaModel) -> tuple[list[torch.Tensor], list[int]]:
-    """Every step's logits, and the steps that ran the Python layer loop."""
+def run(model: LlamaModel, loop: layer_loop.LayerLoop | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """Every step's logits through `loop` (None: the model alone), and the steps that ran the Python layer loop."""
     python_steps, step = [], [0]
-    loop = model._layers
+    forward = model.forward
 
     def counted(*args):
         python_steps.append(step[0])
-        return loop(*args)
+        return forward(*args)
 
-    model._layers = counted
+    model.forward = counted
     try:
-        runner = PagedRunner(model, 64)
+        runner = PagedRunner(loop or model, 64)
         out = []
         for chunks in SCRIPT:
             out.append(runner.step(chunks))
             step[0] += 1
         return out, python_steps
     finally:
-        del model._layers
+        del model.forward
 
 
 @pytest.fixture(scope="module", params=["dense", "quantized", "int8-activations", "dense-bfloat16",
@@ -62,14 +65,11 @@ def model(request) -> LlamaModel:
 
 
 def test_cpu_layers_equal_the_python_loop_bit_for_bit(model):
-    assert model.cpu_layers is not None  # on the project's kernels: the C++ loop is built
-    fused, python_steps = run(model)
+    loop = layer_loop.build(model)
+    assert loop is not None  # on the project's kernels: the C++ loop is built
+    fused, python_steps = run(model, loop)
     assert python_steps == PYTHON_STEPS
-    layers, model.cpu_layers = model.cpu_layers, None
-    try:
-        plain, python_steps = run(model)
-    finally:
-        model.cpu_layers = layers
+    plain, python_steps = run(model)
     assert python_steps == list(range(len(SCRIPT)))
     for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
         assert torch.equal(a, b), f"step {i}: max diff {(a - b).abs().max().item()}"
@@ -82,7 +82,9 @@ def test_bfloat16_panels_run_gate_up_and_silu_as_one_matmul():
     if not panels_available(torch.bfloat16):
         pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
     config, weights = load_model_weights(default_model_path())
-    layer = LlamaModel(config, weights, torch.bfloat16, "cpu").layers[0]
+    model = LlamaModel(config, weights, torch.bfloat16, "cpu")
+    assert layer_loop.build(model) is not None
+    layer = model.layers[0]
     gate, up = layer.gate, layer.up
     assert isinstance(gate, PanelLinear) and isinstance(up, PanelLinear)
     panel = gate.panels[0].numel()
@@ -100,7 +102,7 @@ class NoLora:
 def test_a_lora_step_keeps_the_python_loop(model):
     model.lora = NoLora()
     try:
-        _, python_steps = run(model)
+        _, python_steps = run(model, layer_loop.build(model))
     finally:
         model.lora = None
     assert python_steps == list(range(len(SCRIPT)))
@@ -108,13 +110,13 @@ def test_a_lora_step_keeps_the_python_loop(model):
 
 def test_models_the_loop_does_not_cover_keep_the_python_loop():
     config, weights = load_model_weights(default_model_path())
-    assert LlamaModel(config, weights, torch.float16, "cpu").cpu_layers is None  # float32 and bfloat16 only
+    assert layer_loop.build(LlamaModel(config, weights, torch.float16, "cpu")) is None  # float32 and bfloat16 only
     biased = weights | {f"model.layers.{i}.self_attn.{x}_proj.bias": torch.zeros(n)
                         for i in range(config.num_layers)
                         for x, n in (("q", config.num_heads * config.head_dim),
                                      ("k", config.num_kv_heads * config.head_dim),
                                      ("v", config.num_kv_heads * config.head_dim))}
-    assert LlamaModel(config, biased, torch.float32, "cpu").cpu_layers is None  # Qwen2's attention biases
+    assert layer_loop.build(LlamaModel(config, biased, torch.float32, "cpu")) is None  # Qwen2's attention biases
     windowed = dataclasses.replace(config, layer_types=["sliding_attention"] * config.num_layers, sliding_window=64)
-    assert LlamaModel(windowed, weights, torch.float32, "cpu").cpu_layers is None  # Mistral's sliding window
-    assert LlamaModel(config, weights, torch.float32, "cpu", prepack=False).cpu_layers is None  # F.linear weights
+    assert layer_loop.build(LlamaModel(windowed, weights, torch.float32, "cpu")) is None  # Mistral's sliding window
+    assert layer_loop.build(LlamaModel(config, weights, torch.float32, "cpu", prepack=False)) is None  # F.linear

@@ -1,4 +1,4 @@
-"""-O2 on a CUDA device: the compiled forward replays CUDA graphs for decode-only steps (worker_svc/compiled.py,
+"""-O2 on a CUDA device: the compiled forward replays CUDA graphs for decode-only steps (worker_svc/model/compiled.py,
 torch's cudagraph trees, weights marked static). Through the worker's own path (ModelRunner; chunked prefill beside
 decodes, requests arriving over time, so steps alternate between mixed ones and graph replays) the greedy tokens equal
 the eager runner's. Needs a CUDA device: experiments/gpu_check.sh runs it on the first machine that has one."""
@@ -14,9 +14,9 @@ from common.config import parse
 from protos import worker_pb2 as pb
 from tests.service.test_compiled_forward import tiny_path  # noqa: F401  (the module's random Llama)
 from tests.support.driver import DriverRequest, run_requests
-from worker_svc.compiled import CompiledForward
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
+from worker_svc.model.compiled import CompiledForward
 from worker_svc.server import execute_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

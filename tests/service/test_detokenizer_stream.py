@@ -14,7 +14,7 @@ from scheduler_svc.core.detokenizer import IncrementalDetokenizer
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     return Tokenizer.from_gguf(default_model_path())
 

@@ -12,7 +12,7 @@ import torch
 
 from common import gguf_cache
 from common.tokenizer import Tokenizer
-from worker_svc.loader import load_gguf
+from worker_svc.model.loader import load_gguf
 from worker_svc.parallel.sharding import Shard
 
 TEXT = "<|im_start|>user\nHello, wörld! 12345 naïve café\tdone<|im_end|>"

@@ -11,8 +11,8 @@ from gguf import GGUFWriter
 
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
-from worker_svc import models
-from worker_svc.loader import load_model_weights
+from worker_svc.model import families as models
+from worker_svc.model.loader import load_model_weights
 
 # HF name inside a layer -> llama.cpp's (Qwen3: no q/k row permutation, q/k norms per head)
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

@@ -18,7 +18,7 @@ from tests.support.lora_adapters import merged, write_adapter
 from tests.support.random_weights import randomize
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
-from worker_svc.lora import LoraError, load_peft_adapter
+from worker_svc.model.lora import LoraError, load_peft_adapter
 from worker_svc.server import execute_step
 
 NEW_TOKENS = 12

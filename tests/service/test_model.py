@@ -15,8 +15,8 @@ import transformers
 
 import kernels
 from tests.support.random_weights import randomize
-from worker_svc.loader import default_model_path, load_gguf, load_hf_dir, load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import default_model_path, load_gguf, load_hf_dir, load_model_weights
 
 BLOCK_SIZE = 16
 PROMPTS = [

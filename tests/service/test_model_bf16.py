@@ -17,8 +17,9 @@ import torch
 from tests.e2e.test_startup_validation import assert_fails, run_cli
 from tests.service.test_model import PROMPTS, PagedRunner
 from worker_svc.core.runner import resolve_dtype
-from worker_svc.loader import load_model_weights
-from worker_svc.model import LlamaModel, cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.loader import load_model_weights
 
 # Two bfloat16 steps at the logits' magnitude (16..32, where one step is 0.125).
 NEAR_TIE = 0.25

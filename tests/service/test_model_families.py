@@ -11,8 +11,8 @@ import transformers
 
 from tests.service.test_model import PagedRunner
 from tests.support.random_weights import randomize
-from worker_svc import models
-from worker_svc.loader import load_hf_dir
+from worker_svc.model import families as models
+from worker_svc.model.loader import load_hf_dir
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
@@ -138,8 +138,8 @@ def test_greedy_tokens_match_hf(family):
 @pytest.mark.parametrize("name", ["gemma2"])
 def test_compiled_forward_refuses_other_decoders(name, tmp_path):
     """-O1+ compiles the Llama-shaped layer only: a family with other layers is refused at start, by name."""
-    from worker_svc.compiled import CompiledForward
     from worker_svc.config import CompilationConfig
+    from worker_svc.model.compiled import CompiledForward
 
     make_checkpoint(name, tmp_path)
     config, weights = load_hf_dir(str(tmp_path))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from worker_svc.loader import load_hf_dir
+from worker_svc.model.loader import load_hf_dir
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)

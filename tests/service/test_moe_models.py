@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from llmserve.processes import free_port
 from tests.service.test_model import PagedRunner
 from tests.support import moe_checkpoints as mc
-from worker_svc import models
-from worker_svc.loader import load_hf_dir
+from worker_svc.model import families as models
+from worker_svc.model.loader import load_hf_dir
 from worker_svc.parallel.sharding import FULL, Shard, local_config
 
 
@@ -93,8 +93,8 @@ def test_chunked_prefill_and_decode_match_transformers(checkpoints, family, prep
 
 
 def test_compiled_forward_is_refused(checkpoints):
-    from worker_svc.compiled import CompiledForward
     from worker_svc.config import CompilationConfig
+    from worker_svc.model.compiled import CompiledForward
 
     config, weights = load_hf_dir(checkpoints["mixtral"][0])
     model = models.by_name("mixtral")(config, weights, torch.float32, "cpu", prepack=False)

@@ -20,11 +20,11 @@ from tests.service.test_gguf_families import write_qwen3_gguf
 from tests.service.test_model import PROMPTS, PagedRunner
 from tests.service.test_model_families import make_checkpoint
 from tests.support.driver import DriverRequest, run_requests
-from worker_svc import quant
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner, resolve_dtype
-from worker_svc.loader import default_model_path, load_model_weights
-from worker_svc.model import LlamaModel
+from worker_svc.model import quant
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.loader import default_model_path, load_model_weights
 from worker_svc.server import execute_step
 
 # The quantized model holds the file's values exactly (Q4_1 groups, the Q8_0 embedding / head with its 32-group

@@ -11,7 +11,7 @@ from scheduler_svc.core.detokenizer import IncrementalDetokenizer
 
 
 def _gguf_path() -> str:
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     return default_model_path()
 

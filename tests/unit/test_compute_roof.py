@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 
 from experiments.compute_roof import request_macs
-from worker_svc.loader import default_model_path
+from worker_svc.model.loader import default_model_path
 
 
 def test_request_macs_match_the_bundled_weights():

@@ -64,7 +64,7 @@ def test_the_setting_defaults_to_auto_as_vllm():
 
 def test_without_the_compiled_kernels_the_whole_process_is_kept_to_the_list():
     core = max(os.sched_getaffinity(0))
-    code = ("import os, threading; from worker_svc import cpu_binding\n"
+    code = ("import os, threading; from worker_svc.cpu import binding as cpu_binding\n"
             "t = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True); t.start()\n"
             f"print(cpu_binding.bind([{core}]))\n"
             "print(sorted({tuple(sorted(os.sched_getaffinity(int(x)))) for x in os.listdir('/proc/self/task')}))")

@@ -2,7 +2,7 @@
 per ISA tier under test (tests/support/cpu_tiers.py: the default tier here and one more, each its own build).
 
 Decode attention is checked against the gathered-SDPA path of kernels/reference.py (itself tested against a dense
-float64 reference); the elementwise kernels against the torch expressions of worker_svc/model.py, bit for bit
+float64 reference); the elementwise kernels against the torch expressions of worker_svc/model/decoder.py, bit for bit
 where the arithmetic is the same and within one bfloat16 rounding step where only the float32 summation order or
 the exp approximation differs.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kernels import cpu_isa, cpu_ops
 from kernels.reference import build_reference_plan, paged_attention, write_kv_cache
 from tests.support.cpu_tiers import kernel_test_tiers, tier_ops
-from worker_svc.model import swap_halves
+from worker_svc.model.layers.rotary import swap_halves
 
 TIERS = kernel_test_tiers()
 

@@ -1,4 +1,4 @@
-"""The Triton fused-MoE kernel against the torch path (worker_svc.moe.experts_torch); on CPU under
+"""The Triton fused-MoE kernel against the torch path (worker_svc.model.layers.moe.experts_torch); on CPU under
 TRITON_INTERPRET=1 (tests/conftest.py sets it), so the shapes stay small."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels import fused_moe  # noqa: E402
-from worker_svc import moe  # noqa: E402
+from worker_svc.model.layers import moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not fused_moe.INTERPRET:

@@ -6,8 +6,8 @@ import pytest
 
 from common.config import parse
 from common.validation import ConfigError
-from worker_svc.compiled import wants_compiled
 from worker_svc.config import WorkerConfig
+from worker_svc.model.compiled import wants_compiled
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])

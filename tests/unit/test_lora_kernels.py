@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.lora_triton import lora_expand, lora_shrink  # noqa: E402
-from worker_svc.config import ModelConfig  # noqa: E402
-from worker_svc.lora import GROUPS, LoraPool  # noqa: E402
+from worker_svc.model.config import ModelConfig  # noqa: E402
+from worker_svc.model.lora import GROUPS, LoraPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""worker_svc.moe against transformers' sparse MoE blocks (Mixtral, Qwen3-MoE) on random weights: routing,
+"""worker_svc.model.layers.moe against transformers' sparse MoE blocks (Mixtral, Qwen3-MoE) on random weights: routing,
 top-k renormalisation, the grouped expert matmuls and the tensor-parallel split of the experts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from worker_svc import moe
+from worker_svc.model.layers import moe
 
 HIDDEN, INTER, EXPERTS = 32, 48, 6
 

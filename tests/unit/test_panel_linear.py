@@ -1,4 +1,4 @@
-"""Matmuls over panels (worker_svc/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
+"""Matmuls over panels (worker_svc/cpu/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
 bfloat16 in 32-output panels of input pairs (on a CPU with AVX512-BF16), against torch's matmul in float64 at every
 tile shape; batch invariance; the fused bias and residual; bad operands. Once per ISA tier under test from x86-64-v3
 on (tests/support/cpu_tiers.py), and the float32 tiles of every tier bit for bit against the AVX2 build's."""
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from tests.support.cpu_tiers import kernel_test_tiers, tier_ops
-from worker_svc.model import (
+from worker_svc.cpu.panel_linear import PanelLinear, pack_panels
+from worker_svc.model.layers.linear import (
     cpu_has_native_bf16,
     linear,
     linear_add,
@@ -19,7 +20,6 @@ from worker_svc.model import (
     panels_available,
     prepack_linear_weight,
 )
-from worker_svc.panel_linear import PanelLinear, pack_panels
 
 TIERS = kernel_test_tiers(lowest="x86-64-v3")  # the matmuls need AVX2 + FMA
 

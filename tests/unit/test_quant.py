@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized (worker_svc/quant.py): the codes read from each GGUF type against the gguf
+"""GGUF weights kept quantized (worker_svc/model/quant.py): the codes read from each GGUF type against the gguf
 package's own dequantization, and the CPU and Triton matmuls against dequantize-then-matmul, on random data."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from tests.support.cpu_tiers import kernel_test_tiers, tier_ops  # noqa: E402
-from worker_svc import quant  # noqa: E402
-from worker_svc.loader import GGUF_TYPES  # noqa: E402
+from worker_svc.model import quant  # noqa: E402
+from worker_svc.model.loader import GGUF_TYPES  # noqa: E402
 
 # Byte offsets of each type's float16 fields inside a block (the rest of a block is codes and packed scales).
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-# Every quantized type the loader reads (worker_svc/loader.py's GGUF_TYPES less the float ones).
+# Every quantized type the loader reads (worker_svc/model/loader.py's GGUF_TYPES less the float ones).
 QUANTIZED_TYPES = [t for t in GGUF_TYPES if t not in ("F32", "F16", "BF16")]
 
 

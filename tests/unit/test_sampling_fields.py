@@ -47,7 +47,7 @@ BAD = {
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    from worker_svc.loader import default_model_path
+    from worker_svc.model.loader import default_model_path
 
     return Tokenizer.from_gguf(default_model_path())
 

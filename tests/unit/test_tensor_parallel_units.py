@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc.config import ModelConfig
+from worker_svc.model.config import ModelConfig
 from worker_svc.parallel import rank_group
 from worker_svc.parallel.rank_group import StepInputs, placement
 from worker_svc.parallel.sharding import Shard, local_config, shard_weights

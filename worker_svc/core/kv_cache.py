@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.config import ModelConfig
+from worker_svc.model.config import ModelConfig
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -20,17 +20,20 @@ import kernels
 from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
-from worker_svc import lora, models, quant
-from worker_svc.compiled import compile_model, wants_compiled
-from worker_svc.config import ModelConfig, WorkerConfig
+from worker_svc.config import WorkerConfig
 from worker_svc.core import kv_cache, ngram_drafts
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.step_inputs import ModelInputs, build_model_inputs
 from worker_svc.core.step_output import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
+from worker_svc.cpu import layer_loop
 from worker_svc.cpu.threads import SmallStepThreads
-from worker_svc.loader import load_model_weights
-from worker_svc.model import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model import families as models
+from worker_svc.model import lora, quant
+from worker_svc.model.compiled import compile_model, wants_compiled
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.loader import load_model_weights
 from worker_svc.parallel.sharding import FULL, Shard, local_config
 from worker_svc.sampling import prompt_logprobs
 from worker_svc.sampling.grammar import GrammarCache, GrammarMasks
@@ -127,6 +130,8 @@ class ModelRunner:
         self.model.lora = self.lora
         if compiled:
             self.model = compile_model(self.model, opts)
+        elif self.lora is None and (loop := layer_loop.build(self.model)) is not None:
+            self.model = loop  # the model's layers in one C++ call, where a step allows it (cpu/layer_loop.py)
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size

@@ -1,1 +1,1 @@
-"""The CPU backend's process side: which cores the worker binds to, and how many threads a step uses."""
+"""CPU-only parts of the worker: the C++ decoder layer loop and the panel-packed matmul weights."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc.config import ModelConfig
-from worker_svc.moe import expert_slice
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.layers.moe import expert_slice
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def param_slice(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, in
             return None  # added once, after the all-reduce (by rank 0)
         n = cfg.num_heads // shard.size
         return 1, shard.rank * n * d, (shard.rank + 1) * n * d
-    if ".experts." in name:  # one expert of a sparse block (worker_svc.moe): its rows of gate / up, columns of down
+    if ".experts." in name:  # one expert of a sparse block (layers/moe.py): its rows of gate / up, columns of down
         start, stop = expert_slice(cfg.moe_intermediate_size, shard.rank, shard.size)
         return (1 if kind in ("w2", "down_proj") else 0), start, stop
     if kind in ("gate_proj", "up_proj", "down_proj"):

@@ -1,12 +1,13 @@
 """The decoder layers of a `LlamaModel` in one C++ call (kernels/csrc/decoder_layers.cpp), for CPU steps whose
-attention runs entirely in the decode kernel: every decode step, and prefill chunks of short sequences.
+attention runs entirely in the decode kernel: every decode step, and prefill chunks of short sequences. The runner
+asks `build` whether a model's layers can run here and then calls the `LayerLoop`; the model knows nothing of it.
 
 The C++ loop calls the kernels the Python loop calls, in the same order, so the hidden states are bit-identical; it
 saves the Python and torch dispatch around them (about 2 ms of a 10 ms batch-1 step of SmolLM2-135M on two cores,
 ~40 us a layer) and runs without the GIL. Built only where the Python loop would run nothing else: float32 or bfloat16
 with every matmul weight in panels, on the quantized CPU kernels or (bfloat16) a plain or oneDNN-prepacked tensor,
 no biases, q/k norms, sliding windows, soft-capping,
-sparse layers, tensor parallelism or family overrides; per step, no LoRA adapters.
+sparse layers, tensor parallelism or family overrides (`LlamaModel.runs_llama_layers`); per step, no LoRA adapters.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from kernels.reference import ReferencePlan, paged_attention
-from worker_svc.panel_linear import PANEL_WIDTH, PanelLinear
-from worker_svc.quant import QuantLinear
+from worker_svc.cpu.panel_linear import PANEL_WIDTH, PanelLinear
+from worker_svc.model.quant import QuantLinear
 
 TORCH = 3  # the C++ Matmul kind of a bfloat16 tensor: oneDNN's matmul for a prepacked copy, F.linear for a plain one
 SWIGLU = 4  # gate's and up's bfloat16 panels interleaved: the matmul gives silu(gate) * up (dense_swiglu)
@@ -81,12 +82,12 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
     return _cpp(ops, kind, joined, gate.out_features + up.out_features, bits)
 
 
-def build(model: Any) -> Any | None:
-    """The layers of `model` (a worker_svc.model.LlamaModel whose family overrides none of its layer code) as one C++
-    object (`forward(h, positions, kv_cache, slot_mapping, rows, tables, seq_lens)`), or None where its forward
-    needs the Python loop."""
+def build(model: Any) -> LayerLoop | None:
+    """The layers of `model` (a worker_svc.model.decoder.LlamaModel) in the C++ loop, or None where its forward needs
+    the Python loop."""
     ops = model.cpu_ops
-    if (ops is None or not hasattr(ops, "DecoderLayers") or model.dtype not in (torch.float32, torch.bfloat16)
+    if (ops is None or not hasattr(ops, "DecoderLayers") or not model.runs_llama_layers()
+            or model.dtype not in (torch.float32, torch.bfloat16)
             or model.tp is not None
             or model.attention.paged_attention is not paged_attention or any(model.attn_kwargs)):
         return None
@@ -105,7 +106,33 @@ def build(model: Any) -> Any | None:
             return None
         qkv, o, gate_up, down = mats
         layers.add_layer(layer.input_norm, qkv, o, layer.post_norm, gate_up, down, up)
-    return layers
+    return LayerLoop(model, layers)
+
+
+class LayerLoop:
+    """`model.forward` with the decoder layers in one C++ call where the step allows it (bit-identical to the Python
+    loop), the model's own forward elsewhere; the model's other attributes pass through."""
+
+    def __init__(self, model: Any, layers: Any):
+        self.model = model
+        self.layers = layers  # the C++ DecoderLayers
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
+                logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None) -> Any:
+        rows = None if self.model.lora is not None else kernel_rows(attn_meta.plan, input_ids.shape[0])
+        if rows is None:
+            return self.model.forward(input_ids, positions, kv_cache, attn_meta, logits_indices, pool_indices)
+        h = self.layers.forward(self.model.embed_tokens(input_ids), positions.to(torch.int64).contiguous(), kv_cache,
+                                attn_meta.slot_mapping, rows.rows, rows.tables, rows.seq_lens)
+        return self.model.head(h, logits_indices, pool_indices)
+
+    def __getattr__(self, name: str):  # the model's other attributes (config, kv_cache_shape, ...)
+        return getattr(self.model, name)
+
+    __call__ = forward
+
+
 
 
 def kernel_rows(plan: Any, num_tokens: int) -> Any | None:

@@ -29,9 +29,10 @@ import torch
 
 from common.lora import parse_lora_modules
 from common.validation import ConfigError
-from worker_svc.config import ModelConfig, WorkerConfig
+from worker_svc.config import WorkerConfig
 from worker_svc.core.errors import InvalidPlan
 from worker_svc.core.plan import StepPlan
+from worker_svc.model.config import ModelConfig
 from worker_svc.parallel.sharding import FULL, Shard, local_config, param_slice
 
 # PEFT target module -> (the model's projection group, its index in that group)

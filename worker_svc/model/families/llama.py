@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from worker_svc.model import LlamaModel
-from worker_svc.models.hf import require, windowed_layer_types
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.families.hf import require, windowed_layer_types
 
 # Per-layer GGUF tensor name -> HF name (the layer prefixes are added around them).
 GGUF_LAYER_NAMES = {

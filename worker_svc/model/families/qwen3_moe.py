@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from worker_svc.models.llama import Mistral
-from worker_svc.models.qwen3 import Qwen3
-from worker_svc.models.sparse_moe import SparseMoE, moe_fields
+from worker_svc.model.families.llama import Mistral
+from worker_svc.model.families.qwen3 import Qwen3
+from worker_svc.model.families.sparse_moe import SparseMoE, moe_fields
 
 
 class Qwen3Moe(SparseMoE, Qwen3):

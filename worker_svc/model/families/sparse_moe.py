@@ -1,5 +1,5 @@
 """What the sparse mixture-of-experts families (Mixtral, Qwen3-MoE) share on top of the Llama-shaped decoder:
-config.json's MoE fields, and a feed-forward that runs worker_svc.moe's block on the layers that are sparse."""
+config.json's MoE fields, and a feed-forward that runs the MoE block (layers/moe.py) on the layers that are sparse."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from worker_svc import moe
-from worker_svc.model import LayerWeights
+from worker_svc.model.decoder import LayerWeights
+from worker_svc.model.layers import moe
 
 
 def moe_fields(cfg: dict, num_experts: int, intermediate: int, norm_topk_prob: bool,
@@ -51,10 +51,9 @@ class SparseMoE:
         return {"moe": moe.MoEWeights(w(p + "gate.weight"), gate_up, down, c.num_experts_per_tok,
                                       c.norm_topk_prob, self.route_float32)}
 
-    def _feed_forward(self, i: int, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         if layer.moe is None:
-            return super()._feed_forward(i, layer, x, residual)
-        out = moe.moe_forward(x, layer.moe, self.experts_fn)
-        if self.tp is not None:  # each rank holds part of every expert's intermediate dimension
-            self.tp.all_reduce(out)
-        return residual.add_(out)
+            return super().feed_forward(i, layer, h)
+        out = moe.moe_forward(self.ops.rms_norm(h, layer.post_norm), layer.moe, self.experts_fn)
+        # each rank holds part of every expert's intermediate dimension: the residual joins after the sum
+        return h.add_(self.reduce(out))

@@ -12,20 +12,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from worker_svc.config import ModelConfig
-from worker_svc.model import LlamaModel, linear, rope_tables, swap_halves
-from worker_svc.models.hf import require, rope, windowed_layer_types
-
-
-def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm; `scale` is 1 + w in float32 (any shape broadcasting over x's last dim, e.g. [H, D] for
-    per-head norms). Normalized and scaled in float32, rounded to x's dtype once (Llama rounds before scaling)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, scale.shape[-1:], None, eps) * scale
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.decoder import LayerWeights, LlamaModel
+from worker_svc.model.families.hf import require, rope, windowed_layer_types
+from worker_svc.model.layers.activation import GeluTanhAndMul
+from worker_svc.model.layers.norm import gemma_rms_norm
+from worker_svc.model.layers.op import NATIVE
+from worker_svc.model.layers.rotary import Rotary, rope_tables
 
 
 def _refuse_bidirectional(cfg: dict) -> None:
@@ -52,8 +46,12 @@ class Gemma2(LlamaModel):
                 "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256)}
 
     def __init__(self, config: ModelConfig, weights: dict, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", **kwargs):
-        super().__init__(config, weights, dtype, device, **kwargs)
+                 device: torch.device | str = "cpu", max_position: int | None = None, **kwargs):
+        # Sliding layers' rope tables (Gemma 3: their own base, unscaled); global layers use the config's rope.
+        self.local_rope = None if config.rope_local_theta is None else rope_tables(
+            config, max_position or config.max_position_embeddings, dtype, torch.device(device),
+            config.rope_local_theta, scaled=False)
+        super().__init__(config, weights, dtype, device, max_position=max_position, **kwargs)
 
         def scale(name: str) -> torch.Tensor:  # 1 + w in float32, from w rounded to the model's dtype (as HF)
             return 1.0 + weights[name].to(device=self.device, dtype=dtype).float()
@@ -70,76 +68,58 @@ class Gemma2(LlamaModel):
                                    scale(p + "post_feedforward_layernorm.weight")))
         self.norm = scale("model.norm.weight")
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=self.device)
-        # Rope tables per layer: global layers use the config's rope, sliding ones (Gemma 3) their own base.
-        self.ropes = [(self.cos_cache, self.sin_signed_cache)]
-        self.rope_of_layer = [0] * config.num_layers
-        if config.rope_local_theta is not None:
-            self.ropes.append(rope_tables(config, self.max_position, dtype, self.device, config.rope_local_theta,
-                                          scaled=False))
-            types = config.layer_types or []
-            self.rope_of_layer = [int(t == "sliding_attention") for t in types]
+        if self.local_rope is not None:
+            self.rope_of_layer = [int(t == "sliding_attention") for t in config.layer_types or []]
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta,
-                logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
-        """LlamaModel.forward's contract: with `pool_indices`, (logits, the final normed hidden states there)."""
+    def use_ops(self, mode: str) -> None:
+        super().use_ops(mode)
+        # Gemma's layers rope with torch's ops in every mode (they always have), from one or two tables.
+        self.rotaries = [Rotary(self.cos_cache, self.sin_signed_cache, NATIVE)]
+        if self.local_rope is not None:
+            self.rotaries.append(Rotary(*self.local_rope, NATIVE))
+        self.ops.rope = self.rotaries[0]
+        self.gelu_mul = GeluTanhAndMul(mode)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_tokens(input_ids) * self.embed_scale
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def layer_forward(self, i: int, layer: LayerWeights, h: torch.Tensor, kv_cache: torch.Tensor, attn_meta,
+                      rope) -> torch.Tensor:
+        """Gemma's layer: each sublayer's output is normed before its residual add."""
         c, eps = self.config, self.config.rms_norm_eps
-        n = input_ids.shape[0]
-        ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.ropes]
-        h = self._embed(input_ids) * self.embed_scale
-        for i, layer in enumerate(self.layers):
-            x = gemma_rms_norm(h, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
-            if self.lora is not None:
-                self.lora.add(i, "qkv", x, qkv)
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = qk.view(n, c.num_heads + c.num_kv_heads, c.head_dim)
-            if layer.qk_norm is not None:
-                qk = gemma_rms_norm(qk, layer.qk_norm, eps)
-            cos, sin = ropes[self.rope_of_layer[i]]
-            q, k = (qk * cos + swap_halves(qk) * sin).split([c.num_heads, c.num_kv_heads], dim=1)
-            key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
-            self.attention.write_kv_cache(k, v.view(n, c.num_kv_heads, c.head_dim), key_cache, value_cache,
-                                          attn_meta.slot_mapping)
-            o = self.attention.paged_attention(q, key_cache, value_cache, attn_meta.block_tables,
-                                               attn_meta.cu_seqlens_q, attn_meta.seq_lens, self.scale,
-                                               plan=attn_meta.plan, **self.attn_kwargs[i])
-            o_in = o.reshape(n, self.q_size)
-            o = self._row_parallel(o_in, layer.o, layer.o_bias, (i, "o"))
-            h = h + gemma_rms_norm(o, layer.post_norm, eps)
-            pre, post = self.mlp_norms[i]
-            x = gemma_rms_norm(h, pre, eps)
-            gate, up = linear(x, layer.gate), linear(x, layer.up)
-            if self.lora is not None:
-                self.lora.add(i, "gate", x, gate)
-                self.lora.add(i, "up", x, up)
-            m = F.gelu(gate, approximate="tanh").mul_(up)
-            down = self._row_parallel(m, layer.down, None, (i, "down"))
-            h = h + gemma_rms_norm(down, post, eps)
-        pooled = None if pool_indices is None else gemma_rms_norm(h[pool_indices], self.norm, eps)
-        h = gemma_rms_norm(h[logits_indices], self.norm, eps)
-        logits = linear(h, self.lm_head)
-        if c.final_logit_softcapping:
-            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-        logits = logits.float()
-        if self.tp is not None:
-            logits = self.tp.gather_to_first(logits)
-            logits = None if logits is None else logits[:, : c.vocab_size]
-        return logits if pooled is None else (logits, pooled)
+        n = h.shape[0]
+        x = gemma_rms_norm(h, layer.input_norm, eps)
+        qkv = self.ops.linear(x, layer.qkv, layer.qkv_bias)
+        self.add_lora(i, "qkv", x, qkv)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+        if layer.qk_norm is not None:
+            qk = gemma_rms_norm(qk, layer.qk_norm, eps)
+        o = self.paged_attention(i, self.ops.rope(qk, rope), v.view(n, c.num_kv_heads, c.head_dim), kv_cache,
+                                 attn_meta)
+        h = h + gemma_rms_norm(self._row_parallel(i, "o", o, layer.o, layer.o_bias), layer.post_norm, eps)
+        pre, post = self.mlp_norms[i]
+        x = gemma_rms_norm(h, pre, eps)
+        gate, up = self.ops.linear(x, layer.gate), self.ops.linear(x, layer.up)
+        self.add_lora(i, "gate", x, gate)
+        self.add_lora(i, "up", x, up)
+        down = self._row_parallel(i, "down", self.gelu_mul(gate, up), layer.down, None)
+        return h + gemma_rms_norm(down, post, eps)
 
-    def _row_parallel(self, x: torch.Tensor, weight, bias: torch.Tensor | None,
-                      lora_at: tuple[int, str]) -> torch.Tensor:
+    def _row_parallel(self, i: int, group: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias summed over tensor-parallel ranks (each holds some input columns; rank 0 the bias):
         Gemma normalizes this sum before the residual add, so it cannot be fused into the add. Each rank's partial
-        LoRA delta of (layer, group) `lora_at` joins the sum before the reduce."""
-        out = linear(x, weight, bias if self.tp is None or self.tp.rank == 0 else None)
-        if self.lora is not None:
-            self.lora.add(*lora_at, x, out)
-        if self.tp is not None:
-            self.tp.all_reduce(out)
-        return out
-
-    __call__ = forward
+        LoRA delta of (layer i, group) joins the sum before the reduce."""
+        out = self.ops.linear(x, weight, bias if self.first_rank else None)
+        self.add_lora(i, group, x, out)
+        return self.reduce(out)
 
 
 class Gemma3(Gemma2):

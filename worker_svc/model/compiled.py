@@ -1,5 +1,7 @@
 """The compiled forward (`-O1`..`-O3`): torch.compile (inductor) of each decoder layer's dense parts.
 
+What is compiled is the model's own layer code (LlamaModel.attention_inputs / post_attention), run by a twin of the
+model whose layer ops are plain torch (`LlamaModel.traced`): nothing of the layer's math is restated here.
 Paged attention stays eager between the compiled parts: its metadata (the CPU backend's plan, block tables of
 every length) is Python data a graph cannot hold. Per layer two compiled functions run: norm + qkv + rope, and
 o-proj + residual + norm + MLP; every layer calls the same two graphs (shapes match), so a step size costs two
@@ -25,9 +27,11 @@ import torch.nn.functional as F
 
 from common.validation import ConfigError
 from worker_svc.config import CompilationConfig, WorkerConfig
-from worker_svc.model import LlamaModel, head_rms_norm, rms_norm, swap_halves
+from worker_svc.model.decoder import LlamaModel
 
 log = logging.getLogger(__name__)
+
+_CACHE_ENTRIES = 0  # the compiled functions' cache entries the models of this process may need
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor")
 
@@ -68,61 +72,33 @@ def compile_model(model: LlamaModel, opts: WorkerConfig) -> CompiledForward:
     return compiled
 
 
-def _qkv_rope(h: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
-              qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, split: tuple[int, int],
-              heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's pre-attention math (LlamaModel.forward) on dense weights: q and k heads (per-head normed when
-    the layer has `qk_norm`, as Qwen3) roped, and v."""
-    qk, v = F.linear(rms_norm(h, norm, eps), qkv_w, qkv_b).split(split, dim=-1)
-    qk = qk.view(h.shape[0], heads, head_dim)
-    if qk_norm is not None:
-        qk = head_rms_norm(qk, qk_norm, eps)
-    return qk * cos + swap_halves(qk) * sin, v.view(h.shape[0], kv_heads, head_dim)
-
-
-def _o_part(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
-            first: bool) -> torch.Tensor:
-    """residual + o-proj; on a tensor-parallel rank its share (its input columns): rank 0 (`first`) adds the
-    residual and the bias, and the all-reduce of the shares is the sum."""
-    return h + F.linear(o, o_w, o_b) if first else F.linear(o, o_w)
-
-
-def _mlp_part(h: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-              eps: float, first: bool) -> torch.Tensor:
-    """residual + MLP of the normed h; on a tensor-parallel rank its share (its intermediate columns), as _o_part."""
-    x = rms_norm(h, norm, eps)
-    out = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-    return h + out if first else out
-
-
-def _o_mlp(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, norm: torch.Tensor,
-           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's post-attention math on one rank, one graph: residual + o-proj, then residual + MLP."""
-    return _mlp_part(_o_part(o, h, o_w, o_b, True), norm, gate, up, down, eps, True)
-
-
 class CompiledForward:
     """`LlamaModel.forward`'s signature and results, run through compiled graphs at the configured step sizes."""
 
     def __init__(self, model: LlamaModel, cfg: CompilationConfig, cuda_graphs: bool = False):
         if model.prepacked or not all(isinstance(w, torch.Tensor) for w in (model.layers[0].qkv, model.lm_head)):
             raise ValueError("the compiled forward needs dense weights (no prepacked or quantized weights)")
-        # The compiled pieces are LlamaModel.forward's layer (with Qwen3's q/k norm and the per-layer attention
-        # keyword arguments: windows, soft-capping); a family that overrides the layer or the MLP is refused.
-        if type(model).forward is not LlamaModel.forward \
-                or type(model)._feed_forward is not LlamaModel._feed_forward:
+        # The compiled pieces are LlamaModel's layer (with Qwen3's q/k norm and the per-layer attention keyword
+        # arguments: windows, soft-capping); a family that overrides the layer or the MLP is refused.
+        if not model.runs_llama_layers():
             raise ValueError(f"the compiled forward runs the Llama-shaped decoder only, not "
                              f"{model.config.architecture}; use -O0")
         self.model = model
+        traced = model.traced()  # the same weights and layer code, over the plain-torch ops
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
-        # One graph per size and function; never fall back to dynamic shapes or stop compiling at serving time.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes))
-        self._qkv_rope = torch.compile(_qkv_rope, dynamic=False, fullgraph=True)
-        self._o_mlp = torch.compile(_o_mlp, dynamic=False, fullgraph=True)
-        if model.tp is not None:  # one compile per size and function too: `first` is fixed for the rank
-            self._o_part = torch.compile(_o_part, dynamic=False, fullgraph=True)
-            self._mlp_part = torch.compile(_mlp_part, dynamic=False, fullgraph=True)
+        # One graph per size and function (and, with CUDA graphs, per mode); never fall back to dynamic shapes or stop
+        # compiling at serving time. The graphs guard on the model they trace (its bound methods), so each model
+        # built in this process adds its own entries to the functions' shared caches.
+        global _CACHE_ENTRIES
+        _CACHE_ENTRIES += 2 * len(self.sizes)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_ENTRIES)
+        self._rope = traced.rotaries[0].prepare  # the step's cos / sin rows, gathered eagerly
+        self._qkv_rope = torch.compile(traced.attention_inputs, dynamic=False, fullgraph=True)
+        self._o_mlp = torch.compile(traced.post_attention, dynamic=False, fullgraph=True)
+        if model.tp is not None:  # one compile per size and function too (the rank is fixed), all-reduces between
+            self._o_part = torch.compile(traced.attention_output, dynamic=False, fullgraph=True)
+            self._mlp_part = torch.compile(traced.mlp, dynamic=False, fullgraph=True)
         self._graphs: tuple | None = None
         if cuda_graphs and model.device.type == "cuda" and model.tp is not None:
             log.warning("-O2 and up: a tensor-parallel rank replays no CUDA graphs (its all-reduces run between "
@@ -135,8 +111,8 @@ class CompiledForward:
                           layer.post_norm, layer.gate, layer.up, layer.down):
                     if t is not None:
                         torch._dynamo.mark_static_address(t, guard=False)
-            self._graphs = (torch.compile(_qkv_rope, mode="reduce-overhead", dynamic=False, fullgraph=True),
-                            torch.compile(_o_mlp, mode="reduce-overhead", dynamic=False, fullgraph=True))
+            self._graphs = tuple(torch.compile(fn, mode="reduce-overhead", dynamic=False, fullgraph=True)
+                                 for fn in (traced.attention_inputs, traced.post_attention))
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The compiled size a step of `num_tokens` runs at, or None (eager)."""
@@ -175,34 +151,22 @@ class CompiledForward:
                 n: int, decode_only: bool) -> torch.Tensor:
         """The decoder layers over padded rows, of which the first `n` are real (kv_cache None: warm-up, the
         attention output stands in as zeros)."""
-        m, c = self.model, self.model.config
+        m = self.model
         qkv_rope, o_mlp = self._graphs if decode_only else (self._qkv_rope, self._o_mlp)
-        size, eps = input_ids.shape[0], c.rms_norm_eps
-        cos = m.cos_cache[positions].unsqueeze(1)
-        sin = m.sin_signed_cache[positions].unsqueeze(1)
-        split = (m.q_size + m.kv_size, m.kv_size)
-        h = m._embed(input_ids)
+        size = input_ids.shape[0]
+        rope = self._rope(positions)
+        h = m.embed_tokens(input_ids)
         for i, layer in enumerate(m.layers):
-            qk, v = qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, cos, sin, eps, split,
-                             c.num_heads + c.num_kv_heads, c.num_kv_heads, c.head_dim)
+            qk, v = qkv_rope(i, layer, h, rope)
             if kv_cache is None:
                 o = torch.zeros(size, m.q_size, dtype=h.dtype, device=h.device)
             else:
-                q, k = qk[:n].split([c.num_heads, c.num_kv_heads], dim=1)
-                key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
-                m.attention.write_kv_cache(k, v[:n], key_cache, value_cache, attn_meta.slot_mapping)
-                o = m.attention.paged_attention(q, key_cache, value_cache, attn_meta.block_tables,
-                                                attn_meta.cu_seqlens_q, attn_meta.seq_lens, m.scale,
-                                                plan=attn_meta.plan, **m.attn_kwargs[i])
-                o = F.pad(o.reshape(n, m.q_size), (0, 0, 0, size - n))
+                o = F.pad(m.paged_attention(i, qk[:n], v[:n], kv_cache, attn_meta), (0, 0, 0, size - n))
             if m.tp is None:
-                h = o_mlp(o, h, layer.o, layer.o_bias, layer.post_norm, layer.gate, layer.up, layer.down, eps)
+                h = o_mlp(i, layer, o, h)
                 continue
-            first = m.tp.rank == 0
-            h = self._o_part(o, h, layer.o, layer.o_bias, first)
-            m.tp.all_reduce(h)
-            h = self._mlp_part(h, layer.post_norm, layer.gate, layer.up, layer.down, eps, first)
-            m.tp.all_reduce(h)
+            h = m.reduce(self._o_part(i, layer, o, h))
+            h = m.reduce(self._mlp_part(i, layer, h))
         return h
 
     def __getattr__(self, name: str):  # the model's other attributes (config, kv_cache_shape, ...)

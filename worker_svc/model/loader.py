@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from common import gguf_cache
-from worker_svc import models
-from worker_svc.config import ModelConfig
-from worker_svc.models.hf import hf_rope
+from worker_svc.model import families as models
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.families.hf import hf_rope
 from worker_svc.parallel.sharding import (
     FULL,
     Shard,
@@ -62,7 +62,7 @@ def load_model_weights(path: str, shard: Shard = FULL,
     """Load a `.gguf` file or an HF directory (config.json + *.safetensors): the whole model's config and the
     weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load.
 
-    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.quant.QuantizedWeight)."""
+    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.model.quant.QuantizedWeight)."""
     config, weights = _load_weights(path, shard, quantization)
     config.name = model_name(path)
     return config, weights
@@ -265,7 +265,7 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
     QuantizedWeight instead of being dequantized; the rest (norms, float tensors) is float32 as usual."""
     from gguf import GGUFReader
 
-    from worker_svc import quant
+    from worker_svc.model import quant
 
     reader = GGUFReader(path)
     check_gguf_types(reader, path, "--quantization gguf --model")

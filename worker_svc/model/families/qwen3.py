@@ -3,7 +3,7 @@ decoder runs it (LayerWeights.qk_norm)."""
 
 from __future__ import annotations
 
-from worker_svc.models.llama import GGUF_LAYER_NAMES, Qwen2
+from worker_svc.model.families.llama import GGUF_LAYER_NAMES, Qwen2
 
 
 class Qwen3(Qwen2):

@@ -7,12 +7,12 @@ where its layers differ. Adding one = that file + a line here + its tests (docs/
 
 from __future__ import annotations
 
-from worker_svc.model import LlamaModel
-from worker_svc.models.gemma import Gemma2, Gemma3
-from worker_svc.models.llama import Llama, Mistral, Qwen2
-from worker_svc.models.mixtral import Mixtral
-from worker_svc.models.qwen3 import Qwen3
-from worker_svc.models.qwen3_moe import Qwen3Moe
+from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.families.gemma import Gemma2, Gemma3
+from worker_svc.model.families.llama import Llama, Mistral, Qwen2
+from worker_svc.model.families.mixtral import Mixtral
+from worker_svc.model.families.qwen3 import Qwen3
+from worker_svc.model.families.qwen3_moe import Qwen3Moe
 
 MODELS: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": Llama,

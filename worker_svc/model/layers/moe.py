@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker_svc.model import linear
+from worker_svc.model.layers.linear import linear
 
 
 @dataclass

@@ -3,8 +3,8 @@ routing weights are always renormalised, and stay float32 until they scale the e
 
 from __future__ import annotations
 
-from worker_svc.models.llama import Mistral
-from worker_svc.models.sparse_moe import SparseMoE, moe_fields
+from worker_svc.model.families.llama import Mistral
+from worker_svc.model.families.sparse_moe import SparseMoE, moe_fields
 
 
 class Mixtral(SparseMoE, Mistral):

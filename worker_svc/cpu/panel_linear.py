@@ -33,7 +33,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PanelLinear:
-    """A float32 or bfloat16 [out, in] CPU weight in panels; `linear` and `linear_add` in worker_svc/model.py call
+    """A float32 or bfloat16 [out, in] CPU weight in panels; the linear op (worker_svc/model/layers/linear.py) calls
     it."""
 
     def __init__(self, weight: torch.Tensor, ops: ModuleType):

@@ -1,0 +1,93 @@
+"""Rotary position embeddings: the tables (with the config's rope scaling) and the op that applies them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kernels import cpu_ops
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.layers.op import LayerOp
+
+
+def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2], float32, with the config's scaling applied (`scaled`)."""
+    dim = config.head_dim
+    theta = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling if scaled else None
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type") or scaling.get("type")
+    if rope_type == "linear":
+        # Position interpolation: pos / factor, folded into the frequencies.
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        # llama.cpp's form of llama3 scaling: a per-frequency divisor stored in the GGUF.
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected linear, llama3 or none")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
+    # in between interpolated smoothly between the two.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
+                theta: float | None = None, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-flipped sin [max_position, head_dim] for rope as x * cos + swap_halves(x) * sin_signed,
+    computed in float32 then cast (as HF does per step)."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(config, theta, scaled))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(device=device, dtype=dtype)
+    sin = emb.sin().to(device=device, dtype=dtype)
+    half = config.head_dim // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x2, x1] along the last dim, in one copy. With sin's first half negated,
+    swap_halves(x) * sin == cat(-x2, x1) * sin exactly (only signs move): HF's rotate_half, without the negation."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+
+
+class Rotary(LayerOp):
+    """Rope of the q and k heads of one step from one pair of tables (cos and sign-flipped sin, [max_position,
+    head_dim]): `prepare(positions)` once per step, then the op per layer on qk [T, heads, D]. The op reads the tables
+    through the prepared step only, so any Rotary of the same mode applies any table's step."""
+
+    def __init__(self, cos: torch.Tensor, sin_signed: torch.Tensor, mode: str):
+        super().__init__(mode)
+        self.cos, self.sin_signed = cos, sin_signed
+        self.ops = cpu_ops.load() if mode == "cpu" else None
+        if mode == "cpu" and self.ops is None:  # no C++ kernels built: torch's rope
+            self.forward = self.forward_native
+        self.prepare = self._prepare_cpu if self.ops is not None else self._prepare_native
+
+    def _prepare_native(self, positions: torch.Tensor) -> Any:
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [T, 1, D]: over heads
+
+    def _prepare_cpu(self, positions: torch.Tensor) -> Any:
+        return positions.to(torch.int64).contiguous(), self.cos, self.sin_signed
+
+    def forward_native(self, qk: torch.Tensor, step: Any) -> torch.Tensor:
+        cos, sin = step
+        return qk * cos + swap_halves(qk) * sin
+
+    def forward_cpu(self, qk: torch.Tensor, step: Any) -> torch.Tensor:
+        positions, cos, sin = step
+        self.ops.rope_(qk, positions, cos, sin)  # in place
+        return qk
