@@ -44,8 +44,8 @@ def ops(request, monkeypatch):
 def test_kernels_are_built_here():
     # CI builds them (scripts/setup.sh); a machine where they silently failed would test only the torch paths.
     assert cpu_ops.load() is not None, "kernels/csrc did not build: see the warning logged by kernels.cpu_ops"
-    # the default tier and one more run here (where this CPU executes two)
-    assert cpu_ops.tier().name in TIERS and len(TIERS) >= min(2, len(cpu_ops.runnable_tiers())), TIERS
+    if not os.environ.get("LLMSERVE_TEST_CPU_ISAS"):  # by default the tier loaded here and one more run
+        assert cpu_ops.tier().name in TIERS and len(TIERS) >= min(2, len(cpu_ops.runnable_tiers())), TIERS
 
 
 def test_each_tier_is_built_for_its_own_target(ops):
