@@ -32,7 +32,6 @@ class JoiningRequest:
     num_scheduled_tokens: int = 0
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     lora_path: str = ""  # its PEFT directory
-    state_slot: int = -1  # hybrid models: its state slot while in the batch; -1 for a model without recurrent layers
     # Hybrid models: the recurrent-state slot it holds while in the batch (worker_svc/state_cache.py); -1: none
     # (a model without recurrent layers). Zeroed before the step when num_computed_tokens == 0.
     state_slot: int = -1
@@ -71,9 +70,3 @@ class StepPlan:
     state_save_dst: np.ndarray = field(default_factory=_no_ids)
     prompt_lookup_min: int = 0  # n-gram drafts: the suffix lengths tried (read when some entry has draft slots)
     prompt_lookup_max: int = 0
-    # Hybrid models: whole state slots copied src[i] -> dst[i] before the forward (a snapshot restored), and saved
-    # src[i] -> dst[i] after it (a snapshot of the state after this step's tokens).
-    state_copy_src: np.ndarray = field(default_factory=_no_ids)
-    state_copy_dst: np.ndarray = field(default_factory=_no_ids)
-    state_save_src: np.ndarray = field(default_factory=_no_ids)
-    state_save_dst: np.ndarray = field(default_factory=_no_ids)
