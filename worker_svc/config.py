@@ -46,6 +46,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[int] | None = None
+    # Hybrid models (worker_svc/models/hybrid.py): layer_types also names recurrent layers ("linear_attention":
+    # Gated DeltaNet); their head counts, head sizes and conv kernel; rope on the first partial_rotary_factor of each
+    # attention head; a shared expert beside the routed ones (Qwen3-Next; 0: none).
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

@@ -13,6 +13,7 @@ from worker_svc.models.llama import Llama, Mistral, Qwen2
 from worker_svc.models.mixtral import Mixtral
 from worker_svc.models.qwen3 import Qwen3
 from worker_svc.models.qwen3_moe import Qwen3Moe
+from worker_svc.models.qwen3_next import Qwen3_5, Qwen3Next
 
 MODELS: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": Llama,
@@ -23,6 +24,8 @@ MODELS: dict[str, type[LlamaModel]] = {
     "Gemma3ForCausalLM": Gemma3,
     "MixtralForCausalLM": Mixtral,
     "Qwen3MoeForCausalLM": Qwen3Moe,
+    "Qwen3NextForCausalLM": Qwen3Next,
+    "Qwen3_5ForCausalLM": Qwen3_5,
 }
 
 
