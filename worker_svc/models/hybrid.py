@@ -15,10 +15,24 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from worker_svc.config import ModelConfig
+from common.config import ConfigError
+from worker_svc.config import ModelConfig, WorkerConfig
 from worker_svc.kv_cache import ATTENTION_LAYER_TYPES
 from worker_svc.model import Collectives, LlamaModel, linear, pack_linear_weight, prepack_supported
 from worker_svc.state_cache import StateShape, StateStep
+
+
+def refuse_uncomposed(opts: WorkerConfig, architecture: str, tp_size: int, compiled: bool) -> None:
+    """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet."""
+    if tp_size > 1:
+        raise ConfigError(f"--tensor-parallel-size {tp_size}: {architecture}'s recurrent layers are not sharded "
+                          "yet; run it with --tensor-parallel-size 1")
+    if compiled:
+        raise ConfigError(f"-O {opts.optimization_level}: the compiled forward runs Llama-shaped decoders only, not "
+                          f"{architecture}'s recurrent layers; run with -O0 (or --enforce-eager)")
+    if opts.enable_lora:
+        raise ConfigError(f"--enable-lora: adapters are not served on {architecture} (a hybrid model) yet; run "
+                          "without --enable-lora")
 
 
 class HybridModel(LlamaModel):
