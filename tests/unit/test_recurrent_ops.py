@@ -1,15 +1,17 @@
-"""The recurrent layers' ops (worker_svc/causal_conv.py, worker_svc/gated_delta_rule.py) against transformers' own
-torch functions on random inputs: several sequences of different lengths in one flattened step, and a state carried
-across a split of each sequence (chunked prefill, then decode tokens)."""
+"""The recurrent layers' ops (worker_svc/causal_conv.py, gated_delta_rule.py, ssd_scan.py) against transformers'
+own torch functions on random inputs: several sequences of different lengths in one flattened step, and a state
+carried across a split of each sequence (chunked prefill, then decode tokens)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.nemotron_h import modeling_nemotron_h as hf_mamba
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from worker_svc.causal_conv import causal_conv1d
 from worker_svc.gated_delta_rule import gated_delta_rule
+from worker_svc.ssd_scan import ssd_scan
 
 LENGTHS = (37, 1, 70, 5)
 
@@ -96,3 +98,37 @@ def test_gated_delta_rule_decode_matches_hf_recurrent():
                                                        use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(o[i], e[0, 0])
         torch.testing.assert_close(states[i], final[0])
+
+
+@pytest.mark.parametrize("cuts", [[37, 1, 70, 5], [30, 0, 64, 4], [1, 0, 7, 2]])
+def test_ssd_scan_matches_hf_across_a_split(cuts):
+    torch.manual_seed(3)
+    heads, groups, p, n_state = 4, 2, 6, 5
+    a = -torch.rand(heads) * 2 - 0.1
+    d = torch.randn(heads)
+    seqs = [dict(x=torch.randn(n, heads, p), dt=torch.rand(n, heads) * 0.5 + 0.01, b=torch.randn(n, groups, n_state),
+                 c=torch.randn(n, groups, n_state)) for n in LENGTHS]
+    initial = torch.randn(len(LENGTHS), heads, p, n_state) * 0.1
+    expected = []
+    for i, s in enumerate(seqs):
+        y, final = hf_mamba.mamba2_chunk_scan(s["x"][None], s["dt"][None], a, s["b"][None], s["c"][None],
+                                              chunk_size=16, D=d, initial_states=initial[i:i + 1],
+                                              return_final_states=True)
+        expected.append((y[0], final[0]))
+    states = torch.full((7, heads, p, n_state), float("nan"))
+    slots = torch.tensor([6, 1, 3, 0])
+    states[slots] = initial
+    first, second = _split_runs(list(LENGTHS), cuts)
+    got = [[] for _ in seqs]
+    for part, offset in ((first, [0] * 4), (second, first)):
+        on = [i for i, n in enumerate(part) if n]
+        if not on:
+            continue
+        args = [torch.cat([seqs[i][k][offset[i]:offset[i] + part[i]] for i in on]) for k in ("x", "dt", "b", "c")]
+        x, dt, b, c = args
+        y = ssd_scan(x, dt, a, b, c, d, states, slots[on], _cu([part[i] for i in on]))
+        for i, chunk in zip(on, y.split([part[i] for i in on]), strict=True):
+            got[i].append(chunk)
+    for i, (y, final) in enumerate(expected):
+        torch.testing.assert_close(torch.cat(got[i]), y, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(states[slots[i]], final, atol=2e-5, rtol=1e-4)
