@@ -281,8 +281,8 @@ def worker_info(runner: ModelRunner) -> pb.WorkerInfo:
         fencing_token=runner.batch.fencing_token,
         tensor_parallel_size=runner.group.size if runner.group is not None else 1,
         rank_num_blocks=runner.rank_num_blocks, rank_kv_bytes_per_block=runner.rank_kv_bytes_per_block,
-        num_state_slots=getattr(runner, "num_state_slots", 0),
-        state_bytes_per_slot=getattr(runner, "state_bytes_per_slot", 0),
+        num_state_slots=runner.num_state_slots,
+        state_bytes_per_slot=runner.state_bytes_per_slot,
     )
 
 
