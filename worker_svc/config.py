@@ -56,6 +56,16 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0
     shared_expert_intermediate_size: int = 0
+    # Mamba2 layers ("mamba" in layer_types; Nemotron-H, Granite 4.0): heads, head size, SSM state size, groups of
+    # B / C, conv kernel and its bias, the least time step; the MLP layers' activation ("relu2": Nemotron-H).
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_n_groups: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_conv_bias: bool = True
+    time_step_min: float = 0.0
+    mlp_hidden_act: str = "silu"
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

@@ -1,5 +1,6 @@
-"""Hybrid families (Gated DeltaNet + attention: Qwen3-Next with its MoE, Qwen3.5 text) against transformers: a
-random-weight checkpoint written by transformers here, loaded through the registry.
+"""Hybrid families (Gated DeltaNet + attention: Qwen3-Next with its MoE, Qwen3.5 text; Mamba2 + attention + MLP:
+Nemotron-H) against transformers: a random-weight checkpoint written by transformers here, loaded through the
+registry.
 
 - the model over the paged KV and the state pool: logits of every row equal transformers' float32 under chunked
   prefill with chunks of 1, 7 and 32 tokens, two sequences of different lengths side by side;
@@ -27,22 +28,27 @@ from worker_svc.sampling import SamplingParams
 from worker_svc.state_cache import StateCache, StateStep
 
 BLOCK = 16
-SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-             num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+DELTANET = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+# name -> (config class, model class, config fields, the layer types we read)
 FAMILIES = {
     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
-                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=48, mlp_only_layers=[1])),
-    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {}),
+                   dict(DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, mlp_only_layers=[1]), DELTANET["layer_types"]),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, DELTANET, DELTANET["layer_types"]),
+    "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+                   dict(layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                        ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=16),
+                   ["mamba", "full_attention", "mlp", "mamba"]),
 }
 
 
 def make_checkpoint(family: str, path) -> torch.nn.Module:
-    config_cls, model_cls, fields = FAMILIES[family]
+    config_cls, model_cls, fields, _ = FAMILIES[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**SMALL, **fields}))
+    model = model_cls(config_cls(**{**COMMON, **fields}))
     randomize(model)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # large embeddings and head: clear greedy margins
@@ -55,7 +61,7 @@ def make_checkpoint(family: str, path) -> torch.nn.Module:
 
 def prompts(lengths=(45, 30)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(2)
-    return [torch.randint(0, SMALL["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -68,9 +74,10 @@ def test_registry_reads_the_hybrid_config(family):
     name, hf, path = family
     config, _ = load_hf_dir(str(path))
     assert models.MODELS[hf.config.architectures[0]].name == config.architecture == name
-    assert config.layer_types == SMALL["layer_types"]
-    assert config.partial_rotary_factor == 0.25
-    assert config.moe_layers == ([0, 2] if name == "qwen3_next" else [])
+    assert config.layer_types == FAMILIES[name][3]
+    if name.startswith("qwen"):
+        assert config.partial_rotary_factor == 0.25
+        assert config.moe_layers == ([0, 2] if name == "qwen3_next" else [])
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32])
@@ -197,7 +204,8 @@ def test_runner_reports_its_state_pool(runner):
     name, _, r = runner
     shape = r.model.state_shape()
     assert r.num_state_slots == 8
-    assert r.state_bytes_per_slot == shape.num_layers * (shape.conv[0] * shape.conv[1] + 4 * 8 * 8) * 4
+    assert r.state_bytes_per_slot == shape.num_layers * (shape.conv[0] * shape.conv[1] + int(np.prod(shape.ssm))) * 4
+    assert shape.num_layers == 2
     assert r.kv.shape[0] == 1  # one attention layer of three holds KV
 
 

@@ -11,6 +11,7 @@ from worker_svc.model import LlamaModel
 from worker_svc.models.gemma import Gemma2, Gemma3
 from worker_svc.models.llama import Llama, Mistral, Qwen2
 from worker_svc.models.mixtral import Mixtral
+from worker_svc.models.nemotron_h import NemotronH
 from worker_svc.models.qwen3 import Qwen3
 from worker_svc.models.qwen3_moe import Qwen3Moe
 from worker_svc.models.qwen3_next import Qwen3_5, Qwen3Next
@@ -26,6 +27,7 @@ MODELS: dict[str, type[LlamaModel]] = {
     "Qwen3MoeForCausalLM": Qwen3Moe,
     "Qwen3NextForCausalLM": Qwen3Next,
     "Qwen3_5ForCausalLM": Qwen3_5,
+    "NemotronHForCausalLM": NemotronH,
 }
 
 

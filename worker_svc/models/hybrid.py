@@ -35,9 +35,13 @@ def refuse_uncomposed(opts: WorkerConfig, architecture: str, tp_size: int, compi
                           "without --enable-lora")
 
 
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")  # Gated DeltaNet; Mamba2: the layers with a state slot
+
+
 class HybridModel(LlamaModel):
     hybrid: ClassVar[bool] = True  # the runner sizes a state pool and passes `state`
     gguf: ClassVar[bool] = False
+    embed_name: ClassVar[str] = "model.embed_tokens.weight"
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: Any = None, max_position: int | None = None,
@@ -58,7 +62,7 @@ class HybridModel(LlamaModel):
         self.cpu_layers = None  # the C++ layer loop runs Llama-shaped layers only
         types = config.layer_types or []
         self.kv_index = {i: j for j, i in enumerate(i for i, t in enumerate(types) if t in ATTENTION_LAYER_TYPES)}
-        recurrent = [i for i, t in enumerate(types) if t not in ATTENTION_LAYER_TYPES]
+        recurrent = [i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES]
         self.state_index = {i: j for j, i in enumerate(recurrent)}
         self.attn_kwargs = [{} for _ in range(config.num_layers)]
 
@@ -68,7 +72,7 @@ class HybridModel(LlamaModel):
         def mat(t: torch.Tensor) -> torch.Tensor:
             return pack_linear_weight(t.contiguous()) if self.prepacked else t
 
-        self.embed = w("model.embed_tokens.weight")
+        self.embed = w(self.embed_name)
         self._build_layers(weights, w, mat)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = mat(self.embed if tied else w("lm_head.weight"))
@@ -105,3 +109,12 @@ class HybridModel(LlamaModel):
         return logits if pooled is None else (logits, pooled)
 
     __call__ = forward
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 then rounded (`weight` float32), as the
+    hybrid families' transformers code computes its RMSNorm."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)

@@ -20,19 +20,11 @@ from worker_svc import moe
 from worker_svc.gated_deltanet import DeltaNetDims, DeltaNetWeights, deltanet_mixer
 from worker_svc.model import linear, linear_add, rope_tables, swap_halves
 from worker_svc.models.hf import require
-from worker_svc.models.hybrid import HybridModel
+from worker_svc.models.hybrid import HybridModel, rms_norm_f32
 from worker_svc.models.sparse_moe import moe_fields
 from worker_svc.state_cache import StateShape, StateStep
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 then rounded; `weight` is float32 1 + w."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 @dataclass
@@ -173,7 +165,7 @@ class Qwen3Next(HybridModel):
         return FeedForwardWeights(*shared, moe=block, shared_gate=shared_gate)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return offset_rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return rms_norm_f32(h, self.norm, self.config.rms_norm_eps)
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
                 state: StateStep) -> torch.Tensor:
@@ -181,7 +173,7 @@ class Qwen3Next(HybridModel):
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_signed_cache[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = offset_rms_norm(h, layer.input_norm, eps)
+            x = rms_norm_f32(h, layer.input_norm, eps)
             if isinstance(layer.mixer, AttentionWeights):
                 h = self._attention(x, layer.mixer, cos, sin, kv_cache[self.kv_index[i]], attn_meta, h)
             else:
@@ -189,7 +181,7 @@ class Qwen3Next(HybridModel):
                 out = deltanet_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
                                      state.cu_seqlens, eps, linear)
                 h = h.add_(out)
-            h = self._mlp(offset_rms_norm(h, layer.post_norm, eps), layer.ffn, h)
+            h = self._mlp(rms_norm_f32(h, layer.post_norm, eps), layer.ffn, h)
         return h
 
     def _attention(self, x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor,
@@ -198,8 +190,8 @@ class Qwen3Next(HybridModel):
         t, d, heads = x.shape[0], c.head_dim, c.num_heads
         qg, k, v = linear(x, w.qkv).split([heads * 2 * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q, gate = qg.view(t, heads, 2 * d).chunk(2, dim=-1)
-        q = offset_rms_norm(q, w.q_norm, c.rms_norm_eps)
-        k = offset_rms_norm(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
+        q = rms_norm_f32(q, w.q_norm, c.rms_norm_eps)
+        k = rms_norm_f32(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
         q, k = (self._rope(y, cos, sin) for y in (q, k))
         v = v.reshape(t, c.num_kv_heads, d)
         self.attention.write_kv_cache(k, v, kv[0], kv[1], attn_meta.slot_mapping)
