@@ -6,8 +6,11 @@ extended conversation, the snapshot budget.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from scheduler_svc.policy import PolicyConfig
 from scheduler_svc.state_pool import NoFreeStateSlots, StateSlotPool, from_records
 from tests.support.hybrid_plans import Stack, expected_output, toks
 
@@ -136,3 +139,19 @@ def test_worker_loss_cancels_pending_snapshots_and_frees_every_slot():
     s.core.worker_lost()
     assert s.core.states.num_snapshots == 0 and not s.core.states.owner
     s.core.check_invariant()
+
+
+def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_num_seqs():
+    from common.validation import ConfigError
+    from protos import worker_pb2 as wpb
+    from scheduler_svc.leadership import sized_policy
+    from scheduler_svc.speculative import parse_speculative_config
+
+    info = wpb.WorkerInfo(block_size=16, num_blocks=64, max_model_len=256, device="cpu", num_state_slots=6,
+                          model=wpb.ModelInfo(name="tiny-qwen3_5"))
+    base = PolicyConfig(max_num_batched_tokens=64, max_num_seqs=32, block_size=0)
+    sized = sized_policy(base, info)
+    assert sized.max_num_seqs == 6 and sized.num_state_slots == 6 and sized.snapshots
+    spec = replace(base, speculative=parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}'))
+    with pytest.raises(ConfigError, match="--speculative-config with the hybrid model tiny-qwen3_5"):
+        sized_policy(spec, info)
