@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Callable
 
 from protos import llmserve_pb2 as pb
+from protos import worker_pb2 as wpb
 from scheduler_svc.admission import Limits, build_requests
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.core import SchedulerCore
@@ -24,7 +25,7 @@ from scheduler_svc.request import Request
 from scheduler_svc.slot_table import SlotTable
 from scheduler_svc.state_pool import StateSlotPool
 from scheduler_svc.worker_client import encode_plan
-from worker_svc.server import step_plan
+from worker_svc.server import skip_finished_requests, step_plan
 
 BS = 16
 VOCAB = 500
@@ -52,6 +53,12 @@ class StateRecorder:
         self.state: dict[int, tuple[int, ...] | None] = dict.fromkeys(range(num_slots))  # None: never written
         self.batch: dict[int, dict] = {}  # batch slot -> tokens, state slot, computed, prompt length, limits
         self.copies = self.saves = 0
+        self.finished_last: set[int] = set()  # batch slots the last step finished (a pipelined plan may name them)
+
+    def execute_wire(self, plan: wpb.StepPlan) -> WorkerOutput:
+        """The wire plan as the worker's server takes it: entries of requests the step before finished dropped."""
+        skip_finished_requests(plan, self.finished_last)
+        return self.execute(step_plan(plan))
 
     def execute(self, plan) -> WorkerOutput:
         if plan.reset_batch:
@@ -78,6 +85,7 @@ class StateRecorder:
             entries.append((j.slot, j.num_scheduled_tokens))
         entries += zip(plan.cached.slots.tolist(), plan.cached.num_scheduled_tokens.tolist(), strict=True)
         out = WorkerOutput()
+        self.finished_last = set()
         for slot, n in entries:
             seq = self.batch[slot]
             c = seq["computed"]
@@ -91,6 +99,7 @@ class StateRecorder:
                 out.tokens.append(SampledToken(seq["rid"], tok, WORKER_MAX_TOKENS if done else None))
                 if done:
                     del self.batch[slot]
+                    self.finished_last.add(slot)
         for src, dst in zip(plan.state_save_src.tolist(), plan.state_save_dst.tolist(), strict=True):
             self.state[dst] = self.state[src]
             self.saves += 1
@@ -132,6 +141,39 @@ class Stack:
                 return
             self.step()
         raise AssertionError("did not drain")
+
+    def run_pipelined(self, max_steps: int = 2000) -> None:
+        """As the driver with --async-scheduling: step k + 1 is planned (each request assumed to get its token in k)
+        and sent before k's result is applied."""
+        core, in_flight = self.core, None
+        for _ in range(max_steps):
+            if not (core.has_work or core.forks or in_flight):
+                return
+            sent = None
+            out = core.schedule(0.0) if core.has_work else None
+            if out is not None and out.scheduled:
+                self.step_id += 1
+                plan = encode_plan(out, self.slots, step_id=self.step_id, token=1, epoch="e",
+                                   reset=core.reset_worker, dropped=core.to_drop)
+                core.reset_worker, core.to_drop = False, []
+                owners = self.slots.snapshot()
+                sent = (out, self.worker.execute_wire(plan), owners, self.step_id)
+            if in_flight is not None:
+                self._apply(*in_flight)
+            in_flight = sent
+        raise AssertionError("did not drain")
+
+    def _apply(self, out, result: WorkerOutput, owners: list[str | None], step_id: int) -> None:
+        core = self.core
+        for tok in result.tokens:
+            if tok.finish:
+                self.slots.finished(owners.index(tok.request_id), tok.request_id)
+        core.update_from_output(out, result, 0.0)
+        self.preemptions += len(out.preempted)
+        self.hits += out.prefix_cache_hits
+        core.check_invariant()
+        self.max_snapshots_seen = max(self.max_snapshots_seen, core.states.num_snapshots)
+        self.commit(core.take_commit(step_id, out, check_invariant=True))
 
     def step(self) -> None:
         """Schedule, encode, convert, execute, apply, check, commit: one iteration (not pipelined)."""

@@ -155,3 +155,18 @@ def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_n
     spec = replace(base, speculative=parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}'))
     with pytest.raises(ConfigError, match="--speculative-config with the hybrid model tiny-qwen3_5"):
         sized_policy(spec, info)
+
+
+@pytest.mark.parametrize("num_blocks, num_slots", [(9, 4), (64, 8)])
+def test_pipelined_steps_keep_every_state_exact(num_blocks, num_slots):
+    """Planned one step ahead (--async-scheduling): a request the worker finishes while the next plan names it,
+    snapshots saved by a step whose request ended meanwhile, preemption and forks, all with exact states. Slots
+    held by requests leave snapshots only the rest: with 4 slots and 4 running there are none."""
+    s = Stack(num_blocks=num_blocks, num_slots=num_slots, share=0.5)
+    reqs = [r for i, n in enumerate([40, 7, 70, 23, 33, 40]) for r in s.add(f"p{i}", toks(n, base=i % 5 + 1),
+                                                                          max_tokens=17, n=2 if i == 3 else 1)]
+    s.run_pipelined()
+    assert all(r.output_ids == expected_output(r.prompt_ids, 17) for r in reqs)
+    assert (s.preemptions > 0) == (num_blocks == 9)
+    if num_slots == 8:
+        assert s.hits > 0 and s.worker.copies > 0  # the n = 2 sibling starts from its first's prompt snapshot
