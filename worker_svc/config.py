@@ -66,6 +66,10 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     time_step_min: float = 0.0
     mlp_hidden_act: str = "silu"
+    # Granite's scalings (embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling); None:
+    # none. use_rope False: attention without rope (Granite 4.0's position_embedding_type other than "rope").
+    multipliers: dict | None = None
+    use_rope: bool = True
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

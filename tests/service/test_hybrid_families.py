@@ -1,6 +1,6 @@
-"""Hybrid families (Gated DeltaNet + attention: Qwen3-Next with its MoE, Qwen3.5 text; Mamba2 + attention + MLP:
-Nemotron-H) against transformers: a random-weight checkpoint written by transformers here, loaded through the
-registry.
+"""Hybrid families against transformers (Gated DeltaNet + attention: Qwen3-Next with its MoE, Qwen3.5 text;
+Mamba2 + attention: Nemotron-H with its MLP blocks, Granite 4.0 hybrid with its MoE and multipliers): a random-weight
+checkpoint written by transformers here, loaded through the registry.
 
 - the model over the paged KV and the state pool: logits of every row equal transformers' float32 under chunked
   prefill with chunks of 1, 7 and 32 tokens, two sequences of different lengths side by side;
@@ -42,6 +42,13 @@ FAMILIES = {
                    dict(layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
                         ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=16),
                    ["mamba", "full_attention", "mlp", "mamba"]),
+    "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+                         dict(intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=3,
+                              layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+                              mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=16, num_local_experts=4,
+                              num_experts_per_tok=2, embedding_multiplier=2.0, attention_multiplier=0.3,
+                              residual_multiplier=0.5, logits_scaling=4.0, position_embedding_type="rope"),
+                         ["mamba", "full_attention", "mamba"]),
 }
 
 

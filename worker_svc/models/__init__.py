@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from worker_svc.model import LlamaModel
 from worker_svc.models.gemma import Gemma2, Gemma3
+from worker_svc.models.granite_hybrid import GraniteMoeHybrid
 from worker_svc.models.llama import Llama, Mistral, Qwen2
 from worker_svc.models.mixtral import Mixtral
 from worker_svc.models.nemotron_h import NemotronH
@@ -28,6 +29,7 @@ MODELS: dict[str, type[LlamaModel]] = {
     "Qwen3NextForCausalLM": Qwen3Next,
     "Qwen3_5ForCausalLM": Qwen3_5,
     "NemotronHForCausalLM": NemotronH,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybrid,
 }
 
 
