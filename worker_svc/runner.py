@@ -117,7 +117,7 @@ class ModelRunner:
         compiled = wants_compiled(opts)  # inductor cannot trace CPU-packed weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         if getattr(family, "hybrid", False):
-            refuse_uncomposed(opts, self.config.architecture, tp_size, compiled)
+            refuse_uncomposed(opts, self.config.architecture, max(tp_size, opts.tensor_parallel_size), compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights

@@ -6,10 +6,13 @@ checkpoint written by transformers here, loaded through the registry.
   prefill with chunks of 1, 7 and 32 tokens, two sequences of different lengths side by side;
 - the runner through plans (worker_svc/plan.py, as the scheduler sends them): greedy tokens equal transformers',
   a fork restored from a state snapshot continues exactly as its parent, and plans that break the state contract
-  are refused, naming the request and the field.
+  are refused, naming the request and the field;
+- config.json options the model would ignore, and settings it does not compose with yet, are refused at start.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ import torch
 import transformers
 
 import kernels
+from common.config import ConfigError
 from tests.support.random_weights import randomize
 from worker_svc import models
 from worker_svc.config import WorkerConfig
@@ -274,3 +278,36 @@ def test_copies_out_of_range_and_duplicate_owners_are_refused(runner):
     plan.new_requests.append(other)
     with pytest.raises(InvalidPlan, match="state_slot 1 is already held"):
         r.execute(plan)
+
+
+# ------------------------------------------------------------------------------------------------- refusals at start
+
+
+@pytest.mark.parametrize("architecture, fields, named", [
+    ("Qwen3NextForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("Qwen3_5ForCausalLM", {"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+    ("Qwen3_5ForCausalLM", {"linear_num_value_heads": 3}, "linear_num_value_heads=3"),
+    ("NemotronHForCausalLM", {"hybrid_override_pattern": "M*E"}, "MoE layers"),
+    ("NemotronHForCausalLM", {"hybrid_override_pattern": "M*-", "mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
+    ("GraniteMoeHybridForCausalLM", {"position_embedding_type": "alibi"}, "position_embedding_type='alibi'"),
+])
+def test_config_options_the_model_would_ignore_are_refused(tmp_path, architecture, fields, named):
+    config = {"architectures": [architecture], **COMMON, **DELTANET, "ssm_state_size": 8, "mamba_num_heads": 8,
+              "mamba_head_dim": 8, "n_groups": 2, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 8,
+              "mamba_n_groups": 2, "shared_intermediate_size": 48, "layer_types": ["mamba", "attention", "mamba"]
+              if architecture.startswith("Granite") else DELTANET["layer_types"], **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        load_hf_dir(str(tmp_path))
+    assert named in str(info.value) and "config.json" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (dict(optimization_level=1), "-O 1"),
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size 2"),
+])
+def test_what_does_not_compose_yet_is_refused_at_start(family, flags, named):
+    _, _, path = family
+    with pytest.raises(ConfigError, match=named):
+        ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", num_gpu_blocks_override=8, **flags))
