@@ -162,24 +162,57 @@ def test_few_state_slots_preempt_n2_and_mixed_lengths_match_hf(served, hybrid):
     assert len(results[3]) == 2
 
 
-def test_prefix_hits_on_a_repeated_prompt_and_an_extended_conversation(served, hybrid):
-    sched, hf = served.sched, hybrid[1]
+def check_prefix_hits(address: str, hits_total, hf) -> None:
+    """A repeated 40-token prompt hits 32 tokens; a next turn extending a finished one hits at its last boundary."""
     p = token_prompt(40, 100)
-    before = served.metrics().get("vllm:prefix_cache_hits_total", 0)
-    (cold,) = generate(sched.address, p, 8)
-    (warm,) = generate(sched.address, p, 8)
-    hits = served.metrics().get("vllm:prefix_cache_hits_total", 0) - before
-    assert hits == 32, "a repeat of a 40-token prompt starts from its snapshot at 32 tokens"
+    before = hits_total()
+    (cold,) = generate(address, p, 8)
+    (warm,) = generate(address, p, 8)
+    assert hits_total() - before == 32, "a repeat of a 40-token prompt starts from its snapshot at 32 tokens"
     assert warm == cold == reference(hf, p, 8)
 
     turn1 = token_prompt(21, 101)
-    (out1,) = generate(sched.address, turn1, 30)
+    (out1,) = generate(address, turn1, 30)
     turn2 = turn1 + out1 + token_prompt(9, 102)  # the next turn extends the whole previous one
-    before = served.metrics().get("vllm:prefix_cache_hits_total", 0)
-    (out2,) = generate(sched.address, turn2, 8)
-    assert served.metrics().get("vllm:prefix_cache_hits_total", 0) - before == 48  # the last boundary turn 1 reached
+    before = hits_total()
+    (out2,) = generate(address, turn2, 8)
+    assert hits_total() - before == 48  # the last block boundary turn 1 reached (its KV and state up to 50)
     assert out2 == reference(hf, turn2, 8)
+
+
+def test_prefix_hits_on_a_repeated_prompt_and_an_extended_conversation(served, hybrid):
+    check_prefix_hits(served.sched.address, lambda: served.metrics().get("vllm:prefix_cache_hits_total", 0),
+                      hybrid[1])
     assert 0 < served.metrics()["llmserve:state_snapshot_share"] <= 0.5
+
+
+def test_mamba2_hybrid_prefix_hits_and_preemption(redis_server, tmp_path):
+    """Nemotron-H (Mamba2 layers beside attention): the same scheduler side on another state shape."""
+    from tests.service.test_hybrid_families import make_checkpoint
+
+    hf = make_checkpoint("nemotron_h", tmp_path)
+    word_tokenizer(tmp_path, hf.config.vocab_size)
+    worker = cluster.start_worker(["--model", str(tmp_path), *WORKER_ARGS])
+    port = cluster.free_port()
+    sched = cluster.start_scheduler(redis_server, worker, [*SCHEDULER_ARGS, "--metrics-port", port],
+                                    namespace=cluster.new_namespace("mamba2"))
+    try:
+        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
+        check_prefix_hits(sched.address, lambda: metrics(port).get("vllm:prefix_cache_hits_total", 0), hf)
+        prompts = [token_prompt(n, 300 + n) for n in (60, 45, 52)]
+        results: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(sched.address, prompts[i],
+                                                                                       20)[0]))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert metrics(port).get("vllm:num_preemptions_total", 0) > 0
+        assert [results[i] for i in range(3)] == [reference(hf, p, 20) for p in prompts]
+    finally:
+        cluster.stop(sched)
+        cluster.stop(worker)
 
 
 @pytest.mark.parametrize("which", ["scheduler", "worker"])
