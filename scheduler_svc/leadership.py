@@ -134,7 +134,7 @@ def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metr
     metrics.set_config(cfg.policy, num_gpu_blocks=info.num_blocks, kv_bytes_per_block=info.kv_bytes_per_block,
                        max_model_len=info.max_model_len, device=info.device)
     state = ledger.load()
-    states = (from_records(info.num_state_slots, max_snapshots(cfg.policy), state.state_records)
+    states = (from_records(info.num_state_slots, cfg.policy.max_state_snapshots, state.state_records)
               if info.num_state_slots else None)
     core = SchedulerCore(cfg.policy, state.pool, cfg.queue_timeout, state.arrival_seq, states)
     # Fence the worker first: from now on a step the previous leader still has in flight is rejected, and the reply
@@ -184,11 +184,6 @@ def check_hybrid(policy, info: wpb.WorkerInfo) -> None:
         raise ConfigError(f"--speculative-config with the hybrid model {model} ({info.num_state_slots} state "
                           "slots): rejected drafts would have to be rolled back out of the recurrent state, which "
                           "is not built; drop --speculative-config")
-
-
-def max_snapshots(policy) -> int:
-    """The state slots prefix-cache snapshots may hold (--state-snapshot-share of them; none without caching)."""
-    return int(policy.state_snapshot_share * policy.num_state_slots) if policy.snapshots else 0
 
 
 def reconnect_worker(ledger: RedisLedger, lease: Lease, worker: WorkerClient, core: SchedulerCore, step_id: int,

@@ -49,9 +49,14 @@ class PolicyConfig:
         return self.num_state_slots > 0
 
     @property
+    def max_state_snapshots(self) -> int:
+        """The state slots prefix-cache snapshots may hold (--state-snapshot-share of them; none without caching)."""
+        return int(self.state_snapshot_share * self.num_state_slots) if self.enable_prefix_caching else 0
+
+    @property
     def snapshots(self) -> bool:
         """Hybrid prefix caching: recurrent state snapshots at block boundaries (docs/hybrid-models.md)."""
-        return self.hybrid and self.enable_prefix_caching
+        return self.max_state_snapshots > 0
 
     @staticmethod
     def unsized(cfg: SchedulerConfig) -> PolicyConfig:

@@ -117,8 +117,8 @@ class Stack:
     def __init__(self, num_blocks: int = 64, num_slots: int = 6, share: float = 0.5,
                  commit: Callable[[StepCommit], None] | None = None, **kw):
         self.policy = policy(num_slots, state_snapshot_share=share, **kw)
-        max_snaps = int(share * num_slots) if self.policy.enable_prefix_caching else 0
-        self.core = SchedulerCore(self.policy, BlockPool(num_blocks), states=StateSlotPool(num_slots, max_snaps))
+        self.core = SchedulerCore(self.policy, BlockPool(num_blocks),
+                                  states=StateSlotPool(num_slots, self.policy.max_state_snapshots))
         self.slots = SlotTable(64)
         self.worker = StateRecorder(num_slots)
         self.commit = commit or CommitEncoder().encode  # a ledger's commit, or the payload encoding alone
