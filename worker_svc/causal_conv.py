@@ -29,7 +29,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         torch.arange(width, device=x.device)
     buf = x.new_empty(num_tokens + n * width, channels)
     buf[token_rows] = x
-    buf[window_rows.flatten()] = states[slots].transpose(1, 2).reshape(n * width, channels).to(x.dtype)
+    buf[window_rows.flatten()] = states.index_select(0, slots).transpose(1, 2).reshape(n * width, channels).to(x.dtype)
     taps = token_rows.unsqueeze(1) - width + torch.arange(width + 1, device=x.device)  # [T, K]
     y = torch.einsum("tkc,ck->tc", buf[taps], weight)
     if bias is not None:
@@ -37,7 +37,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # The new window: the last `width` buffer rows of each sequence (old window rows where it had fewer tokens).
     last = (cu_seqlens[1:] + width * torch.arange(n, device=x.device)).unsqueeze(1) + torch.arange(width,
                                                                                                    device=x.device)
-    states[slots] = buf[last.flatten()].view(n, width, channels).transpose(1, 2).to(states.dtype)
+    states.index_copy_(0, slots, buf[last.flatten()].view(n, width, channels).transpose(1, 2).to(states.dtype))
     if activation == "silu":
         return F.silu(y)
     if activation is None:

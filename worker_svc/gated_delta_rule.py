@@ -48,10 +48,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def _recurrent_step(q, k, v, g, beta, states, slots) -> torch.Tensor:
     """One token per sequence: q, k [N, H, dk], v [N, H, dv], g, beta [N, H]."""
-    s = states[slots].float() * g.exp()[..., None, None]
+    s = states.index_select(0, slots).float().mul_(g.exp()[..., None, None])  # a copy: updated in place below
     delta = (v - torch.einsum("nhk,nhkv->nhv", k, s)) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    states[slots] = s.to(states.dtype)
+    s.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    states.index_copy_(0, slots, s.to(states.dtype))
     return torch.einsum("nhk,nhkv->nhv", q, s)
 
 
@@ -70,7 +70,7 @@ def _chunked(q, k, v, g, beta, states, slots, starts, lens, out) -> None:
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [M, H, C, ...], zero past a chunk's end
         y = x[rows] * valid.view(*valid.shape, *([1] * (x.dim() - 1)))
-        return y.movedim(1, 2)
+        return y.movedim(1, 2).contiguous()  # contiguous once, not at every matmul
 
     qb, kb, vb = gather(q), gather(k), gather(v)  # [M, H, C, d]
     gb, bb = gather(g), gather(beta)  # [M, H, C]; padding: no decay, no write
@@ -86,7 +86,7 @@ def _chunked(q, k, v, g, beta, states, slots, starts, lens, out) -> None:
     q_decayed = qb * cum.exp().unsqueeze(-1)
     k_decayed = kb * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     block_decay = cum[..., -1].exp()[..., None, None]
-    s = states[slots].float()  # [N, H, dk, dv]
+    s = states.index_select(0, slots).float()  # [N, H, dk, dv]
     result = torch.empty_like(u)
     for j in range(int(blocks.max())):
         on = torch.nonzero(blocks > j).flatten()
@@ -95,5 +95,5 @@ def _chunked(q, k, v, g, beta, states, slots, starts, lens, out) -> None:
         v_new = u[m] - w[m] @ s_on
         result[m] = q_decayed[m] @ s_on + attn[m] @ v_new
         s[on] = s_on * block_decay[m] + k_decayed[m].transpose(-1, -2) @ v_new
-    states[slots] = s.to(states.dtype)
+    states.index_copy_(0, slots, s.to(states.dtype))
     out[rows[valid]] = result.movedim(2, 1)[valid]

@@ -39,9 +39,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 def _recurrent_step(x, dt, a, b, c, states, slots) -> torch.Tensor:
-    s = states[slots].float() * (dt * a).exp()[..., None, None]
-    s = s + (dt.unsqueeze(-1) * x).unsqueeze(-1) * b.unsqueeze(-2)
-    states[slots] = s.to(states.dtype)
+    s = states.index_select(0, slots).float().mul_((dt * a).exp()[..., None, None])  # a copy: updated in place
+    s.add_((dt.unsqueeze(-1) * x).unsqueeze(-1) * b.unsqueeze(-2))
+    states.index_copy_(0, slots, s.to(states.dtype))
     return torch.einsum("nhpk,nhk->nhp", s, c)
 
 
@@ -57,7 +57,7 @@ def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
     rows = torch.where(valid, starts[seq].unsqueeze(1) + offset, 0)
 
     def gather(y: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [M, H, C, ...], zero past a chunk's end
-        return (y[rows] * valid.view(*valid.shape, *([1] * (y.dim() - 1)))).movedim(1, 2)
+        return (y[rows] * valid.view(*valid.shape, *([1] * (y.dim() - 1)))).movedim(1, 2).contiguous()
 
     xb, dtb, bb, cb = gather(x), gather(dt), gather(b), gather(c)  # padding: dt 0, so no decay and no write
     cum = (dtb * a[:, None]).cumsum(-1)  # [M, H, C] log decay from the block's start
@@ -69,7 +69,7 @@ def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
     to_end = (cum[..., -1:] - cum).exp().unsqueeze(-1)
     writes = (xdt * to_end).transpose(-1, -2) @ bb  # [M, H, P, N]: the block's own contribution to its end state
     block_decay = cum[..., -1].exp()[..., None, None]
-    s = states[slots].float()
+    s = states.index_select(0, slots).float()
     result = torch.empty_like(xb)
     for j in range(int(blocks.max())):
         on = torch.nonzero(blocks > j).flatten()
@@ -77,5 +77,5 @@ def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
         s_on = s[on]
         result[m] = y_diag[m] + (cb[m] @ s_on.transpose(-1, -2)) * start_decay[m]
         s[on] = s_on * block_decay[m] + writes[m]
-    states[slots] = s.to(states.dtype)
+    states.index_copy_(0, slots, s.to(states.dtype))
     out[rows[valid]] = result.movedim(2, 1)[valid]
