@@ -247,7 +247,8 @@ class SchedulerCore:
         return bool(self._new or self._updated or self._finished)
 
     def check_invariant(self) -> None:
-        """free + allocated == total, and every block owned by a live request is allocated (raises AssertionError)."""
+        """free + allocated == total, and every block owned by a live request is allocated; for a hybrid model every
+        running request holds its own state slot and no waiting one holds any (raises AssertionError)."""
         self.pool.check([r.block_ids for r in self.running] + [r.block_ids for r in self.waiting])
         if self.states is not None:
             assert all(r.state_slot < 0 for r in self.waiting), "a waiting request holds a state slot"
