@@ -21,6 +21,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     num_tokens, channels = x.shape
     width = weight.shape[1] - 1
     n = len(slots)
+    if x.is_cuda and num_tokens == n and activation in ("silu", None):  # a decode step: a Triton kernel, in place
+        from kernels.recurrent_triton import conv1d_decode
+
+        return conv1d_decode(x, weight, bias, states, slots, silu=activation == "silu")
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = torch.repeat_interleave(torch.arange(n, device=x.device), lens, output_size=num_tokens)
     # Buffer layout: sequence i's window (width rows), then its tokens; so token t sits width * (seq + 1) rows on.

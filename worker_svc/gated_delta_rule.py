@@ -39,7 +39,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if bool(single.any()):
         seqs = torch.nonzero(single).flatten()
         rows = cu_seqlens[seqs]
-        out[rows] = _recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots[seqs])
+        step = _recurrent_step
+        if states.is_cuda:  # the pool updated in place by a Triton kernel, no gather / write-back
+            from kernels.recurrent_triton import gated_delta_rule_decode as step
+        out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots[seqs])
     if not bool(single.all()):
         seqs = torch.nonzero(~single).flatten()
         _chunked(q, k, v, g, beta, states, slots[seqs], cu_seqlens[seqs], lens[seqs], out)
