@@ -1,11 +1,11 @@
 """Triton kernels for the recurrent layers' decode step (CUDA; the interpreter runs them on CPU for tests).
 
-The torch path (worker_svc/gated_delta_rule.py, causal_conv.py) gathers each decoding sequence's state out of the
-pool, updates it and writes it back: two extra passes over every state matrix per layer and step, which the CPU
-profile shows as the largest part of a hybrid model's decode. These kernels update the pool in place instead: one
-program per (sequence, value head) reads its slot's matrix once, applies the gated delta rule and writes it back;
-one program per (sequence, channel block) shifts its conv window. Same arithmetic as the torch path, in float32.
-"""
+The torch path (worker_svc/gated_delta_rule.py, ssd_scan.py, causal_conv.py) gathers each decoding sequence's state
+out of the pool, updates it and writes it back: two extra passes over every state matrix per layer and step, which
+the CPU profile shows as the largest part of a hybrid model's decode. These kernels update the pool in place
+instead: one program per (sequence, head) reads its slot's matrix once, applies the gated delta rule or Mamba2's
+scan step and writes it back; one program per (sequence, channel block) shifts its conv window. Same arithmetic as
+the torch path, in float32."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv1d_decode", "gated_delta_rule_decode"]
+__all__ = ["conv1d_decode", "gated_delta_rule_decode", "ssd_decode"]
 
 
 @triton.jit
@@ -95,4 +95,44 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _conv_decode_kernel[(n, triton.cdiv(channels, block))](
             x, weight, bias if bias is not None else weight, out, states, slots.contiguous(), channels,
             WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, BLOCK_C=block)
+    return out
+
+
+@triton.jit
+def _ssd_decode_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, out_ptr, state_ptr, slot_ptr, heads, head_dim, state_size,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    mp = rp < head_dim
+    mn = rn < state_size
+    row = n * heads + h
+    x = tl.load(x_ptr + row * head_dim + rp, mask=mp, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * state_size + rn, mask=mn, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + row * state_size + rn, mask=mn, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row).to(tl.float32)
+    decay = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
+    base = state_ptr + (slot * heads + h) * head_dim * state_size
+    offs = rp[:, None] * state_size + rn[None, :]
+    m = mp[:, None] & mn[None, :]
+    s = tl.load(base + offs, mask=m, other=0.0).to(tl.float32) * decay + (dt * x)[:, None] * b[None, :]
+    tl.store(base + offs, s.to(state_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + row * head_dim + rp, tl.sum(s * c[None, :], axis=1), mask=mp)
+
+
+def ssd_decode(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Mamba2's scan for one token per sequence, the pool updated in place: x [N, H, P], dt [N, H], a [H], b and c
+    [N, H, N_state] (one per head); states [S, H, P, N_state] at slots [N]. Returns y [N, H, P] float32 (without
+    the D skip)."""
+    n, heads, head_dim = x.shape
+    state_size = b.shape[-1]
+    x, dt, a, b, c = (t.contiguous() for t in (x, dt, a, b, c))
+    out = torch.empty(n, heads, head_dim, dtype=torch.float32, device=x.device)
+    if n:
+        _ssd_decode_kernel[(n, heads)](x, dt, a, b, c, out, states, slots.contiguous(), heads, head_dim, state_size,
+                                       BLOCK_P=triton.next_power_of_2(head_dim),
+                                       BLOCK_N=triton.next_power_of_2(state_size))
     return out

@@ -31,7 +31,10 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     if bool(single.any()):
         seqs = torch.nonzero(single).flatten()
         rows = cu_seqlens[seqs]
-        out[rows] = _recurrent_step(x[rows], dt[rows], a, b[rows], c[rows], states, slots[seqs])
+        step = _recurrent_step
+        if states.is_cuda:  # the pool updated in place by a Triton kernel, no gather / write-back
+            from kernels.recurrent_triton import ssd_decode as step
+        out[rows] = step(x[rows], dt[rows], a, b[rows], c[rows], states, slots[seqs])
     if not bool(single.all()):
         seqs = torch.nonzero(~single).flatten()
         _chunked(x, dt, a, b, c, states, slots[seqs], cu_seqlens[seqs], lens[seqs], out)

@@ -1,5 +1,6 @@
 """The recurrent layers' Triton decode kernels (kernels/recurrent_triton.py; in the interpreter without a GPU)
-against the torch path: the gated delta rule's update and the conv window's shift, in place on pool slots."""
+against the torch path: the gated delta rule's update, Mamba2's scan step and the conv window's shift, in place on
+pool slots."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.recurrent_triton import conv1d_decode, gated_delta_rule_decode  # noqa: E402
+from kernels.recurrent_triton import conv1d_decode, gated_delta_rule_decode, ssd_decode  # noqa: E402
 from worker_svc.causal_conv import causal_conv1d  # noqa: E402
 from worker_svc.gated_delta_rule import _recurrent_step  # noqa: E402
+from worker_svc.ssd_scan import _recurrent_step as _ssd_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,3 +49,19 @@ def test_conv_decode_matches_torch(n, channels, kernel, bias):
                         slots.to(DEVICE))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_states.cpu(), want_states)
+
+
+@pytest.mark.parametrize("n, heads, p, n_state", [(1, 2, 8, 4), (4, 3, 6, 10)])
+def test_ssd_decode_matches_torch(n, heads, p, n_state):
+    g = torch.Generator().manual_seed(p)
+    x, dt = torch.randn(n, heads, p, generator=g), torch.rand(n, heads, generator=g) * 0.5
+    a = -torch.rand(heads, generator=g)
+    b, c = torch.randn(n, heads, n_state, generator=g), torch.randn(n, heads, n_state, generator=g)
+    states = torch.randn(6, heads, p, n_state, generator=g)
+    slots = torch.randperm(6, generator=g)[:n]
+    want_states = states.clone()
+    want = _ssd_step(x, dt, a, b, c, want_states, slots)
+    got_states = states.to(DEVICE)
+    got = ssd_decode(*(t.to(DEVICE) for t in (x, dt, a, b, c)), got_states, slots.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_states.cpu(), want_states, rtol=1e-5, atol=1e-5)
