@@ -161,7 +161,12 @@ class ModelRunner:
             budget = kv_cache.cuda_kv_budget(self.device, o.gpu_memory_utilization)
         else:
             budget = o.kv_cache_memory
-        budget -= self._size_state_pool(budget)
+        states = self._size_state_pool(budget)
+        if states >= budget:
+            raise ConfigError(f"the state pool ({self.state.num_slots} slots of {self.state.bytes_per_slot} bytes) "
+                              f"takes the whole KV memory budget ({budget} bytes): lower --num-state-slots, or raise "
+                              "--kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA)")
+        budget -= states
         n = kv_cache.num_blocks_for_bytes(self.local_config, self.block_size, self.dtype, budget)
         if n < 1:
             raise RuntimeError(f"no room for a single KV block of {self.block_size} tokens in {budget} bytes")

@@ -311,3 +311,26 @@ def test_what_does_not_compose_yet_is_refused_at_start(family, flags, named):
     _, _, path = family
     with pytest.raises(ConfigError, match=named):
         ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", num_gpu_blocks_override=8, **flags))
+
+
+def test_state_dtype_and_budget_settings(family):
+    """--mamba-ssm-cache-dtype bfloat16 halves the recurrent matrices (the conv windows stay in --dtype) and decodes
+    as the float32 state does at these clear margins; a state pool that would eat the whole KV budget is refused."""
+    name, hf, path = family
+    opts = dict(model=str(path), dtype="float32", device="cpu", block_size=BLOCK, num_gpu_blocks_override=64,
+                num_state_slots=4)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        r = ModelRunner(WorkerConfig(**opts, mamba_ssm_cache_dtype=dtype))
+        driver = PlanDriver(r, 16)
+        driver.add(0, prompts((20,))[0], 4, state_slot=3)
+        driver.run()
+        runs[dtype] = (r, driver.reqs[0]["out"])
+    (full, tokens32), (half, tokens16) = runs["float32"], runs["bfloat16"]
+    assert half.state.ssm.dtype == torch.bfloat16 and half.state.conv.dtype == torch.float32
+    shape = full.model.state_shape()
+    assert full.state_bytes_per_slot - half.state_bytes_per_slot == shape.num_layers * int(np.prod(shape.ssm)) * 2
+    assert tokens16 == tokens32
+    with pytest.raises(ConfigError, match="takes the whole KV memory budget"):
+        ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 16,
+                                 num_state_slots=64))
