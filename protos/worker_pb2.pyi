@@ -89,7 +89,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rope_theta: _Optional[float] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "block_size", "num_blocks", "max_model_len", "epoch", "attention_backend", "kv_bytes_per_block", "last_step_id", "fencing_token", "tensor_parallel_size", "rank_num_blocks", "rank_kv_bytes_per_block")
+    __slots__ = ("model", "dtype", "device", "block_size", "num_blocks", "max_model_len", "epoch", "attention_backend", "kv_bytes_per_block", "last_step_id", "fencing_token", "tensor_parallel_size", "rank_num_blocks", "rank_kv_bytes_per_block", "num_state_slots", "state_bytes_per_slot")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class WorkerInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     dtype: str
     device: str
@@ -118,7 +120,9 @@ class WorkerInfo(_message.Message):
     tensor_parallel_size: int
     rank_num_blocks: _containers.RepeatedScalarFieldContainer[int]
     rank_kv_bytes_per_block: int
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_num_blocks: _Optional[_Iterable[int]] = ..., rank_kv_bytes_per_block: _Optional[int] = ...) -> None: ...
+    num_state_slots: int
+    state_bytes_per_slot: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., last_step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_num_blocks: _Optional[_Iterable[int]] = ..., rank_kv_bytes_per_block: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., state_bytes_per_slot: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "min_tokens", "max_tokens", "stop_token_ids", "logprobs", "constraint", "logit_bias", "bad_words", "prompt_logprobs", "embed")
@@ -174,7 +178,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("slot", "request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path")
+    __slots__ = ("slot", "request_id", "prompt_token_ids", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path", "state_slot")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +188,7 @@ class NewRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     slot: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -193,10 +198,11 @@ class NewRequest(_message.Message):
     num_scheduled_tokens: int
     lora_name: str
     lora_path: str
-    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class ResumedRequest(_message.Message):
-    __slots__ = ("slot", "request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path")
+    __slots__ = ("slot", "request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path", "state_slot")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +213,7 @@ class ResumedRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     slot: int
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -217,7 +224,8 @@ class ResumedRequest(_message.Message):
     num_scheduled_tokens: int
     lora_name: str
     lora_path: str
-    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_draft_slots")
@@ -250,7 +258,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "fencing_token", "expected_epoch", "reset_batch", "dropped_slots", "new_requests", "resumed_requests", "cached", "replaced_tables", "copy_blocks", "after_step_id", "prompt_lookup_min", "prompt_lookup_max")
+    __slots__ = ("step_id", "fencing_token", "expected_epoch", "reset_batch", "dropped_slots", "new_requests", "resumed_requests", "cached", "replaced_tables", "copy_blocks", "after_step_id", "prompt_lookup_min", "prompt_lookup_max", "state_copy_src", "state_copy_dst", "state_save_src", "state_save_dst")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +272,10 @@ class StepPlan(_message.Message):
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    STATE_COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    STATE_COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    STATE_SAVE_SRC_FIELD_NUMBER: _ClassVar[int]
+    STATE_SAVE_DST_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     fencing_token: int
     expected_epoch: str
@@ -277,7 +289,11 @@ class StepPlan(_message.Message):
     after_step_id: int
     prompt_lookup_min: int
     prompt_lookup_max: int
-    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., reset_batch: _Optional[bool] = ..., dropped_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., replaced_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ...) -> None: ...
+    state_copy_src: _containers.RepeatedScalarFieldContainer[int]
+    state_copy_dst: _containers.RepeatedScalarFieldContainer[int]
+    state_save_src: _containers.RepeatedScalarFieldContainer[int]
+    state_save_dst: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., fencing_token: _Optional[int] = ..., expected_epoch: _Optional[str] = ..., reset_batch: _Optional[bool] = ..., dropped_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., resumed_requests: _Optional[_Iterable[_Union[ResumedRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., replaced_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., after_step_id: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., state_copy_src: _Optional[_Iterable[int]] = ..., state_copy_dst: _Optional[_Iterable[int]] = ..., state_save_src: _Optional[_Iterable[int]] = ..., state_save_dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "slots", "token_ids", "finish_reasons", "logprob_indices", "logprobs", "num_top_logprobs", "top_logprob_token_ids", "top_logprobs", "prepare_seconds", "forward_seconds", "sample_seconds", "num_scheduled_tokens", "previous_step_id", "idle_seconds", "num_constrained", "mask_seconds", "spec_slots", "spec_num_draft_tokens", "spec_num_accepted_tokens", "prompt_lp_slots", "prompt_lp_starts", "prompt_lp_counts", "prompt_lp_values", "prompt_lp_top_token_ids", "prompt_lp_top_values", "pooled_slots", "pooled", "embedding_dim", "prompt_lp_num_top")

@@ -38,6 +38,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = setting(0, "longest prefill chunk of one request per step (0: the budget)",
                                                 check=c.at_least(0))
     enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes (hash-chained full blocks)")
+    state_snapshot_share: float = setting(
+        0.5, "hybrid models (recurrent layers beside attention): the largest share of the worker's state slots that "
+        "prefix-cache snapshots of the recurrent state may hold (least recently used evicted first; a request "
+        "needing a slot evicts one too); 0: no hybrid prefix caching", check=lambda v: None if 0 <= v <= 1
+        else f"must be in [0, 1], got {v}")
     scheduling_policy: str = setting("fcfs", "who waits and who is preempted first", choices=("fcfs", "priority"))
     scheduling_mode: str = setting(
         "continuous", "continuous: iteration-level admission (the product); static: a new batch only when the "

@@ -14,7 +14,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Why admission stopped in a step that left requests waiting (`llmserve:admission_blocked_steps_total{limit}`).
-ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache", "max_loras")
+ADMISSION_LIMITS = ("max_num_seqs", "token_budget", "kv_cache", "max_loras", "state_slots")
 _CONFIG_LABELS = ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
                   "enable_prefix_caching", "scheduling_policy", "scheduling_mode", "block_size", "num_gpu_blocks",
                   "kv_bytes_per_block", "max_model_len", "device", "num_speculative_tokens"]
@@ -28,6 +28,13 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", L, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", L, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", L, registry=r)
+        # Not in vLLM: hybrid models' state slots beside the KV blocks (0 for a model without recurrent layers).
+        self.state_usage = Gauge("llmserve:state_slot_usage_perc", "Share of the worker's recurrent-state slots in "
+                                 "use by requests and prefix-cache snapshots (0-1)", L, registry=r)
+        self.state_snapshots = Gauge("llmserve:state_snapshots", "Prefix-cache snapshots of the recurrent state "
+                                     "held in state slots (saved or being saved)", L, registry=r)
+        self.state_snapshot_share = Gauge("llmserve:state_snapshot_share", "Share of the state slots the "
+                                          "snapshots hold (0-1; at most --state-snapshot-share)", L, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions by recompute", L, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens computed", L, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", L, registry=r)
@@ -99,6 +106,8 @@ class Metrics:
         m = {"model_name": name}
         self.c_running, self.c_waiting, self.c_kv = (g.labels(**m) for g in (self.running, self.waiting,
                                                                               self.kv_usage))
+        self.c_states = tuple(g.labels(**m) for g in (self.state_usage, self.state_snapshots,
+                                                       self.state_snapshot_share))
         self.c_preempt, self.c_prompt, self.c_gen = (c.labels(**m) for c in (self.preemptions, self.prompt_tokens,
                                                                              self.generation_tokens))
         self.c_ttft, self.c_itl, self.c_e2e, self.c_queue, self.c_iter = (
@@ -199,6 +208,10 @@ class Metrics:
             self.c_success[reason] = self.success.labels(model_name=self.model_name, finished_reason=reason)
         self.c_success[reason].inc()
         self.c_e2e.observe(max(0.0, now - req.arrival_time))
+
+    def state_slots(self, usage: float, num_snapshots: int, snapshot_share: float) -> None:
+        for gauge, value in zip(self.c_states, (usage, num_snapshots, snapshot_share), strict=True):
+            gauge.set(value)
 
     def step_done(self, out: SchedulerOutput, num_running: int, num_waiting: int, kv_usage: float) -> None:
         self.c_running.set(num_running)

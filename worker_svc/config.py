@@ -140,6 +140,13 @@ class WorkerConfig:
         'default 1, 2, 4, then multiples of 8 up to "max_cudagraph_capture_size", default 64; larger steps run '
         'eager), "cache_dir" (inductor\'s cache, default ~/.cache/llmserve/inductor)', metavar="JSON",
         check=_json_flag_problem(CompilationConfig.parse))
+    num_state_slots: int = setting(
+        0, "hybrid models (Gated DeltaNet / Mamba2 layers): recurrent-state slots, one per running sequence or "
+        "prefix-cache snapshot (0 = auto: as many as a quarter of the KV memory budget holds, at least 8, at most "
+        "1024; the state pool's bytes come out of that budget); ignored for other models", check=c.at_least(0))
+    mamba_ssm_cache_dtype: str = setting(
+        "auto", "dtype of a hybrid model's recurrent state matrices (vLLM's flag; auto = float32); the conv windows "
+        "stay in --dtype", choices=("auto", "float32", "bfloat16", "float16"))
     cpu_omp_threads_bind: str = setting(
         "auto", "CPU cores of the model's threads, one thread per core (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto = an "
         "equal share of this process's cores for each tensor-parallel rank on this host (when the rank runs a thread "

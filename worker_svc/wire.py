@@ -43,19 +43,27 @@ def step_plan(p: pb.StepPlan) -> core.StepPlan:
         reset_batch=p.reset_batch, dropped_slots=ids(p.dropped_slots),
         new_requests=[core.JoiningRequest(r.slot, r.request_id, ids(r.prompt_token_ids), len(r.prompt_token_ids),
                                           sampling_from_wire(r.sampling), list(r.block_ids),
-                                          r.num_computed_tokens, r.num_scheduled_tokens, r.lora_name, r.lora_path)
+                                          r.num_computed_tokens, r.num_scheduled_tokens, r.lora_name, r.lora_path,
+                                          _state_slot(r))
                       for r in p.new_requests],
         resumed_requests=[core.JoiningRequest(r.slot, r.request_id, ids(r.token_ids), r.num_prompt_tokens,
                                               sampling_from_wire(r.sampling), list(r.block_ids),
                                               r.num_computed_tokens, r.num_scheduled_tokens, r.lora_name,
-                                              r.lora_path)
+                                              r.lora_path, _state_slot(r))
                           for r in p.resumed_requests],
         cached=core.CachedRequests(ids(c.slots), ids(c.num_scheduled_tokens), ids(c.num_new_blocks),
                                    ids(c.new_block_ids), ids(c.num_draft_slots)),
         replaced_tables=[(t.slot, list(t.block_ids)) for t in p.replaced_tables],
         copy_src=ids([b.src for b in p.copy_blocks]), copy_dst=ids([b.dst for b in p.copy_blocks]),
         prompt_lookup_min=p.prompt_lookup_min, prompt_lookup_max=p.prompt_lookup_max,
+        state_copy_src=ids(p.state_copy_src), state_copy_dst=ids(p.state_copy_dst),
+        state_save_src=ids(p.state_save_src), state_save_dst=ids(p.state_save_dst),
     )
+
+
+def _state_slot(r: pb.NewRequest | pb.ResumedRequest) -> int:
+    """The joining request's state slot; -1 when the scheduler sent none (a model without recurrent layers)."""
+    return r.state_slot if r.HasField("state_slot") else -1
 
 
 def step_result(out: StepOutput) -> pb.StepResult:
@@ -118,6 +126,7 @@ def worker_info(runner: ModelRunner) -> pb.WorkerInfo:
         fencing_token=runner.batch.fencing_token,
         tensor_parallel_size=runner.group.size if runner.group is not None else 1,
         rank_num_blocks=runner.rank_num_blocks, rank_kv_bytes_per_block=runner.rank_kv_bytes_per_block,
+        num_state_slots=runner.num_state_slots, state_bytes_per_slot=runner.state_bytes_per_slot,
     )
 
 

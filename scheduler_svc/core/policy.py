@@ -21,6 +21,7 @@ from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prompt_results import skips_prefix_cache
 from scheduler_svc.core.request import Request, Status
 from scheduler_svc.core.speculative import SpeculativeConfig
+from scheduler_svc.core.state_pool import StateSlotPool
 from scheduler_svc.core.step_records import SchedulerOutput
 
 _DEFAULTS = SchedulerConfig()  # the policy's defaults are the settings' (scheduler_svc/config.py)
@@ -40,6 +41,22 @@ class PolicyConfig:
     scheduling_mode: str = _DEFAULTS.scheduling_mode  # continuous | static | naive
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
     max_loras: int = 0  # distinct LoRA adapters among running requests (the worker's device pool); 0: LoRA off
+    num_state_slots: int = 0  # hybrid models: the worker's state slots (leadership.sized_policy); 0: none
+    state_snapshot_share: float = _DEFAULTS.state_snapshot_share  # hybrids: share of them prefix snapshots may hold
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_state_slots > 0
+
+    @property
+    def max_state_snapshots(self) -> int:
+        """The state slots prefix-cache snapshots may hold (--state-snapshot-share of them; none without caching)."""
+        return int(self.state_snapshot_share * self.num_state_slots) if self.enable_prefix_caching else 0
+
+    @property
+    def snapshots(self) -> bool:
+        """Hybrid prefix caching: recurrent state snapshots at block boundaries (docs/hybrid-models.md)."""
+        return self.max_state_snapshots > 0
 
     @staticmethod
     def unsized(cfg: SchedulerConfig) -> PolicyConfig:
@@ -51,7 +68,8 @@ class PolicyConfig:
                             scheduling_policy=cfg.scheduling_policy,
                             enable_prefix_caching=cfg.enable_prefix_caching,
                             scheduling_mode=cfg.scheduling_mode, speculative=cfg.speculative(),
-                            max_loras=cfg.max_loras if cfg.enable_lora else 0)
+                            max_loras=cfg.max_loras if cfg.enable_lora else 0,
+                            state_snapshot_share=cfg.state_snapshot_share)
 
 
 
@@ -69,10 +87,14 @@ def _pick_victim(running: list[Request], cfg: PolicyConfig) -> Request:
     return running[-1]
 
 
-def _preempt(victim: Request, running: list[Request], waiting: deque[Request], pool: BlockPool) -> None:
+def _preempt(victim: Request, running: list[Request], waiting: deque[Request], pool: BlockPool,
+             states: StateSlotPool | None) -> None:
     running.remove(victim)
     pool.release(victim.block_ids)
     victim.block_ids = []
+    if states is not None:  # its recurrent state is recomputed from zero (or a snapshot) when it is readmitted
+        states.release(victim.state_slot)
+        victim.state_slot = -1
     victim.num_computed_tokens = 0
     victim.num_registered_blocks = 0
     victim.num_draft_slots_in_flight = 0  # the worker drops it: whatever its steps in flight accept is recomputed
@@ -87,7 +109,20 @@ def _chunk(req: Request, budget: int, cfg: PolicyConfig) -> int:
     n = req.num_tokens - req.num_computed_tokens
     if cfg.long_prefill_token_threshold > 0:
         n = min(n, cfg.long_prefill_token_threshold)
-    return min(n, budget)
+    n = min(n, budget)
+    if cfg.snapshots:
+        # A state snapshot is taken after a step, so the chunk ends at the prompt's snapshot position when it
+        # would pass it (docs/hybrid-models.md).
+        at = prompt_snapshot_position(req, cfg.block_size)
+        if req.num_computed_tokens < at < req.num_computed_tokens + n:
+            n = at - req.num_computed_tokens
+    return n
+
+
+def prompt_snapshot_position(req: Request, block_size: int) -> int:
+    """Hybrid prefix caching: where the prompt's snapshot is taken, its last full block boundary that a repeat of
+    the prompt can use (a hit always leaves one token to compute); 0: the prompt is too short for one."""
+    return (req.num_prompt_tokens - 1) // block_size * block_size
 
 
 def _draft_slots(req: Request, n: int, budget: int, cfg: PolicyConfig) -> int:
@@ -111,18 +146,29 @@ def _shared_blocks_written(req: Request, n: int, pool: BlockPool, block_size: in
     return [i for i in range(first, last) if pool.ref_counts[req.block_ids[i]] > 1]
 
 
-def _cached_prefix(req: Request, pool: BlockPool, cfg: PolicyConfig) -> list[int]:
+def _cached_prefix(req: Request, pool: BlockPool, cfg: PolicyConfig,
+                   states: StateSlotPool | None) -> tuple[list[int], int | None]:
     """Leading blocks of the request already computed in the pool; at least one token is always left to compute
-    (its logits are needed), so a fully cached prompt recomputes its last block."""
+    (its logits are needed), so a fully cached prompt recomputes its last block. A hybrid model's hit ends at the
+    longest of those prefixes that has a state snapshot (KV alone does not give the recurrent layers their state):
+    (blocks, the snapshot's slot)."""
     bs = cfg.block_size
     max_blocks = (req.num_tokens - 1) // bs
     hashes = req.full_block_hashes(bs)[:max_blocks]
     tokens = req.all_token_ids
-    return pool.cached_prefix(hashes, (tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))))
+    hits = pool.cached_prefix(hashes, (tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hashes))))
+    if states is None:
+        return hits, None
+    for k in range(len(hits), 0, -1):
+        slot = states.lookup(hashes[k - 1])
+        if slot is not None and states.snapshot[slot].num_tokens == k * bs:
+            return hits[:k], slot
+    return [], None
 
 
-def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, cfg: PolicyConfig) -> SchedulerOutput:
-    """Mutates the queues, the pool and the requests' block tables; returns the step."""
+def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, cfg: PolicyConfig,
+             states: StateSlotPool | None = None) -> SchedulerOutput:
+    """Mutates the queues, the pools and the requests' block tables and state slots; returns the step."""
     out = SchedulerOutput()
     budget = cfg.max_num_batched_tokens
     continuous = cfg.scheduling_mode == "continuous"
@@ -158,7 +204,7 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
             budget += out.unschedule(victim)
             if running.index(victim) < i:
                 i -= 1
-            _preempt(victim, running, waiting, pool)
+            _preempt(victim, running, waiting, pool, states)
             out.preempted.append(victim)
             if victim is req:
                 break
@@ -204,8 +250,14 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         if continuous and not cfg.enable_chunked_prefill and remaining > budget:
             out.admission_stopped_by = step_records.STOP_TOKEN_BUDGET
             break  # without chunking a prompt that does not fit the budget waits whole
-        hits = (_cached_prefix(req, pool, cfg) if cfg.enable_prefix_caching and not req.block_ids
-                and not skips_prefix_cache(req) else [])
+        hits, snapshot = (_cached_prefix(req, pool, cfg, states) if cfg.enable_prefix_caching and not req.block_ids
+                          and not skips_prefix_cache(req) else ([], None))
+        if states is not None:
+            if snapshot is not None:
+                states.use(snapshot)  # kept from eviction in this step, before any slot is taken
+            if states.num_available < 1:
+                out.admission_stopped_by = step_records.STOP_STATE_SLOTS
+                break
         req.num_computed_tokens += len(hits) * cfg.block_size
         n = _chunk(req, budget, cfg) if continuous else req.num_tokens - req.num_computed_tokens
         need = blocks_for(req.num_computed_tokens + n, cfg.block_size) - len(req.block_ids) - len(hits)
@@ -223,6 +275,10 @@ def schedule(waiting: deque[Request], running: list[Request], pool: BlockPool, c
         req.num_registered_blocks = len(hits)
         new = pool.allocate(need) if need > 0 else []
         req.block_ids.extend(hits + new)
+        if states is not None:
+            req.state_slot = states.allocate(req.request_id)
+            if snapshot is not None:
+                out.state_copies.append((snapshot, req.state_slot))
         req.status = Status.RUNNING
         running.append(req)
         if req.lora_name:

@@ -59,6 +59,11 @@ class Request:
     # Speculative decoding (not persisted): draft positions granted to steps in flight. Each may have advanced the
     # worker's copy by that many accepted tokens more than this side knows, so the next step's blocks cover them.
     num_draft_slots_in_flight: int = 0
+    # Hybrid models (not persisted: a new scheduler resumes everything by recompute): the worker's state slot it
+    # holds while in the batch (-1: none), and its latest snapshot at a block boundary past the prompt's (slot, key;
+    # a later one replaces it, so that a finished sequence leaves the last boundary it reached in the prefix cache).
+    state_slot: int = -1
+    decode_snapshot: tuple[int, bytes] | None = field(default=None, repr=False)
     # Prompt results (not persisted; recomputed on resume: scheduler_svc/core/prompt_results.py): the prompt tokens'
     # logprobs by position (index 0 stays None), and an embed request's pooled vector.
     prompt_logprobs: list[Any] | None = field(default=None, repr=False)

@@ -18,8 +18,10 @@ from collections import deque
 
 from scheduler_svc.core import prompt_results
 from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.policy import PolicyConfig, schedule
+from scheduler_svc.core.policy import PolicyConfig, prompt_snapshot_position, schedule
+from scheduler_svc.core.prompt_results import skips_prefix_cache
 from scheduler_svc.core.request import FINISH_LENGTH, FINISH_STOP, Request, Status
+from scheduler_svc.core.state_pool import PendingSave, StateSlotPool
 from scheduler_svc.core.step_records import (
     WORKER_EOS,
     WORKER_MAX_TOKENS,
@@ -45,9 +47,11 @@ def _accepted_drafts(out: SchedulerOutput, result: WorkerOutput) -> dict[str, in
 
 
 class SchedulerCore:
-    def __init__(self, policy: PolicyConfig, pool: BlockPool, queue_timeout: float = 0.0, arrival_seq: int = 0):
+    def __init__(self, policy: PolicyConfig, pool: BlockPool, queue_timeout: float = 0.0, arrival_seq: int = 0,
+                 states: StateSlotPool | None = None):
         self.policy = policy
         self.pool = pool
+        self.states = states  # hybrid models: the worker's state slots (None for a model without recurrent layers)
         self.queue_timeout = queue_timeout  # seconds a request may wait before its first step; 0 = forever
         self.arrival_seq = arrival_seq  # last arrival number handed out (persisted with each commit)
         self.waiting: deque[Request] = deque()
@@ -104,6 +108,7 @@ class SchedulerCore:
         for req in reversed(self.running):
             self.pool.release(req.block_ids)
             req.block_ids = []
+            self._release_state(req)
             req.num_computed_tokens = 0
             req.num_registered_blocks = 0
             req.status = Status.WAITING
@@ -115,12 +120,22 @@ class SchedulerCore:
     def worker_lost(self) -> None:
         """Whatever the worker did with the last plan is unknown (a failed call, a new epoch, a rejected plan):
         recompute everything on a reset batch. Blocks in the prefix-cache index came from committed steps and stay
-        valid unless the worker's KV itself is gone (the driver then calls `pool.drop_all_hashes()`)."""
+        valid unless the worker's KV itself is gone (the driver then calls `drop_cached()`). Snapshots the lost steps
+        were saving are cancelled; confirmed ones stay valid as blocks do."""
         self.requeue_running()
         for req in self.waiting:
             req.on_worker = False
+        if self.states is not None:  # snapshots the lost steps were saving never arrive
+            for slot in list(self.states.pending):
+                self.states.cancel(slot)
         self.to_drop.clear()
         self.reset_worker = True
+
+    def drop_cached(self) -> None:
+        """The worker's KV (and state) is gone or unknown: no cached block and no state snapshot is valid."""
+        self.pool.drop_all_hashes()
+        if self.states is not None:
+            self.states.drop_all()
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
@@ -135,7 +150,7 @@ class SchedulerCore:
             for req in [r for r in self.waiting if r.scheduled_time is None
                         and now - r.arrival_time > self.queue_timeout]:
                 self._finish(req, FINISH_TIMEOUT)
-        out = schedule(self.waiting, self.running, self.pool, self.policy)
+        out = schedule(self.waiting, self.running, self.pool, self.policy, self.states)
         for req in out.preempted:
             self._forget_on_worker(req)
         # Advance now, as if the step had run: the next step can then be planned while this one executes. A chunk
@@ -146,12 +161,18 @@ class SchedulerCore:
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending_tokens += 1
             req.num_draft_slots_in_flight += out.num_draft_slots.get(req.request_id, 0)
+        if self.states is not None:
+            if self.policy.snapshots:
+                self._plan_snapshots(out)
+            self.states.end_step()
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: WorkerOutput, now: float) -> StepOutcome:
         """Apply an executed step: progress, prefix-cache registration, forks, sampled tokens and worker finishes."""
         outcome = StepOutcome()
         accepted = _accepted_drafts(out, result) if out.num_draft_slots else {}
+        if out.state_saves:
+            self._confirm_snapshots(out)
         for req in out.scheduled:
             if req.finished:
                 continue  # finished (or aborted) while this step ran
@@ -169,7 +190,10 @@ class SchedulerCore:
                 if self.policy.enable_prefix_caching:
                     self._register_computed_blocks(req, confirmed)
                 if req.request_id in self.forks and confirmed >= req.num_prompt_tokens:
-                    self._fork(req)
+                    if self.states is None:
+                        self._fork(req)
+                    else:  # its siblings start from the prompt's snapshot and KV, through the prefix cache
+                        self._release_forks(req, front=True)
             if req.scheduled_time is None:
                 req.scheduled_time = now
                 outcome.newly_scheduled.append(req)
@@ -211,7 +235,9 @@ class SchedulerCore:
         commit = StepCommit(
             step_id=step_id, arrival_seq=self.arrival_seq, new_requests=self._new, updated=updated,
             appended={r.request_id: [t.token_id for t in toks] for r, toks in (outcome.appended if outcome else [])},
-            finished=finished, block_changes=self.pool.take_changes(), check_invariant=check_invariant,
+            finished=finished, block_changes=self.pool.take_changes(),
+            state_changes=self.states.take_changes() if self.states is not None else {},
+            check_invariant=check_invariant,
             finished_ttl_s=finished_ttl_s, after_step_id=after_step_id)
         self._new, self._updated, self._finished = [], [], []
         return commit
@@ -221,8 +247,12 @@ class SchedulerCore:
         return bool(self._new or self._updated or self._finished)
 
     def check_invariant(self) -> None:
-        """free + allocated == total, and every block owned by a live request is allocated (raises AssertionError)."""
+        """free + allocated == total, and every block owned by a live request is allocated; for a hybrid model every
+        running request holds its own state slot and no waiting one holds any (raises AssertionError)."""
         self.pool.check([r.block_ids for r in self.running] + [r.block_ids for r in self.waiting])
+        if self.states is not None:
+            assert all(r.state_slot < 0 for r in self.waiting), "a waiting request holds a state slot"
+            self.states.check({r.request_id: r.state_slot for r in self.running})
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
@@ -244,17 +274,66 @@ class SchedulerCore:
         self._release_forks(req)
         self.pool.release(req.block_ids)
         req.block_ids = []
+        self._release_state(req)
         self._forget_on_worker(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
         self._finished.append(req)
 
-    def _release_forks(self, first: Request) -> None:
+    def _release_forks(self, first: Request, front: bool = False) -> None:
         """Siblings that can no longer fork from `first` queue on their own (the prefix cache still helps)."""
         siblings = self.forks.pop(first.request_id, None)
-        if siblings:
+        if siblings and front:
+            self.waiting.extendleft(reversed(siblings))
+            self._updated.extend(siblings)
+        elif siblings:
             self.waiting.extend(siblings)
+
+    def _release_state(self, req: Request) -> None:
+        if self.states is not None and req.state_slot >= 0:
+            self.states.release(req.state_slot)
+            req.state_slot = -1
+
+    def _plan_snapshots(self, out: SchedulerOutput) -> None:
+        """Hybrid prefix caching: the snapshots this step saves after its forward. A chunk that ends at the prompt's
+        snapshot position (the policy cuts it there) saves the prompt's state; one that ends at a later block
+        boundary saves the state there, replacing the request's previous such snapshot once confirmed, so that a
+        finished sequence leaves the last boundary it reached (an agentic next turn extends it)."""
+        bs = self.policy.block_size
+        for req in out.scheduled:
+            if skips_prefix_cache(req) or req.request_id in out.num_draft_slots:
+                continue
+            end = out.num_computed_before[req.request_id] + out.num_tokens[req.request_id]
+            at = prompt_snapshot_position(req, bs)
+            if end % bs or end < at or end == 0:
+                continue
+            if end == at and self.states.lookup(req.full_block_hashes(bs)[end // bs - 1]) is not None:
+                continue  # the prompt's snapshot exists already
+            slot = self.states.reserve_snapshot(req.request_id)
+            if slot is None:
+                continue  # the snapshot budget is held by snapshots this step reads
+            out.state_saves.append(PendingSave(req.request_id, req.state_slot, slot, end, decode=end > at))
+
+    def _confirm_snapshots(self, out: SchedulerOutput) -> None:
+        """The step ran: its saved snapshots enter the prefix-cache index, keyed by their prefix's hash. A request
+        that had finished before the step (the worker skipped it) or was aborted meanwhile saved nothing valid."""
+        by_id = {r.request_id: r for r in out.scheduled}
+        bs = self.policy.block_size
+        for save in out.state_saves:
+            req = by_id[save.request_id]
+            if req.finished or len(req.all_token_ids) < save.num_tokens:
+                self.states.cancel(save.slot)
+                continue
+            key = req.full_block_hashes(bs)[save.num_tokens // bs - 1]
+            if not self.states.confirm(save.slot, key, save.num_tokens) or not save.decode:
+                continue
+            if req.decode_snapshot is not None:
+                slot, old = req.decode_snapshot
+                snap = self.states.snapshot.get(slot)
+                if snap is not None and snap.key == old:
+                    self.states.drop(slot)
+            req.decode_snapshot = (save.slot, key)
 
     def _fork(self, first: Request) -> None:
         """n > 1: the first sequence's prompt KV is computed; its siblings share those blocks and each computes

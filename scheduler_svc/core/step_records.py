@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.core.block_pool import BlockState
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.state_pool import PendingSave
 
 # Why the waiting queue's head was not admitted in a step (`SchedulerOutput.admission_stopped_by`).
 STOP_MAX_NUM_SEQS = "max_num_seqs"  # --max-num-seqs requests already run
@@ -18,6 +19,7 @@ STOP_TOKEN_BUDGET = "token_budget"  # the step's --max-num-batched-tokens are sp
 STOP_KV_CACHE = "kv_cache"  # not enough free KV blocks (or this step preempted: blocks go to running requests)
 STOP_MAX_LORAS = "max_loras"  # the next request's LoRA adapter would be one more than --max-loras in the batch
 STOP_BATCH_RUNNING = "batch_running"  # static / naive mode: no admission into a running batch
+STOP_STATE_SLOTS = "state_slots"  # hybrid models: every state slot is held by a request (or read this step)
 
 
 @dataclass
@@ -49,6 +51,10 @@ class SchedulerOutput:
     # Speculative decoding: request id -> draft positions the worker may verify after the request's one scheduled
     # token (budgeted and with KV blocks allocated; the worker proposes the drafts and may use fewer).
     num_draft_slots: dict[str, int] = field(default_factory=dict)
+    # Hybrid models: state slots copied (src, dst) before the forward (a snapshot into a joining request's slot),
+    # and the snapshots saved after it (state_pool.PendingSave: the request's slot -> a reserved slot).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[PendingSave] = field(default_factory=list)
     # Requests whose block table changed in place (a copy replaced a shared block): the whole table is resent.
     replaced_tables: set[str] = field(default_factory=set)
     # Why admission stopped while requests still waited (one of the STOP_* values), None when the queue emptied
@@ -159,6 +165,7 @@ class StepCommit:
     appended: dict[str, list[int]] = field(default_factory=dict)  # rid -> tokens produced this step
     finished: list[Request] = field(default_factory=list)  # final state, then expire
     block_changes: dict[int, BlockState] = field(default_factory=dict)  # from BlockPool.take_changes()
+    state_changes: dict[int, str] = field(default_factory=dict)  # from StateSlotPool.take_changes() (hybrids)
     check_invariant: bool = False
     finished_ttl_s: int = 600
     # The step the ledger must hold before this one (the last this leader committed), or None: unchecked. A
@@ -168,7 +175,8 @@ class StepCommit:
 
     @property
     def empty(self) -> bool:
-        return not (self.new_requests or self.updated or self.appended or self.finished or self.block_changes)
+        return not (self.new_requests or self.updated or self.appended or self.finished or self.block_changes
+                    or self.state_changes)
 
 
 @dataclass
@@ -191,5 +199,8 @@ class StepRecord:
     kv_usage: float = 0.0
     num_free_blocks: int = 0
     num_used_blocks: int = 0
+    state_usage: float = 0.0  # hybrid models: share of the state slots in use (requests and snapshots)
+    num_state_snapshots: int = 0
+    state_snapshot_share: float = 0.0
     trace: object = None  # the tracing observer's iteration span, parent of the worker call
     wait: Callable[[], WorkerOutput] | None = field(default=None, repr=False)  # the worker call in flight

@@ -278,6 +278,10 @@ class Driver(Frontend):
         self.outbox.publish(record.outcome.appended, commit.finished)
         record.num_running, record.num_waiting, record.kv_usage = len(core.running), len(core.waiting), pool.usage
         record.num_free_blocks, record.num_used_blocks = pool.num_free, pool.num_used
+        if core.states is not None:
+            states = core.states
+            record.state_usage, record.num_state_snapshots = states.usage, states.num_snapshots
+            record.state_snapshot_share = states.snapshot_share
         self._notify("step_committed", record)
 
     def _worker_failed(self, err: WorkerError) -> None:

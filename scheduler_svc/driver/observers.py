@@ -54,6 +54,7 @@ class MetricsObserver(Observer):
             m.request_finished(req, time.time())
         if out.scheduled:
             m.step_done(out, record.num_running, record.num_waiting, record.kv_usage)
+            m.state_slots(record.state_usage, record.num_state_snapshots, record.state_snapshot_share)
         m.redis_commit(record.commit_seconds)
         if record.worker is not None:
             m.worker_step(record.worker.forward_seconds, record.worker.idle_seconds, record.end - record.start)

@@ -235,6 +235,12 @@ def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: 
                         after_step_id=after_step_id)
     plan.dropped_slots.extend(s for s in map(slots.leave, dropped) if s is not None)
     plan.copy_blocks.extend(wpb.BlockCopy(src=src, dst=dst) for src, dst in out.copies)
+    for src, dst in out.state_copies:
+        plan.state_copy_src.append(src)
+        plan.state_copy_dst.append(dst)
+    for save in out.state_saves:
+        plan.state_save_src.append(save.src)
+        plan.state_save_dst.append(save.slot)
     cached_slots: list[int] = []
     scheduled: list[int] = []
     counts: list[int] = []
@@ -255,17 +261,19 @@ def encode_plan(out: SchedulerOutput, slots: SlotTable, *, step_id: int, token: 
                 counts.append(len(blocks))
                 new_blocks += blocks
         elif req.output_ids:
-            plan.resumed_requests.add(
+            entry = plan.resumed_requests.add(
                 slot=slots.join(rid), request_id=rid, token_ids=req.all_token_ids,
                 num_prompt_tokens=req.num_prompt_tokens, sampling=sampling_to_wire(req.sampling),
                 block_ids=req.block_ids, num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n,
                 lora_name=req.lora_name, lora_path=req.lora_path)
         else:
-            plan.new_requests.add(
+            entry = plan.new_requests.add(
                 slot=slots.join(rid), request_id=rid, prompt_token_ids=req.prompt_ids,
                 sampling=sampling_to_wire(req.sampling), block_ids=req.block_ids,
                 num_computed_tokens=out.num_computed_before[rid], num_scheduled_tokens=n,
                 lora_name=req.lora_name, lora_path=req.lora_path)
+        if not req.on_worker and req.state_slot >= 0:
+            entry.state_slot = req.state_slot
         req.on_worker = True
     cached = plan.cached
     cached.slots.extend(cached_slots)

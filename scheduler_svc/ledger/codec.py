@@ -12,6 +12,7 @@ encoder remembers what it last wrote for each active request (`Written`), so the
     out       [seq, packed ids, ...]            tokens appended to a request's output
     fin       [[rid, seq, field, value, ...]]   a finishing request's final state
     blocks    [block, ref_count, lru_tick, hash record, ...]   the pool's block changes ("" = no cached content)
+    states    [slot, owner record, ...]         hybrid models' state slot changes ("" = free; state_pool.py)
 
 `seq` is the request's arrival_seq (unique in a pool): the per-step keys are addressed by it, so a decode step
 carries a few bytes per request whatever the length of its id. Token and block ids are packed little-endian uint32
@@ -166,6 +167,8 @@ class CommitEncoder:
         payload = {"s": commit.step_id, "a": commit.arrival_seq, "ttl": commit.finished_ttl_s,
                    "check": int(commit.check_invariant), "new": new, "state": state, "computed": computed,
                    "blk_add": blk_add, "blk_set": blk_set, "out": out, "fin": fin, "blocks": blocks}
+        if commit.state_changes:
+            payload["states"] = [x for slot, record in sorted(commit.state_changes.items()) for x in (slot, record)]
         if commit.after_step_id is not None:
             payload["prev"] = commit.after_step_id
         return msgpack.packb(payload, use_bin_type=False)  # Redis's cmsgpack reads raw strings, not the bin type

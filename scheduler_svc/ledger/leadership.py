@@ -20,6 +20,7 @@ from common.worker_protocol import MAX_SLOTS
 from protos import worker_pb2 as wpb
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.scheduler import SchedulerCore
+from scheduler_svc.core.state_pool import from_records
 from scheduler_svc.driver.worker_client import WorkerClient, WorkerError
 from scheduler_svc.ledger.store import LeaseLost, RedisLedger
 from scheduler_svc.metrics import Metrics
@@ -128,12 +129,14 @@ def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metr
         # every plan would be rejected as fenced, and we would step down and retry forever.
         lease.token = ledger.advance_fence(lease.holder, token, info.fencing_token, lease.ttl_ms)
     ledger.durability.check(ledger.client)  # on every primary: a fail-over may promote one configured otherwise
-    ledger.init_pool(info.num_blocks, info.block_size)
+    ledger.init_pool(info.num_blocks, info.block_size, info.num_state_slots)
     cfg.policy = sized_policy(cfg.policy, info)
     metrics.set_config(cfg.policy, num_gpu_blocks=info.num_blocks, kv_bytes_per_block=info.kv_bytes_per_block,
                        max_model_len=info.max_model_len, device=info.device)
     state = ledger.load()
-    core = SchedulerCore(cfg.policy, state.pool, cfg.queue_timeout, state.arrival_seq)
+    states = (from_records(info.num_state_slots, cfg.policy.max_state_snapshots, state.state_records)
+              if info.num_state_slots else None)
+    core = SchedulerCore(cfg.policy, state.pool, cfg.queue_timeout, state.arrival_seq, states)
     # Fence the worker first: from now on a step the previous leader still has in flight is rejected, and the reply
     # says whether the worker ran a step that never reached Redis (its KV writes are then unknown).
     step_id = max(state.step_id, info.last_step_id) + 1
@@ -144,7 +147,7 @@ def take_pool(ledger: RedisLedger, lease: Lease, worker: WorkerClient, cfg, metr
     # run the ledger's steps (previous < step_id: a restarted worker whose epoch the last leader recorded before its
     # commit dropped the hashes) never computed them.
     if previous != state.step_id or worker.previous_epoch != info.epoch:
-        core.pool.drop_all_hashes()
+        core.drop_cached()
     core.resume(state.requests)
     return core, step_id, state.step_id
 
@@ -157,9 +160,14 @@ def sized_policy(policy, info: wpb.WorkerInfo):
     default_budget = device_default(SchedulerConfig, "max_num_batched_tokens", info.device)
     if whole_prompts_in_budget:
         default_budget = max(default_budget, info.max_model_len)
+    max_num_seqs = policy.max_num_seqs or device_default(SchedulerConfig, "max_num_seqs", info.device)
+    if info.num_state_slots:
+        check_hybrid(policy, info)
+        # Every running sequence of a hybrid model holds a state slot: no more can run than there are slots.
+        max_num_seqs = min(max_num_seqs, info.num_state_slots)
     sized = replace(policy, block_size=info.block_size,
                     max_num_batched_tokens=policy.max_num_batched_tokens or default_budget,
-                    max_num_seqs=policy.max_num_seqs or device_default(SchedulerConfig, "max_num_seqs", info.device))
+                    max_num_seqs=max_num_seqs, num_state_slots=info.num_state_slots)
     check_limits(block_size=info.block_size, budget=sized.max_num_batched_tokens, max_model_len=info.max_model_len,
                  chunked=not whole_prompts_in_budget, budget_is_default=not policy.max_num_batched_tokens)
     if sized.max_num_seqs > MAX_SLOTS // 2:
@@ -167,6 +175,15 @@ def sized_policy(policy, info: wpb.WorkerInfo):
         raise ConfigError(f"--max-num-seqs {sized.max_num_seqs} is above {MAX_SLOTS // 2}: the worker protocol "
                           f"addresses at most {MAX_SLOTS} requests by slot, twice --max-num-seqs at most")
     return sized
+
+
+def check_hybrid(policy, info: wpb.WorkerInfo) -> None:
+    """What does not compose with a hybrid model's recurrent state yet, refused at start (ConfigError)."""
+    model = info.model.name or info.model.architecture
+    if policy.speculative is not None:
+        raise ConfigError(f"--speculative-config with the hybrid model {model} ({info.num_state_slots} state "
+                          "slots): rejected drafts would have to be rolled back out of the recurrent state, which "
+                          "is not built; drop --speculative-config")
 
 
 def reconnect_worker(ledger: RedisLedger, lease: Lease, worker: WorkerClient, core: SchedulerCore, step_id: int,
@@ -178,16 +195,17 @@ def reconnect_worker(ledger: RedisLedger, lease: Lease, worker: WorkerClient, co
     if info is None:
         return step_id
     if info.epoch != epoch:
-        core.pool.drop_all_hashes()
-    if info.num_blocks != core.pool.num_blocks or info.block_size != core.policy.block_size:
-        raise RuntimeError("the worker came back with a different KV pool shape; restart the scheduler")
+        core.drop_cached()
+    if info.num_blocks != core.pool.num_blocks or info.block_size != core.policy.block_size or \
+            info.num_state_slots != core.policy.num_state_slots:
+        raise RuntimeError("the worker came back with a different KV pool or state slot shape; restart the scheduler")
     return max(step_id, info.last_step_id)
 
 
 def worker_restarted(ledger: RedisLedger, lease: Lease, worker: WorkerClient, core: SchedulerCore,
                      info: wpb.WorkerInfo) -> None:
     """An idle ping found a new epoch: its KV is gone, and with it every cached block."""
-    core.pool.drop_all_hashes()
+    core.drop_cached()
     worker.info = info
     ledger.set_worker(lease.token, worker.address, info.epoch, {"model": info.model.name,
                                                                 "num_blocks": info.num_blocks})

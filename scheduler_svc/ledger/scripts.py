@@ -49,12 +49,18 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: meta free refs. ARGV: num_blocks block_size schema_version.
-# Returns 1 when created, else {num_blocks, block_size, schema_version (nil if absent)}.
+# KEYS: meta free refs sfree sslot. ARGV: num_blocks block_size schema_version num_state_slots.
+# Returns 1 when created, else {num_blocks, block_size, schema_version (nil if absent), num_state_slots}.
 INIT_POOL = """
-local have = redis.call('HMGET', KEYS[1], 'num_blocks', 'block_size', 'schema_version')
+local have = redis.call('HMGET', KEYS[1], 'num_blocks', 'block_size', 'schema_version', 'num_state_slots')
 if have[1] then return have end
-redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+local slots = {}
+for s = 0, tonumber(ARGV[4]) - 1 do
+  slots[#slots + 1] = s
+  if #slots == 4000 then redis.call('SADD', KEYS[4], unpack(slots)); slots = {} end
+end
+if #slots > 0 then redis.call('SADD', KEYS[4], unpack(slots)) end
 local n = tonumber(ARGV[1])
 local ids = {}
 for b = 0, n - 1 do
@@ -63,7 +69,7 @@ for b = 0, n - 1 do
 end
 if #ids > 0 then redis.call('SADD', KEYS[2], unpack(ids)) end
 redis.call('HSET', KEYS[1], 'schema_version', ARGV[3], 'num_blocks', ARGV[1], 'block_size', ARGV[2], 'step_id', 0,
-           'arrival_seq', 0)
+           'arrival_seq', 0, 'num_state_slots', ARGV[4])
 return 1
 """
 
@@ -90,6 +96,7 @@ COMMIT = LEASE_CHECK + """
 local c = cmsgpack.unpack(ARGV[4])
 local pre = ARGV[3]
 local k_evict, k_bhash, k_computed = pre .. 'evict', pre .. 'bhash', pre .. 'computed'
+local k_sfree, k_sslot = pre .. 'sfree', pre .. 'sslot'
 local function req(rid) return pre .. 'req:' .. rid end
 local function out(seq) return pre .. 'out:' .. seq end
 local function blk(seq) return pre .. 'blk:' .. seq end
@@ -141,6 +148,30 @@ if c.check == 1 then
     return redis.error_reply('INVARIANT free ' .. nfree .. ' + evictable ' .. nev .. ' + allocated ' .. nref ..
                              ' ~= total ' .. total)
   end
+  -- State slots (hybrid models): free + owned (requests, pending and ready snapshots) == num_state_slots.
+  local states = c.states or {}
+  if #states > 0 then
+    local nslots = tonumber(redis.call('HGET', KEYS[2], 'num_state_slots') or '0')
+    local sids = {}
+    for i = 1, #states, 2 do
+      local s = states[i]
+      if s < 0 or s >= nslots then
+        return redis.error_reply('INVARIANT state slot ' .. s .. ' outside 0..' .. nslots - 1)
+      end
+      sids[#sids + 1] = s
+    end
+    local sfree, sowned = redis.call('SCARD', k_sfree), redis.call('HLEN', k_sslot)
+    local was_free, was_owned = bulk_read('SMISMEMBER', k_sfree, sids), bulk_read('HMGET', k_sslot, sids)
+    for j = 1, #sids do
+      if was_free[j] == 1 then sfree = sfree - 1 end
+      if was_owned[j] then sowned = sowned - 1 end
+      if states[2 * j] == '' then sfree = sfree + 1 else sowned = sowned + 1 end
+    end
+    if sfree + sowned ~= nslots then
+      return redis.error_reply('INVARIANT state slots free ' .. sfree .. ' + owned ' .. sowned .. ' ~= total ' ..
+                               nslots)
+    end
+  end
 end
 
 -- Joining requests: the whole record; a reused id must not inherit an old output, table or TTL.
@@ -191,6 +222,18 @@ bulk('HDEL', KEYS[4], ref_del); bulk('HSET', KEYS[4], ref_set)
 bulk('SREM', KEYS[3], free_del); bulk('SADD', KEYS[3], free_add)
 bulk('ZREM', k_evict, ev_del); bulk('ZADD', k_evict, ev_add)
 bulk('HDEL', k_bhash, hash_del); bulk('HSET', k_bhash, hash_set)
+-- State slot owners: a request ("r:<id>"), a pending snapshot ("p:<id>"), a ready one ("s:<key>:<tokens>:<tick>").
+local s_own, s_ids, s_del = {}, {}, {}
+t = c.states or {}
+for i = 1, #t, 2 do
+  if t[i + 1] == '' then
+    s_del[#s_del + 1] = t[i]
+  else
+    s_own[#s_own + 1] = t[i]; s_own[#s_own + 1] = t[i + 1]; s_ids[#s_ids + 1] = t[i]
+  end
+end
+bulk('HDEL', k_sslot, s_del); bulk('SADD', k_sfree, s_del)
+bulk('HSET', k_sslot, s_own); bulk('SREM', k_sfree, s_ids)
 redis.call('HSET', KEYS[2], 'step_id', c.s, 'arrival_seq', c.a)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
@@ -210,7 +253,7 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
 end
 return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]), reqs,
         redis.call('ZRANGE', pre .. 'evict', 0, -1, 'WITHSCORES'), redis.call('HGETALL', pre .. 'bhash'),
-        redis.call('HGETALL', pre .. 'computed')}
+        redis.call('HGETALL', pre .. 'computed'), redis.call('HGETALL', pre .. 'sslot')}
 """
 
 # ARGV: key prefix, request id. {hash, output, block table, num_computed_tokens (nil once finished)}, or {} if unknown.

@@ -22,6 +22,14 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
                           transition fields status, num_preemptions, first_token_time ("" = none), finish_reason
                           ("" = none), each rewritten alone when it changes; num_computed_tokens once finished
     computed      HASH    arrival_seq -> num_computed_tokens of every active request (one HSET per step for all)
+    sfree         SET     hybrid models: free state slot ids (meta's num_state_slots of them at creation; 0 for a
+                          model without recurrent layers)
+    sslot         HASH    state slot -> its owner: "r:<rid>" (a request in the worker's batch), "p:<rid>" (a
+                          snapshot that request's step in flight saves), "s:<key hex>:<num_tokens>:<lru tick>" (a
+                          prefix-cache snapshot of the recurrent state after the prefix whose last full block has
+                          that hash); invariant: SCARD(sfree) + HLEN(sslot) == num_state_slots. The state itself is
+                          never stored: a new leader keeps the snapshots (valid as cached blocks are) and resumes
+                          every request by recompute
     out:{seq}     STRING  output token ids, packed little-endian uint32, APPENDed each step (seq = arrival_seq,
                           unique in a pool: a decode step names a request in a few bytes whatever its id)
     blk:{seq}     STRING  block table, packed uint32: new ids APPENDed; SET whole on preemption, copy-on-write,
@@ -68,7 +76,8 @@ from scheduler_svc.ledger.redis_ha import Durability
 # state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records). 5: the
 # sampling record gains logit_bias and bad_words (common/sampling_fields.py). 6: the sampling record gains
 # prompt_logprobs and embed; a request record may carry its LoRA adapter (lora, lora_path); the lora_adapters hash.
-SCHEMA_VERSION = 6
+# 7: state slots of hybrid models (meta's num_state_slots, sfree, sslot).
+SCHEMA_VERSION = 7
 
 
 class LeaseLost(Exception):
@@ -111,6 +120,7 @@ class LoadedState:
     step_id: int
     arrival_seq: int
     meta: dict[str, str]
+    state_records: dict[int, str]  # hybrid models: state slot -> owner record (sslot), free slots absent
 
 
 def _text(x: bytes | str) -> str:
@@ -230,18 +240,20 @@ class RedisLedger:
 
     # ---- pool and worker registry --------------------------------------------------------------------------
 
-    def init_pool(self, num_blocks: int, block_size: int) -> bool:
-        """Create the pool (all blocks free, schema_version SCHEMA_VERSION) unless it exists; an existing pool must
-        have this schema_version (else SchemaMismatch) and the same shape (else ValueError)."""
-        res = self._init_pool(keys=[self.k_meta, self.k_free, self.k_refs],
-                              args=[num_blocks, block_size, SCHEMA_VERSION])
+    def init_pool(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> bool:
+        """Create the pool (all blocks and state slots free, schema_version SCHEMA_VERSION) unless it exists; an
+        existing pool must have this schema_version (else SchemaMismatch) and the same shape (else ValueError)."""
+        res = self._init_pool(keys=[self.k_meta, self.k_free, self.k_refs, self.prefix + "sfree",
+                                    self.prefix + "sslot"],
+                              args=[num_blocks, block_size, SCHEMA_VERSION, num_state_slots])
         if res == 1:
             return True
         check_schema(self.prefix, None if res[2] is None else _text(res[2]))
-        have_n, have_bs = int(res[0]), int(res[1])
-        if (have_n, have_bs) != (num_blocks, block_size):
-            raise ValueError(f"pool {self.prefix!r} exists with num_blocks={have_n}, block_size={have_bs}; "
-                             f"asked for num_blocks={num_blocks}, block_size={block_size} "
+        have = (int(res[0]), int(res[1]), int(res[3] or 0))
+        if have != (num_blocks, block_size, num_state_slots):
+            raise ValueError(f"pool {self.prefix!r} exists with num_blocks={have[0]}, block_size={have[1]}, "
+                             f"num_state_slots={have[2]}; asked for num_blocks={num_blocks}, "
+                             f"block_size={block_size}, num_state_slots={num_state_slots} "
                              "(flush that namespace's keys or use another --namespace)")
         return False
 
@@ -286,7 +298,7 @@ class RedisLedger:
 
     def load(self) -> LoadedState:
         """Everything a new scheduler needs to rebuild its mirror, read atomically."""
-        meta_flat, free, refs_flat, reqs, evict, bhash, computed_flat = self._load(
+        meta_flat, free, refs_flat, reqs, evict, bhash, computed_flat, sslot = self._load(
             keys=[self.k_meta, self.k_free, self.k_refs, self.k_active], args=[self.prefix])
         meta = _pairs(meta_flat)
         if "num_blocks" not in meta:
@@ -306,7 +318,8 @@ class RedisLedger:
         pool = BlockPool(int(meta["num_blocks"]), free_ids=sorted(int(b) for b in free), refs=refs, cached=cached,
                          evictable={int(evict[i]): int(float(evict[i + 1])) for i in range(0, len(evict), 2)})
         return LoadedState(requests=requests, pool=pool, step_id=int(meta.get("step_id", 0)),
-                           arrival_seq=int(meta.get("arrival_seq", 0)), meta=meta)
+                           arrival_seq=int(meta.get("arrival_seq", 0)), meta=meta,
+                           state_records={int(s): r for s, r in _pairs(sslot).items()})
 
     def get_request(self, rid: str) -> Request | None:
         """A request by id, finished ones included while their keys live."""
@@ -325,13 +338,21 @@ class RedisLedger:
         pipe.zrange(self.prefix + "evict", 0, -1)
         pipe.hlen(self.prefix + "bhash")
         pipe.scard(self.k_active)
-        total, free, refs, evict, nhash, active = pipe.execute()
+        pipe.hget(self.k_meta, "num_state_slots")
+        pipe.smembers(self.prefix + "sfree")
+        pipe.hkeys(self.prefix + "sslot")
+        total, free, refs, evict, nhash, active, nslots, sfree, sowned = pipe.execute()
         free_ids = {int(b) for b in free}
         evict_ids = {int(b) for b in evict}
         ref_counts = {int(b): int(n) for b, n in refs.items()}
-        return {"free": len(free_ids), "evictable": len(evict_ids), "allocated": len(ref_counts),
-                "total": int(total or 0), "refs_sum": sum(ref_counts.values()), "cached": nhash, "active": active,
-                "overlap": len(free_ids & ref_counts.keys()) + len(evict_ids & (free_ids | ref_counts.keys()))}
+        counts = {"free": len(free_ids), "evictable": len(evict_ids), "allocated": len(ref_counts),
+                  "total": int(total or 0), "refs_sum": sum(ref_counts.values()), "cached": nhash, "active": active,
+                  "overlap": len(free_ids & ref_counts.keys()) + len(evict_ids & (free_ids | ref_counts.keys()))}
+        if nslots and int(nslots):  # hybrid models: the state slots' accounting beside the blocks'
+            sfree_ids, sowned_ids = {int(s) for s in sfree}, {int(s) for s in sowned}
+            counts.update(state_slots=int(nslots), state_free=len(sfree_ids), state_owned=len(sowned_ids),
+                          state_overlap=len(sfree_ids & sowned_ids))
+        return counts
 
     def flush_pool(self) -> None:
         """Delete every key of this namespace + pool (tests)."""

@@ -25,6 +25,7 @@ _COLUMNS: dict[str, tuple[type, object]] = {
     "num_computed_tokens": (np.int64, 0),
     "num_blocks": (np.int64, 0),
     "live": (np.bool_, False),  # the row holds a request
+    "state_slot": (np.int64, -1),  # hybrid models: the row's recurrent-state slot (worker_svc/state_cache.py)
     # sampling parameters: the table's scalar columns (SAMPLING_COLUMNS, added below)
     "plain": (np.bool_, False),  # SamplingParams.plain: sampling is an argmax
     "constrained": (np.bool_, False),  # structured output: matchers[row] masks and follows its tokens
@@ -57,6 +58,7 @@ class InputBatch:
     num_computed_tokens: np.ndarray
     num_blocks: np.ndarray
     live: np.ndarray
+    state_slot: np.ndarray
     plain: np.ndarray
     constrained: np.ndarray
     has_logit_bias: np.ndarray
@@ -90,7 +92,8 @@ class InputBatch:
     # -- rows ---------------------------------------------------------------------------------
 
     def add(self, row: int, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-            params: SamplingParams, block_ids: Sequence[int], num_computed_tokens: int, matcher: object = None) -> int:
+            params: SamplingParams, block_ids: Sequence[int], num_computed_tokens: int, matcher: object = None,
+            state_slot: int = -1) -> int:
         """Put a request into free row `row` (its slot), growing the arrays to hold it (`matcher`: its grammar
         matcher, already at the state after its output tokens)."""
         if row >= self.num_rows:
@@ -110,6 +113,7 @@ class InputBatch:
         self._set_sampling(row, params)
         self.matchers[row] = matcher
         self.constrained[row] = matcher is not None
+        self.state_slot[row] = state_slot
         return row
 
     def free(self, row: int) -> None:

@@ -1,4 +1,8 @@
-"""The paged KV pool: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+"""The paged KV pool: one tensor [num_kv_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+
+Only attention layers hold KV: a hybrid model's recurrent layers keep a fixed-size state instead
+(worker_svc/state_cache.py), so its KV per token counts only its attention layers.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,19 @@ import torch
 
 from worker_svc.model.config import ModelConfig
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layers(cfg: ModelConfig) -> list[int]:
+    """The indices of the layers that attend over the paged KV (all of them for a non-hybrid model)."""
+    if cfg.layer_types is None:
+        return list(range(cfg.num_layers))
+    return [i for i, t in enumerate(cfg.layer_types) if t in ATTENTION_LAYER_TYPES]
+
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return len(attention_layers(cfg)) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def num_blocks_for_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
@@ -27,5 +40,5 @@ def cuda_kv_budget(device: torch.device, utilization: float) -> int:
 def allocate(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     # Zero-filled: unwritten slots must not hold NaN garbage the attention could read by mistake.
-    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+    return torch.zeros(len(attention_layers(cfg)), 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                        dtype=dtype, device=device)

@@ -25,6 +25,7 @@ from common.worker_protocol import MAX_SLOTS
 from worker_svc.core.errors import EpochMismatch, FencedPlan, InvalidPlan, PlanError, StaleStep
 from worker_svc.core.input_batch import InputBatch
 from worker_svc.core.plan import JoiningRequest, StepPlan
+from worker_svc.core.state_plan import check_state_plan
 from worker_svc.sampling.grammar import GrammarCache
 
 
@@ -34,6 +35,7 @@ class BatchLimits:
     block_size: int
     max_model_len: int
     vocab_size: int
+    num_state_slots: int = 0  # hybrid models: the recurrent-state pool's slots (0: a model without one)
 
 
 @dataclass
@@ -176,6 +178,7 @@ class PersistentBatch:
         for i, (src, dst) in enumerate(zip(plan.copy_src.tolist(), plan.copy_dst.tolist(), strict=True)):
             if not (0 <= src < n and 0 <= dst < n) or src == dst:
                 raise _invalid(f"copy_blocks[{i}]: src {src} and dst {dst} must be distinct blocks in [0, {n})")
+        check_state_plan(plan, self.limits.num_state_slots, inputs.state_slot[live])
         return cached
 
     def _cached_valid(self, d: CachedDeltas, live: np.ndarray, joining: set[int]) -> bool:
@@ -305,7 +308,7 @@ class PersistentBatch:
                 self._check_constraint("", r, cached.matchers)
                 matcher = cached.matchers[r.slot]
             inputs.add(r.slot, r.request_id, r.token_ids, r.num_prompt_tokens, r.sampling, r.block_ids,
-                       r.num_computed_tokens, matcher)
+                       r.num_computed_tokens, matcher, r.state_slot)
             if r.num_scheduled_tokens > 0:
                 rows.append(r.slot)
                 starts.append(r.num_computed_tokens)

@@ -32,6 +32,9 @@ class JoiningRequest:
     num_scheduled_tokens: int = 0
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     lora_path: str = ""  # its PEFT directory
+    # Hybrid models: the recurrent-state slot it holds while in the batch (worker_svc/state_cache.py); -1: none
+    # (a model without recurrent layers). Zeroed before the step when num_computed_tokens == 0.
+    state_slot: int = -1
 
 
 @dataclass
@@ -59,5 +62,11 @@ class StepPlan:
     replaced_tables: list[tuple[int, list[int]]] = field(default_factory=list)  # (cached slot, whole new table)
     copy_src: np.ndarray = field(default_factory=_no_ids)  # copy-on-write: block copy_src[i] -> copy_dst[i]
     copy_dst: np.ndarray = field(default_factory=_no_ids)
+    # Hybrid models: whole state slots copied before the forward (a snapshot restored into a request's slot: a
+    # prefix-cache hit, an n > 1 fork), then after it (state_save: a snapshot of src's state after this step).
+    state_copy_src: np.ndarray = field(default_factory=_no_ids)
+    state_copy_dst: np.ndarray = field(default_factory=_no_ids)
+    state_save_src: np.ndarray = field(default_factory=_no_ids)
+    state_save_dst: np.ndarray = field(default_factory=_no_ids)
     prompt_lookup_min: int = 0  # n-gram drafts: the suffix lengths tried (read when some entry has draft slots)
     prompt_lookup_max: int = 0

@@ -24,6 +24,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.core import kv_cache, ngram_drafts
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
+from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
 from worker_svc.core.step_inputs import ModelInputs, build_model_inputs
 from worker_svc.core.step_output import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
 from worker_svc.cpu import layer_loop
@@ -32,6 +33,7 @@ from worker_svc.model import families as models
 from worker_svc.model import lora, quant
 from worker_svc.model.compiled import compile_model, wants_compiled
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.families.hybrid import refuse_uncomposed
 from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
 from worker_svc.model.loader import load_model_weights
 from worker_svc.parallel.sharding import FULL, Shard, local_config
@@ -120,6 +122,8 @@ class ModelRunner:
         self.small_step_threads = SmallStepThreads(torch.get_num_threads())
         compiled = wants_compiled(opts)  # inductor cannot trace CPU-packed weights
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
+        if getattr(family, "hybrid", False):
+            refuse_uncomposed(opts, self.config.architecture, max(tp_size, opts.tensor_parallel_size), compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights
@@ -135,6 +139,7 @@ class ModelRunner:
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size
+        self.state: StateCache | None = None  # hybrid models: the recurrent-state pool (_size_state_pool)
         num_blocks = self._size_kv_pool()
         # Block tables are the same on every rank: every rank's pool holds as many blocks as the smallest.
         self.rank_num_blocks = group.all_gather_int(num_blocks) if group is not None else [num_blocks]
@@ -152,21 +157,48 @@ class ModelRunner:
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
         self.pooler = Pooler(PoolerConfig.parse(opts.pooler_config))
         self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
-                                                 cfg.vocab_size), self.grammars)
+                                                 cfg.vocab_size, self.num_state_slots), self.grammars)
 
     def _size_kv_pool(self) -> int:
         o = self.opts
         if o.num_gpu_blocks_override:
+            self._size_state_pool(o.num_gpu_blocks_override * self.rank_kv_bytes_per_block)
             return o.num_gpu_blocks_override
         if self.device.type == "cuda":
             self._warm_up(o.max_num_batched_tokens)
             budget = kv_cache.cuda_kv_budget(self.device, o.gpu_memory_utilization)
         else:
             budget = o.kv_cache_memory
+        states = self._size_state_pool(budget)
+        if states >= budget:
+            raise ConfigError(f"the state pool ({self.state.num_slots} slots of {self.state.bytes_per_slot} bytes) "
+                              f"takes the whole KV memory budget ({budget} bytes): lower --num-state-slots, or raise "
+                              "--kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA)")
+        budget -= states
         n = kv_cache.num_blocks_for_bytes(self.local_config, self.block_size, self.dtype, budget)
         if n < 1:
             raise RuntimeError(f"no room for a single KV block of {self.block_size} tokens in {budget} bytes")
         return n
+
+    def _size_state_pool(self, budget: int) -> int:
+        """A hybrid model's state pool (--num-state-slots, or auto from the KV budget); the bytes it takes."""
+        if not getattr(self.model, "hybrid", False):
+            return 0
+        state_dtype = ssm_dtype(self.opts.mamba_ssm_cache_dtype)
+        shape = self.model.state_shape()
+        per_slot = shape.bytes_per_slot(self.dtype, state_dtype)
+        n = self.opts.num_state_slots or auto_num_slots(per_slot, budget)
+        self.state = StateCache(shape, n, self.dtype, state_dtype, self.device)
+        log.info("state pool: %d slots of %d bytes (%s recurrent state)", n, per_slot, state_dtype)
+        return n * per_slot
+
+    @property
+    def num_state_slots(self) -> int:
+        return 0 if self.state is None else self.state.num_slots
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return 0 if self.state is None else self.state.bytes_per_slot
 
     def _warm_up(self, num_tokens: int) -> None:
         """One forward at the largest batch, so the KV budget sees the activation peak."""
@@ -176,7 +208,13 @@ class ModelRunner:
                                                 self.device, build_plan=self.attention_backend == "torch")
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        self.model.forward(ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device))
+        extra = {}
+        if getattr(self.model, "hybrid", False):  # one scratch state slot
+            pool = StateCache(self.model.state_shape(), 1, self.dtype, ssm_dtype(self.opts.mamba_ssm_cache_dtype),
+                              self.device)
+            extra["state"] = StateStep(pool, torch.zeros(1, dtype=torch.int64, device=self.device),
+                                       torch.tensor([0, num_tokens], device=self.device))
+        self.model.forward(ids, pos, scratch, meta, torch.tensor([num_tokens - 1], device=self.device), **extra)
         del scratch
         torch.cuda.synchronize(self.device)
 
@@ -208,9 +246,12 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
+        if self.state is not None:
+            self._restore_states(plan)
         if not len(sched):
             if len(copies[0]):
                 self._run(copies, None)
+            self._save_states(plan)
             return StepOutput(plan.step_id, previous)
         num_drafts = None
         if sched.draft_slots is not None:
@@ -230,8 +271,12 @@ class ModelRunner:
             inputs.pool_indices = torch.from_numpy(pooling.flat).to(self.device)
         if self.lora is not None:
             self.lora.begin_step(sched.rows, chunk_rows)
+        if self.state is not None:  # each sequence's slot, in the order of its rows
+            slots = torch.from_numpy(self.batch.inputs.state_slot[sched.rows]).to(self.device)
+            inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64))
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
+        self._save_states(plan)
         t2 = time.perf_counter()
         out = StepOutput(plan.step_id, previous, sched.num_tokens)
         if pooling is not None:
@@ -248,6 +293,19 @@ class ModelRunner:
         if tracing.enabled:
             _trace_phases(plan, sched, len(inputs.sample_rows), t0, t1, t2, t3)
         return out
+
+    def _restore_states(self, plan: StepPlan) -> None:
+        """Before the forward: snapshots copied into slots, then every fresh sequence's slot zeroed."""
+        self.state.copy(*(torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)
+                          for a in (plan.state_copy_src, plan.state_copy_dst)))
+        fresh = [r.state_slot for r in (*plan.new_requests, *plan.resumed_requests) if r.num_computed_tokens == 0]
+        self.state.zero(torch.tensor(fresh, dtype=torch.int64, device=self.device))
+
+    def _save_states(self, plan: StepPlan) -> None:
+        """After the forward: snapshots of the state after this step's tokens (the scheduler's prefix cache)."""
+        if self.state is not None:
+            self.state.copy(*(torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)
+                              for a in (plan.state_save_src, plan.state_save_dst)))
 
     def _run(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None) -> torch.Tensor | None:
         """Copy-on-write, then the forward; in a group, on every rank (the step's inputs sent to them first)."""
@@ -279,8 +337,9 @@ class ModelRunner:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             start = time.perf_counter()
+        extra = {} if inputs.state is None else {"state": inputs.state}
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv, inputs.attn_metadata,
-                                    inputs.logits_indices, inputs.pool_indices)
+                                    inputs.logits_indices, inputs.pool_indices, **extra)
         if timed:
             self.small_step_threads.record(num_tokens, threads, time.perf_counter() - start)
         if self.device.type == "cuda":

@@ -7,6 +7,7 @@ end, so token t belongs to chunk seq[t] = repeat(arange(n), lengths)[t]. No Pyth
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ class ModelInputs:
     num_drafts: np.ndarray | None = None
     # Embeddings: rows whose final normed hidden state the step reads (worker_svc/sampling/pooling.py); None: none.
     pool_indices: torch.Tensor | None = None
+    # Hybrid models: the state pool and each chunk's slot (worker_svc/state_cache.StateStep), set by the runner.
+    state: Any = None
 
 
 def build_model_inputs(s: Schedule, block_size: int, device: torch.device, *, build_plan: bool,

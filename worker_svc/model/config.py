@@ -39,6 +39,30 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[int] | None = None
+    # Hybrid models (worker_svc/model/families/hybrid.py): layer_types also names recurrent layers ("linear_attention":
+    # Gated DeltaNet); their head counts, head sizes and conv kernel; rope on the first partial_rotary_factor of each
+    # attention head; a shared expert beside the routed ones (Qwen3-Next; 0: none).
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    # Mamba2 layers ("mamba" in layer_types; Nemotron-H, Granite 4.0): heads, head size, SSM state size, groups of
+    # B / C, conv kernel and its bias, the least time step; the MLP layers' activation ("relu2": Nemotron-H).
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_n_groups: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_conv_bias: bool = True
+    time_step_min: float = 0.0
+    mlp_hidden_act: str = "silu"
+    # Granite's scalings (embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling); None:
+    # none. use_rope False: attention without rope (Granite 4.0's position_embedding_type other than "rope").
+    multipliers: dict | None = None
+    use_rope: bool = True
     # A GGUF's tokenizer entries as spelled, control tokens blanked, and xgrammar's vocab type (for structured
     # outputs, read while the file is open anyway); None: read from the HF directory's tokenizer.json when needed.
     vocabulary: tuple[list[str], str] | None = field(default=None, repr=False, compare=False)

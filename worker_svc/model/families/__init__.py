@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.families.gemma import Gemma2, Gemma3
+from worker_svc.model.families.granite_hybrid import GraniteMoeHybrid
 from worker_svc.model.families.llama import Llama, Mistral, Qwen2
 from worker_svc.model.families.mixtral import Mixtral
+from worker_svc.model.families.nemotron_h import NemotronH
 from worker_svc.model.families.qwen3 import Qwen3
 from worker_svc.model.families.qwen3_moe import Qwen3Moe
+from worker_svc.model.families.qwen3_next import Qwen3_5, Qwen3Next
 
 MODELS: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": Llama,
@@ -23,6 +26,10 @@ MODELS: dict[str, type[LlamaModel]] = {
     "Gemma3ForCausalLM": Gemma3,
     "MixtralForCausalLM": Mixtral,
     "Qwen3MoeForCausalLM": Qwen3Moe,
+    "Qwen3NextForCausalLM": Qwen3Next,
+    "Qwen3_5ForCausalLM": Qwen3_5,
+    "NemotronHForCausalLM": NemotronH,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybrid,
 }
 
 

@@ -1,0 +1,122 @@
+"""What the hybrid families share: decoders whose layers are either attention over the paged KV or a recurrent
+mixer with a fixed-size state per sequence (worker_svc/state_cache.py).
+
+The forward takes one more input than LlamaModel's: `state` (state_cache.StateStep), the pool and each sequence's
+slot. Attention layer i uses KV layer `kv_index[i]` (only attention layers have KV); recurrent layer i uses state
+layer `state_index[i]`. A family says how its layers read (`_build_layers`), what its state is (`state_shape`) and
+runs its layers (`_layers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from common.config import ConfigError
+from worker_svc.config import WorkerConfig
+from worker_svc.core.kv_cache import ATTENTION_LAYER_TYPES
+from worker_svc.core.state_cache import StateShape, StateStep
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.decoder import Collectives, LlamaModel
+from worker_svc.model.layers.linear import linear, pack_linear_weight, prepack_supported
+
+
+def refuse_uncomposed(opts: WorkerConfig, architecture: str, tp_size: int, compiled: bool) -> None:
+    """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet."""
+    if tp_size > 1:
+        raise ConfigError(f"--tensor-parallel-size {tp_size}: {architecture}'s recurrent layers are not sharded "
+                          "yet; run it with --tensor-parallel-size 1")
+    if compiled:
+        raise ConfigError(f"-O {opts.optimization_level}: the compiled forward runs Llama-shaped decoders only, not "
+                          f"{architecture}'s recurrent layers; run with -O0 (or --enforce-eager)")
+    if opts.enable_lora:
+        raise ConfigError(f"--enable-lora: adapters are not served on {architecture} (a hybrid model) yet; run "
+                          "without --enable-lora")
+
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")  # Gated DeltaNet; Mamba2: the layers with a state slot
+
+
+class HybridModel(LlamaModel):
+    hybrid: ClassVar[bool] = True  # the runner sizes a state pool and passes `state`
+    gguf: ClassVar[bool] = False
+    embed_name: ClassVar[str] = "model.embed_tokens.weight"
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", attention: Any = None, max_position: int | None = None,
+                 prepack: bool | None = None, tp: Collectives | None = None):
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"--tensor-parallel-size {tp.size}: {config.architecture}'s recurrent layers are not "
+                             "sharded yet; run it with --tensor-parallel-size 1")
+        self.config = config
+        self.tp = None
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.prepacked = prepack_supported(self.device, dtype) if prepack is None else prepack
+        self.lora: Any = None
+        self.attention = attention if attention is not None else kernels
+        self.max_position = max_position or config.max_position_embeddings
+        self.vocab_start = 0
+        self.cpu_ops = None
+        self.cpu_layers = None  # the C++ layer loop runs Llama-shaped layers only
+        types = config.layer_types or []
+        self.kv_index = {i: j for j, i in enumerate(i for i, t in enumerate(types) if t in ATTENTION_LAYER_TYPES)}
+        recurrent = [i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES]
+        self.state_index = {i: j for j, i in enumerate(recurrent)}
+        self.attn_kwargs = [{} for _ in range(config.num_layers)]
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def mat(t: torch.Tensor) -> torch.Tensor:
+            return pack_linear_weight(t.contiguous()) if self.prepacked else t
+
+        self.embed = w(self.embed_name)
+        self._build_layers(weights, w, mat)
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = mat(self.embed if tied else w("lm_head.weight"))
+
+    def _build_layers(self, weights: dict, w, mat) -> None:
+        raise NotImplementedError
+
+    def state_shape(self) -> StateShape:
+        raise NotImplementedError
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        c = self.config
+        return (len(self.kv_index), 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
+                logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None,
+                state: StateStep | None = None):
+        if state is None:
+            raise ValueError(f"{self.config.architecture} is a hybrid model: its forward needs the state pool")
+        h = self._layers(F.embedding(input_ids, self.embed), positions, kv_cache, attn_meta, state)
+        return self.head(h, logits_indices, pool_indices)
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
+                state: StateStep) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
+        pooled = None if pool_indices is None else self.final_norm(h[pool_indices])
+        logits = linear(self.final_norm(h[logits_indices]), self.lm_head).float()
+        return logits if pooled is None else (logits, pooled)
+
+    __call__ = forward
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 then rounded (`weight` float32), as the
+    hybrid families' transformers code computes its RMSNorm."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)

@@ -1,0 +1,84 @@
+"""Mamba2's selective state-space scan (SSD) over a flattened step, from carried states (Nemotron-H, Granite 4.0).
+
+Per head the state is a [head_dim, state_size] matrix S; token t with step dt_t > 0 does
+
+    S <- exp(dt_t A) S + dt_t x_t B_t^T;   y_t = S C_t + D x_t
+
+Decode rows (a sequence with one row in the step) take that update directly, all at once. Longer chunks take the
+chunked (SSD) form: within a block of tokens the outputs are a masked, decayed C B^T "attention" over dt x, plus the
+block's start state read through C; the blocks of one sequence are visited in order, those of all sequences at the
+same index together. So the Python loop runs over block indices only, never over tokens or sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 64  # tokens per block in the chunked form
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+             states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """y [T, H, P] float32 for x [T, H, P], dt [T, H] (already softplus'd and clamped), a [H] (< 0), b and c
+    [T, G, N] (each group serves H / G consecutive heads), d [H]; `states` [S, H, P, N] is read at `slots` [N] and
+    updated in place; cu_seqlens [N + 1] gives each sequence's rows."""
+    heads = x.shape[1]
+    x, dt = x.float(), dt.float()
+    b, c = (y.float().repeat_interleave(heads // y.shape[1], dim=1) for y in (b, c))
+    out = torch.empty_like(x)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    single = lens == 1
+    if bool(single.any()):
+        seqs = torch.nonzero(single).flatten()
+        rows = cu_seqlens[seqs]
+        step = _recurrent_step
+        if states.is_cuda:  # the pool updated in place by a Triton kernel, no gather / write-back
+            from kernels.recurrent_triton import ssd_decode as step
+        out[rows] = step(x[rows], dt[rows], a, b[rows], c[rows], states, slots[seqs])
+    if not bool(single.all()):
+        seqs = torch.nonzero(~single).flatten()
+        _chunked(x, dt, a, b, c, states, slots[seqs], cu_seqlens[seqs], lens[seqs], out)
+    return out + d.float()[:, None] * x
+
+
+def _recurrent_step(x, dt, a, b, c, states, slots) -> torch.Tensor:
+    s = states.index_select(0, slots).float().mul_((dt * a).exp()[..., None, None])  # a copy: updated in place
+    s.add_((dt.unsqueeze(-1) * x).unsqueeze(-1) * b.unsqueeze(-2))
+    states.index_copy_(0, slots, s.to(states.dtype))
+    return torch.einsum("nhpk,nhk->nhp", s, c)
+
+
+def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
+    device = x.device
+    size = min(BLOCK, 1 << (int(lens.max()) - 1).bit_length())
+    blocks = (lens + size - 1) // size
+    first = torch.cumsum(blocks, 0) - blocks
+    num = int(blocks.sum())
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), blocks, output_size=num)
+    offset = (torch.arange(num, device=device) - first[seq]).unsqueeze(1) * size + torch.arange(size, device=device)
+    valid = offset < lens[seq].unsqueeze(1)
+    rows = torch.where(valid, starts[seq].unsqueeze(1) + offset, 0)
+
+    def gather(y: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [M, H, C, ...], zero past a chunk's end
+        return (y[rows] * valid.view(*valid.shape, *([1] * (y.dim() - 1)))).movedim(1, 2).contiguous()
+
+    xb, dtb, bb, cb = gather(x), gather(dt), gather(b), gather(c)  # padding: dt 0, so no decay and no write
+    cum = (dtb * a[:, None]).cumsum(-1)  # [M, H, C] log decay from the block's start
+    lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    xdt = xb * dtb.unsqueeze(-1)
+    y_diag = ((cb @ bb.transpose(-1, -2)) * decay) @ xdt  # [M, H, C, P]
+    start_decay = cum.exp().unsqueeze(-1)
+    to_end = (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    writes = (xdt * to_end).transpose(-1, -2) @ bb  # [M, H, P, N]: the block's own contribution to its end state
+    block_decay = cum[..., -1].exp()[..., None, None]
+    s = states.index_select(0, slots).float()
+    result = torch.empty_like(xb)
+    for j in range(int(blocks.max())):
+        on = torch.nonzero(blocks > j).flatten()
+        m = first[on] + j
+        s_on = s[on]
+        result[m] = y_diag[m] + (cb[m] @ s_on.transpose(-1, -2)) * start_decay[m]
+        s[on] = s_on * block_decay[m] + writes[m]
+    states.index_copy_(0, slots, s.to(states.dtype))
+    out[rows[valid]] = result.movedim(2, 1)[valid]
