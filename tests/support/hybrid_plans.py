@@ -25,7 +25,7 @@ from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, SampledToken, Ste
 from scheduler_svc.driver.admission import Limits, build_requests
 from scheduler_svc.driver.worker_client import encode_plan
 from scheduler_svc.ledger.codec import CommitEncoder
-from worker_svc.server import skip_finished_requests, step_plan
+from worker_svc.wire import skip_finished_requests, step_plan
 
 BS = 16
 VOCAB = 500
