@@ -14,6 +14,7 @@ import torch
 
 import kernels
 import kernels.reference as ref
+import kernels.reference_plan as reference_plan
 from protos import worker_pb2 as pb
 from tests.support import legacy_host_path as legacy
 from tests.support.plans import Cached, Wire, add_cached
@@ -216,7 +217,8 @@ def random_shapes(rng: random.Random, n: int, block_size: int):
 
 @pytest.mark.parametrize("group_rows", [ref.DECODE_GROUP_ROWS, 300, float("inf")])  # inf: as on CUDA
 def test_attention_metadata_equals_the_torch_construction(monkeypatch, group_rows):
-    monkeypatch.setattr(ref, "DECODE_GROUP_ROWS", group_rows)
+    # The plan builder reads the constant from its own module; kernels.reference only re-exports the value.
+    monkeypatch.setattr(reference_plan, "DECODE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(legacy, "DECODE_GROUP_ROWS", group_rows)
     for seed in range(60):
         rng = random.Random(seed)
