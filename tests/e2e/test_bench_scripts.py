@@ -238,3 +238,16 @@ def test_llmserve_bench_fleet(tmp_path):
     assert records["round_robin"]["fleet"]["pools"][0]["requests"] == 2  # round_robin: pools in turn
     assert records["cache_aware"]["fleet"]["smg_cache_aware_branches"]  # smg's routing decisions were read
     assert "| cache_aware | 2 | 4/0 |" in stdout and "| round_robin | 2 | 4/0 |" in stdout
+
+
+def test_hybrid_serving(tmp_path):
+    out = tmp_path / "hs.json"
+    run_bench("hybrid_serving", "--layers", 4, "--hidden", 128, "--context", 4096, "--kv-budget-mib", 64,
+              "--prompt-len", 40, "--answer-len", 10, "--turn-len", 9, "--reps", 1, "--json", out, timeout=400)
+    res = json.loads(out.read_text())
+    full, auto, sized = (r["fit"] for r in res["capacity"])
+    assert 0 < full < auto <= sized  # one attention layer in four: more long sequences in the same bytes
+    hits = {(r["caching"], r["case"]): r["hit_tokens"] for r in res["ttft"]}
+    assert hits[True, "cold"] == 0 and hits[True, "repeat"] == 32  # a 40-token prompt's last full block boundary
+    assert hits[True, "extended"] == 48  # the last boundary the first turn reached (40 + 10 tokens)
+    assert not any(h for (caching, _), h in hits.items() if not caching)
