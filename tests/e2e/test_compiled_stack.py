@@ -70,6 +70,10 @@ def test_compiled_worker_equals_eager_under_every_mode(redis_server, refs, induc
     assert "Traceback" not in compiled.log_text()
 
 
+# slow: three compiling ranks; the compiled forward's tensor-parallel logits are checked in the default run by
+# tests/e2e/test_tensor_parallel.py::test_sharded_logits_match_one_rank (N = 2), the compiled worker behind the
+# scheduler by the test above, and a served tensor-parallel group by tests/e2e/test_tensor_parallel_e2e.py.
+@pytest.mark.slow
 def test_compiled_tensor_parallel_group_equals_eager(redis_server, refs, inductor_cache):  # noqa: F811
     """Three ranks (SmolLM2's 9 query and 3 KV heads), each compiling its shard's parts, all-reduces between them."""
     group = cluster.start_worker([*POOL, "--tensor-parallel-size", 3, "-O1", "--compilation-config", SIZES],
