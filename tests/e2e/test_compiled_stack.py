@@ -61,15 +61,28 @@ def run_cases(redis_server: str, worker: cluster.Proc, flags: list[str], refs: l
     assert_clean_log(proc)
 
 
-def test_compiled_worker_equals_eager_under_every_mode(redis_server, refs, inductor_cache):  # noqa: F811
-    compiled = cluster.start_worker([*POOL, "-O1", "--compilation-config", SIZES], env=inductor_cache)
-    assert "compiled forward ready: sizes [4, 16, 64]" in compiled.log_text()
-    for flags in ([], ["--speculative-config", SPEC]):
-        run_cases(redis_server, compiled, flags, refs)
-    cluster.stop(compiled)
-    assert "Traceback" not in compiled.log_text()
+@pytest.fixture(scope="module")
+def compiled(inductor_cache):
+    worker = cluster.start_worker([*POOL, "-O1", "--compilation-config", SIZES], env=inductor_cache)
+    assert "compiled forward ready: sizes [4, 16, 64]" in worker.log_text()
+    yield worker
+    cluster.stop(worker)
+    assert "Traceback" not in worker.log_text()
 
 
+# Without speculation is slow: the speculative run's steps hold the rows without drafts too (decodes, the regex row),
+# the compiled forward alone against the eager one is tests/service/test_compiled_forward.py, and the same cases
+# through the scheduler without speculation are tests/e2e/test_speculative.py's reference run.
+@pytest.mark.parametrize("flags", [pytest.param([], marks=pytest.mark.slow), ["--speculative-config", SPEC]],
+                         ids=["plain", "speculative"])
+def test_compiled_worker_equals_eager_under_every_mode(redis_server, refs, compiled, flags):  # noqa: F811
+    run_cases(redis_server, compiled, flags, refs)
+
+
+# slow: three compiling ranks; the compiled forward's tensor-parallel logits are checked in the default run by
+# tests/e2e/test_tensor_parallel.py::test_sharded_logits_match_one_rank (N = 2), the compiled worker behind the
+# scheduler by the test above, and a served tensor-parallel group by tests/e2e/test_tensor_parallel_e2e.py.
+@pytest.mark.slow
 def test_compiled_tensor_parallel_group_equals_eager(redis_server, refs, inductor_cache):  # noqa: F811
     """Three ranks (SmolLM2's 9 query and 3 KV heads), each compiling its shard's parts, all-reduces between them."""
     group = cluster.start_worker([*POOL, "--tensor-parallel-size", 3, "-O1", "--compilation-config", SIZES],

@@ -107,6 +107,10 @@ def lm_eval(workdir, name: str, model: str, model_args: str, *extra: str) -> tup
     return results["results"][TASK], sorted(samples, key=lambda s: s["doc_id"])
 
 
+# slow: lm-eval's CLI twice (its HF backend too) over a whole stack; the property it leans on, every prompt token's
+# logprob through completions with echo equal to HF's, is checked in the default run by
+# tests/e2e/test_prompt_scoring_api.py::test_echo_logprobs_match_hf.
+@pytest.mark.slow
 def test_local_completions_scores_like_hf(workdir):
     model_dir = workdir / "smollm2-hf"
     with Stack(["--model", str(model_dir), "--dtype", "float32", "--num-gpu-blocks-override", "256",

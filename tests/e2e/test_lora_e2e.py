@@ -185,6 +185,11 @@ def test_runtime_load_and_unload_under_16_streams(pool):
         redis.Redis.from_url(pool.redis_url).delete(f"{ns}:lora_adapters")
 
 
+# slow: kill -9 crossed with LoRA. Each half runs by default: the scheduler kill -9 and re-attach in
+# tests/e2e/test_recovery.py::test_scheduler_sigkill_clients_reattach_and_lose_nothing, the ledger record keeping
+# its adapter in tests/unit/test_lora_scheduling.py::test_ledger_record_keeps_the_adapter, adapter selection and
+# isolation in the two tests above.
+@pytest.mark.slow
 def test_scheduler_sigkill_with_adapter_requests_resumes_identical_streams(pool):
     ns = cluster.new_namespace("lora-kill")
     port = cluster.free_port()

@@ -203,6 +203,11 @@ def _requests(adapters: dict[str, str], prompts: list[list[int]]) -> list:
             for name in ["", *adapters] for i, p in enumerate(prompts)]
 
 
+# slow: a second two-rank run of the same property at the runner's level; by default the logits of both families
+# (test_tp2_with_adapters_equals_one_rank), the follower's pool from the step message (the test above), a served
+# tensor-parallel group (tests/e2e/test_tensor_parallel_e2e.py) and one rank's runner with adapters
+# (tests/service/test_lora_worker.py) run.
+@pytest.mark.slow
 def test_worker_group_with_adapters_equals_one_rank(checkpoints, tmp_path):
     """ModelRunner on two ranks, requests of both adapters and the base model in one batch: rank 0's step messages
     carry the adapters and token slots, and the greedy tokens equal one rank's."""

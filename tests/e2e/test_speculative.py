@@ -66,7 +66,9 @@ def scheduler(redis_url, worker, *flags) -> tuple[cluster.Proc, grpc.Channel]:
     return proc, grpc.insecure_channel(proc.address)
 
 
-def test_speculation_equals_plain_decoding_under_every_mode(redis_server, worker):  # noqa: F811
+@pytest.fixture(scope="module")
+def refs(redis_server, worker):  # noqa: F811
+    """Each case alone without speculation, and the first code case again with a stop string from its middle."""
     plain, ch = scheduler(redis_server, worker)
     stub = pb_grpc.LLMServeStub(ch)
     refs = [run(stub, p, m, **kw) for p, m, kw in CASES]
@@ -78,24 +80,31 @@ def test_speculation_equals_plain_decoding_under_every_mode(redis_server, worker
     ch.close()
     cluster.stop(plain)
     assert_clean_log(plain)
+    return refs, stop, stop_ref
 
-    for flags in ([], ["--no-async-scheduling"]):
-        proc, ch = scheduler(redis_server, worker, "--speculative-config", SPEC, *flags)
-        stub = pb_grpc.LLMServeStub(ch)
-        outs = run_concurrently([lambda p=p, m=m, kw=kw, stub=stub: run(stub, p, m, **kw) for p, m, kw in CASES]
-                                + [lambda stub=stub: run(stub, CODE, 40, stop=[stop])])
-        for i, (out, ref) in enumerate(zip(outs, [*refs, stop_ref], strict=True)):
-            assert out == ref, f"{flags}: case {i} differs with speculation on"
-        got = metrics(proc.extra["metrics_port"])
-        assert got.get("vllm:num_preemptions_total", 0) > 0, "the run was meant to preempt"
-        assert got["vllm:spec_decode_num_draft_tokens_total"] >= got["vllm:spec_decode_num_accepted_tokens_total"]
-        assert got["vllm:spec_decode_num_accepted_tokens_total"] > 10
-        assert got["vllm:spec_decode_num_drafts_total"] > 0
-        assert got.get("vllm:spec_decode_num_accepted_tokens_per_pos_total|position=0", 0) > 0
-        wait_idle_ledger(redis_server, proc.namespace, SMALL_BLOCKS)
-        ch.close()
-        cluster.stop(proc)
-        assert_clean_log(proc)
+
+# Not pipelined is slow: the same cases and checks run pipelined (the default) here, and the core's token and block
+# accounting with speculation is checked both ways in tests/unit/test_speculative.py.
+@pytest.mark.parametrize("flags", [[], pytest.param(["--no-async-scheduling"], marks=pytest.mark.slow)],
+                         ids=["pipelined", "not-pipelined"])
+def test_speculation_equals_plain_decoding_under_every_mode(redis_server, worker, refs, flags):  # noqa: F811
+    refs, stop, stop_ref = refs
+    proc, ch = scheduler(redis_server, worker, "--speculative-config", SPEC, *flags)
+    stub = pb_grpc.LLMServeStub(ch)
+    outs = run_concurrently([lambda p=p, m=m, kw=kw, stub=stub: run(stub, p, m, **kw) for p, m, kw in CASES]
+                            + [lambda stub=stub: run(stub, CODE, 40, stop=[stop])])
+    for i, (out, ref) in enumerate(zip(outs, [*refs, stop_ref], strict=True)):
+        assert out == ref, f"{flags}: case {i} differs with speculation on"
+    got = metrics(proc.extra["metrics_port"])
+    assert got.get("vllm:num_preemptions_total", 0) > 0, "the run was meant to preempt"
+    assert got["vllm:spec_decode_num_draft_tokens_total"] >= got["vllm:spec_decode_num_accepted_tokens_total"]
+    assert got["vllm:spec_decode_num_accepted_tokens_total"] > 10
+    assert got["vllm:spec_decode_num_drafts_total"] > 0
+    assert got.get("vllm:spec_decode_num_accepted_tokens_per_pos_total|position=0", 0) > 0
+    wait_idle_ledger(redis_server, proc.namespace, SMALL_BLOCKS)
+    ch.close()
+    cluster.stop(proc)
+    assert_clean_log(proc)
 
 
 @pytest.mark.parametrize(("flags", "words"), [
