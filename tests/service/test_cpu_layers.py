@@ -99,8 +99,9 @@ class NoLora:
         pass
 
 
-# The step takes the Python loop when a LoRA pool is set, whatever the weights and dtype (worker_svc/cpu/layer_loop.py decides
-# before any layer runs): the float32 kinds by default, the bfloat16 ones (emulated without AVX512-BF16) slow.
+# The step takes the Python loop when a LoRA pool is set, whatever the weights and dtype (the runner decides before
+# any layer runs, worker_svc/core/runner.py): the float32 kinds by default, the bfloat16 ones (emulated without
+# AVX512-BF16) slow.
 @pytest.mark.parametrize("model", ["dense", "quantized", "int8-activations",
                                    *(pytest.param(f"{kind}-bfloat16", marks=pytest.mark.slow)
                                      for kind in ("dense", "quantized", "int8-activations"))], indirect=True)
