@@ -1,4 +1,4 @@
-"""Granite 4.0 hybrid (GraniteMoeHybridForCausalLM): Mamba2 layers (worker_svc/mamba2_mixer.py) and attention layers
+"""Granite 4.0 hybrid (GraniteMoeHybridForCausalLM): Mamba2 layers (layers/mamba2_mixer.py) and attention layers
 by `layer_types`, each followed by a feed-forward that is a shared SwiGLU MLP, plus a sparse MoE where
 `num_local_experts` > 0. Granite's multipliers as transformers applies them: the embeddings times
 `embedding_multiplier`, every residual branch times `residual_multiplier`, attention scaled by `attention_multiplier`,

@@ -1,6 +1,6 @@
 """Nemotron-H: a stack of single-mixer blocks, each `x + mixer(rmsnorm(x))`, the mixer picked per layer by
 `layers_block_type` (or the older `hybrid_override_pattern`: `M` Mamba2, `*` attention, `-` MLP, `E` MoE): Mamba2
-(worker_svc/mamba2_mixer.py), attention without rope (positions come from the Mamba2 layers), or an MLP with a
+(layers/mamba2_mixer.py), attention without rope (positions come from the Mamba2 layers), or an MLP with a
 squared-ReLU and no gate. The checkpoint's names are under `backbone.`.
 """
 

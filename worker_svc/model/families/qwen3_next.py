@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers (`linear_attention`, worker_svc/gated_deltanet.py) with a
+"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers (`linear_attention`, layers/gated_deltanet.py) with a
 few gated full-attention layers; Qwen3-Next's feed-forward is a sparse MoE with a gated shared expert.
 
 As transformers computes them: every RMSNorm is zero-centred (x * (1 + w), in float32 then rounded); the attention

@@ -1,7 +1,7 @@
 """A Mamba2 mixer (Nemotron-H's `M` layers, Granite 4.0's `mamba` layers) over a flattened step.
 
-in-projection [z | x B C | dt] -> causal conv of x B C (carried window) -> SSD scan (carried state, worker_svc/
-ssd_scan.py) -> y * silu(z), RMS-normed per group -> out-projection.
+in-projection [z | x B C | dt] -> causal conv of x B C (carried window) -> SSD scan (carried state, ssd_scan.py)
+-> y * silu(z), RMS-normed per group -> out-projection.
 """
 
 from __future__ import annotations
