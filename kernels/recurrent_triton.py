@@ -1,8 +1,9 @@
 """Triton kernels for the recurrent layers' decode step (CUDA; the interpreter runs them on CPU for tests).
 
-The torch path (worker_svc/gated_delta_rule.py, ssd_scan.py, causal_conv.py) gathers each decoding sequence's state
-out of the pool, updates it and writes it back: two extra passes over every state matrix per layer and step, which
-the CPU profile shows as the largest part of a hybrid model's decode. These kernels update the pool in place
+The torch path (worker_svc/model/layers/gated_delta_rule.py, ssd_scan.py, causal_conv.py, whose ops' forward_cuda
+call these kernels for the decode rows) gathers each decoding sequence's state out of the pool, updates it and writes
+it back: two extra passes over every state matrix per layer and step, which the CPU profile shows as the largest part
+of a hybrid model's decode. These kernels update the pool in place
 instead: one program per (sequence, head) reads its slot's matrix once, applies the gated delta rule or Mamba2's
 scan step and writes it back; one program per (sequence, channel block) shifts its conv window. Same arithmetic as
 the torch path, in float32."""

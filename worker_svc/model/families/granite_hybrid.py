@@ -1,4 +1,4 @@
-"""Granite 4.0 hybrid (GraniteMoeHybridForCausalLM): Mamba2 layers (worker_svc/mamba2_mixer.py) and attention layers
+"""Granite 4.0 hybrid (GraniteMoeHybridForCausalLM): Mamba2 layers (layers/mamba2_mixer.py) and attention layers
 by `layer_types`, each followed by a feed-forward that is a shared SwiGLU MLP, plus a sparse MoE where
 `num_local_experts` > 0. Granite's multipliers as transformers applies them: the embeddings times
 `embedding_multiplier`, every residual branch times `residual_multiplier`, attention scaled by `attention_multiplier`,
@@ -11,17 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from worker_svc.core.state_cache import StateShape, StateStep
 from worker_svc.model.families.hf import require
-from worker_svc.model.families.hybrid import HybridModel, rms_norm_f32
+from worker_svc.model.families.hybrid import HybridModel
 from worker_svc.model.families.nemotron_h import mamba2_dims, mamba2_fields, mamba2_weights
 from worker_svc.model.families.sparse_moe import moe_fields
 from worker_svc.model.layers import moe
-from worker_svc.model.layers.linear import linear
 from worker_svc.model.layers.mamba2_mixer import Mamba2Weights, mamba2_mixer
-from worker_svc.model.layers.rotary import rope_tables, swap_halves
+from worker_svc.model.layers.rotary import rope_tables
 
 HF_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "full_attention",
             "attention": "full_attention"}
@@ -78,7 +76,6 @@ class GraniteMoeHybrid(HybridModel):
         self.residual_multiplier = scale.get("residual_multiplier", 1.0)
         self.attention_multiplier = scale.get("attention_multiplier", c.head_dim ** -0.5)
         self.logits_scaling = scale.get("logits_scaling", 1.0)
-        self.rope = c.use_rope
 
         def f32(name: str) -> torch.Tensor:
             return weights[name].to(self.device, torch.float32)
@@ -105,21 +102,12 @@ class GraniteMoeHybrid(HybridModel):
                                             mat(w(shared + "input_linear.weight")),
                                             mat(w(shared + "output_linear.weight")), block))
         self.norm = f32("model.norm.weight")
-        if self.rope:
+        if c.use_rope:  # the ops' rotary (none without the tables)
             self.cos_cache, self.sin_signed_cache = rope_tables(c, self.max_position, self.dtype, self.device)
         self.experts_fn = moe.select_experts_fn(self.device)
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm_f32(h, self.norm, self.config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, kv_cache, attn_meta, logits_indices, pool_indices=None, state=None):
-        if state is None:
-            raise ValueError(f"{self.config.architecture} is a hybrid model: its forward needs the state pool")
-        h = F.embedding(input_ids, self.embed) * self.embedding_multiplier
-        h = self._layers(h, positions, kv_cache, attn_meta, state)
-        return self.head(h, logits_indices, pool_indices)
-
-    __call__ = forward
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_tokens(input_ids) * self.embedding_multiplier
 
     def head(self, h: torch.Tensor, logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
         out = super().head(h, logits_indices, pool_indices)
@@ -129,35 +117,34 @@ class GraniteMoeHybrid(HybridModel):
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
                 state: StateStep) -> torch.Tensor:
-        c = self.config
-        eps, m = c.rms_norm_eps, self.residual_multiplier
+        c, ops, m = self.config, self.ops, self.residual_multiplier
+        rope = None if ops.rope is None else ops.rope.prepare(positions)
         for i, layer in enumerate(self.layers):
-            x = rms_norm_f32(h, layer.input_norm, eps)
+            x = ops.rms_norm(h, layer.input_norm)
             if isinstance(layer.mixer, Mamba2Weights):
                 j = self.state_index[i]
                 out = mamba2_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                   state.cu_seqlens, eps, linear)
+                                   state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan)
             else:
-                out = self._attention(x, *layer.mixer, positions, kv_cache[self.kv_index[i]], attn_meta)
+                out = self._attention(x, *layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta)
             h = h + out * m
-            x = rms_norm_f32(h, layer.post_norm, eps)
-            gate, up = linear(x, layer.shared_in).chunk(2, dim=-1)
-            out = linear(F.silu(gate) * up, layer.shared_out)
+            x = ops.rms_norm(h, layer.post_norm)
+            gate, up = ops.linear(x, layer.shared_in).chunk(2, dim=-1)
+            out = ops.linear(ops.silu_mul(gate, up), layer.shared_out)
             if layer.moe is not None:
                 out = moe.moe_forward(x, layer.moe, self.experts_fn) + out
             h = h + out * m
         return h
 
-    def _attention(self, x, qkv, o, positions, kv, attn_meta) -> torch.Tensor:
-        c = self.config
+    def _attention(self, x, qkv, o, rope, kv, attn_meta) -> torch.Tensor:
+        c, ops = self.config, self.ops
         t, d = x.shape[0], c.head_dim
-        q, k, v = linear(x, qkv).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        q, k, v = ops.linear(x, qkv).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q, k, v = q.view(t, c.num_heads, d), k.view(t, c.num_kv_heads, d), v.reshape(t, c.num_kv_heads, d)
-        if self.rope:
-            cos, sin = self.cos_cache[positions].unsqueeze(1), self.sin_signed_cache[positions].unsqueeze(1)
-            q, k = (y * cos + swap_halves(y) * sin for y in (q, k))
+        if rope is not None:  # `rope` is the step's prepared rotary
+            q, k = ops.rope(q, rope), ops.rope(k, rope)
         self.attention.write_kv_cache(k, v, kv[0], kv[1], attn_meta.slot_mapping)
         out = self.attention.paged_attention(q.contiguous(), kv[0], kv[1], attn_meta.block_tables,
                                              attn_meta.cu_seqlens_q, attn_meta.seq_lens, self.attention_multiplier,
                                              plan=attn_meta.plan)
-        return linear(out.reshape(t, c.num_heads * d), o)
+        return ops.linear(out.reshape(t, c.num_heads * d), o)

@@ -4,15 +4,16 @@ mixer with a fixed-size state per sequence (worker_svc/state_cache.py).
 The forward takes one more input than LlamaModel's: `state` (state_cache.StateStep), the pool and each sequence's
 slot. Attention layer i uses KV layer `kv_index[i]` (only attention layers have KV); recurrent layer i uses state
 layer `state_index[i]`. A family says how its layers read (`_build_layers`), what its state is (`state_shape`) and
-runs its layers (`_layers`).
+runs its layers (`_layers`) over the model's `HybridOps` (built once for the device's mode, `use_ops`); the embedding,
+the final norm and the head are LlamaModel's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from common.config import ConfigError
@@ -21,7 +22,14 @@ from worker_svc.core.kv_cache import ATTENTION_LAYER_TYPES
 from worker_svc.core.state_cache import StateShape, StateStep
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import Collectives, LlamaModel
-from worker_svc.model.layers.linear import linear, pack_linear_weight, prepack_supported
+from worker_svc.model.layers.activation import SiluAndMul
+from worker_svc.model.layers.causal_conv import CausalConv1d
+from worker_svc.model.layers.gated_delta_rule import GatedDeltaRule
+from worker_svc.model.layers.linear import Linear, LinearAdd, pack_linear_weight, prepack_supported
+from worker_svc.model.layers.norm import Float32RMSNorm
+from worker_svc.model.layers.op import op_mode
+from worker_svc.model.layers.rotary import PartialRotary
+from worker_svc.model.layers.ssd_scan import SSDScan
 
 
 def refuse_uncomposed(opts: WorkerConfig, architecture: str, tp_size: int, compiled: bool) -> None:
@@ -38,6 +46,21 @@ def refuse_uncomposed(opts: WorkerConfig, architecture: str, tp_size: int, compi
 
 
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")  # Gated DeltaNet; Mamba2: the layers with a state slot
+
+
+@dataclass
+class HybridOps:
+    """The layer ops a hybrid family's layers call, each built for the model's mode (`rms_norm`, `linear` and
+    `silu_mul` are named as in DecoderOps: LlamaModel's final norm and head call them)."""
+
+    rms_norm: Float32RMSNorm
+    linear: Linear
+    linear_add: LinearAdd
+    silu_mul: SiluAndMul
+    rope: PartialRotary | None  # None: the family's attention has no rope
+    conv: CausalConv1d
+    delta_rule: GatedDeltaRule
+    ssd_scan: SSDScan
 
 
 class HybridModel(LlamaModel):
@@ -67,6 +90,7 @@ class HybridModel(LlamaModel):
         recurrent = [i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES]
         self.state_index = {i: j for j, i in enumerate(recurrent)}
         self.attn_kwargs = [{} for _ in range(config.num_layers)]
+        self.cos_cache = self.sin_signed_cache = None  # a family with rope sets its tables in _build_layers
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
@@ -78,14 +102,18 @@ class HybridModel(LlamaModel):
         self._build_layers(weights, w, mat)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = mat(self.embed if tied else w("lm_head.weight"))
+        self.use_ops(op_mode(self.device))
+
+    def use_ops(self, mode: str) -> None:
+        rope = None if self.cos_cache is None else PartialRotary(self.cos_cache, self.sin_signed_cache, mode)
+        self.rotaries = [] if rope is None else [rope]
+        self.ops = HybridOps(Float32RMSNorm(self.config.rms_norm_eps, mode), Linear(mode), LinearAdd(mode),
+                             SiluAndMul(mode), rope, CausalConv1d(mode), GatedDeltaRule(mode), SSDScan(mode))
 
     def _build_layers(self, weights: dict, w, mat) -> None:
         raise NotImplementedError
 
     def state_shape(self) -> StateShape:
-        raise NotImplementedError
-
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -98,25 +126,12 @@ class HybridModel(LlamaModel):
                 state: StateStep | None = None):
         if state is None:
             raise ValueError(f"{self.config.architecture} is a hybrid model: its forward needs the state pool")
-        h = self._layers(F.embedding(input_ids, self.embed), positions, kv_cache, attn_meta, state)
+        h = self._layers(self.embed_tokens(input_ids), positions, kv_cache, attn_meta, state)
         return self.head(h, logits_indices, pool_indices)
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
                 state: StateStep) -> torch.Tensor:
         raise NotImplementedError
 
-    def head(self, h: torch.Tensor, logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
-        pooled = None if pool_indices is None else self.final_norm(h[pool_indices])
-        logits = linear(self.final_norm(h[logits_indices]), self.lm_head).float()
-        return logits if pooled is None else (logits, pooled)
-
     __call__ = forward
 
-
-def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 then rounded (`weight` float32), as the
-    hybrid families' transformers code computes its RMSNorm."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)

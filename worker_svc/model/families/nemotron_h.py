@@ -1,6 +1,6 @@
 """Nemotron-H: a stack of single-mixer blocks, each `x + mixer(rmsnorm(x))`, the mixer picked per layer by
 `layers_block_type` (or the older `hybrid_override_pattern`: `M` Mamba2, `*` attention, `-` MLP, `E` MoE): Mamba2
-(worker_svc/mamba2_mixer.py), attention without rope (positions come from the Mamba2 layers), or an MLP with a
+(layers/mamba2_mixer.py), attention without rope (positions come from the Mamba2 layers), or an MLP with a
 squared-ReLU and no gate. The checkpoint's names are under `backbone.`.
 """
 
@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from worker_svc.core.state_cache import StateShape, StateStep
 from worker_svc.model.families.hf import require
-from worker_svc.model.families.hybrid import HybridModel, rms_norm_f32
-from worker_svc.model.layers.linear import linear, linear_add
+from worker_svc.model.families.hybrid import HybridModel
 from worker_svc.model.layers.mamba2_mixer import Mamba2Dims, Mamba2Weights, mamba2_mixer
 
 PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -106,33 +105,30 @@ class NemotronH(HybridModel):
                                      mixer))
         self.norm = weights["backbone.norm_f.weight"].to(self.device, torch.float32)
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm_f32(h, self.norm, self.config.rms_norm_eps)
-
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
                 state: StateStep) -> torch.Tensor:
-        c = self.config
+        c, ops = self.config, self.ops
         for i, block in enumerate(self.blocks):
-            x = rms_norm_f32(h, block.norm, c.rms_norm_eps)
+            x = ops.rms_norm(h, block.norm)
             if block.kind == "mamba":
                 j = self.state_index[i]
                 h = h.add_(mamba2_mixer(x, block.w, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                        state.cu_seqlens, c.rms_norm_eps, linear))
+                                        state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan))
             elif block.kind == "full_attention":
                 h = self._attention(x, *block.w, kv_cache[self.kv_index[i]], attn_meta, h)
             else:
                 up, down = block.w
-                h = linear_add(F.relu(linear(x, up)).square(), down, None, h)
+                h = ops.linear_add(F.relu(ops.linear(x, up)).square(), down, None, h)
         return h
 
     def _attention(self, x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, kv: torch.Tensor, attn_meta: Any,
                    residual: torch.Tensor) -> torch.Tensor:
         c = self.config
         t, d = x.shape[0], c.head_dim
-        q, k, v = linear(x, qkv).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        q, k, v = self.ops.linear(x, qkv).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         k, v = k.view(t, c.num_kv_heads, d), v.reshape(t, c.num_kv_heads, d)
         self.attention.write_kv_cache(k, v, kv[0], kv[1], attn_meta.slot_mapping)
         out = self.attention.paged_attention(q.reshape(t, c.num_heads, d), kv[0], kv[1], attn_meta.block_tables,
                                              attn_meta.cu_seqlens_q, attn_meta.seq_lens, d ** -0.5,
                                              plan=attn_meta.plan)
-        return linear_add(out.reshape(t, c.num_heads * d), o, None, residual)
+        return self.ops.linear_add(out.reshape(t, c.num_heads * d), o, None, residual)

@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers (`linear_attention`, worker_svc/gated_deltanet.py) with a
+"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers (`linear_attention`, layers/gated_deltanet.py) with a
 few gated full-attention layers; Qwen3-Next's feed-forward is a sparse MoE with a gated shared expert.
 
 As transformers computes them: every RMSNorm is zero-centred (x * (1 + w), in float32 then rounded); the attention
@@ -14,16 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from worker_svc.core.state_cache import StateShape, StateStep
 from worker_svc.model.families.hf import require
-from worker_svc.model.families.hybrid import HybridModel, rms_norm_f32
+from worker_svc.model.families.hybrid import HybridModel
 from worker_svc.model.families.sparse_moe import moe_fields
 from worker_svc.model.layers import moe
 from worker_svc.model.layers.gated_deltanet import DeltaNetDims, DeltaNetWeights, deltanet_mixer
-from worker_svc.model.layers.linear import linear, linear_add
-from worker_svc.model.layers.rotary import rope_tables, swap_halves
+from worker_svc.model.layers.rotary import rope_tables
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -130,8 +128,7 @@ class Qwen3Next(HybridModel):
             self.layers.append(Layer(norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight"),
                                      mixer, self._feed_forward_layer(i, w, mat)))
         self.norm = norm("model.norm.weight")
-        rot = int(c.head_dim * c.partial_rotary_factor)
-        self.rotary_dim = rot
+        rot = int(c.head_dim * c.partial_rotary_factor)  # the ops' PartialRotary turns these first dims of a head
         self.cos_cache, self.sin_signed_cache = rope_tables(dataclasses.replace(c, head_dim=rot), self.max_position,
                                                             self.dtype, self.device)
         self.experts_fn = moe.select_experts_fn(self.device)
@@ -165,53 +162,45 @@ class Qwen3Next(HybridModel):
             shared_gate = w(p + "shared_expert_gate.weight")
         return FeedForwardWeights(*shared, moe=block, shared_gate=shared_gate)
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm_f32(h, self.norm, self.config.rms_norm_eps)
-
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,
                 state: StateStep) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_signed_cache[positions].unsqueeze(1)
+        ops = self.ops
+        rope = ops.rope.prepare(positions)
         for i, layer in enumerate(self.layers):
-            x = rms_norm_f32(h, layer.input_norm, eps)
+            x = ops.rms_norm(h, layer.input_norm)
             if isinstance(layer.mixer, AttentionWeights):
-                h = self._attention(x, layer.mixer, cos, sin, kv_cache[self.kv_index[i]], attn_meta, h)
+                h = self._attention(x, layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta, h)
             else:
                 j = self.state_index[i]
                 out = deltanet_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                     state.cu_seqlens, eps, linear)
+                                     state.cu_seqlens, self.config.rms_norm_eps, ops.linear, ops.conv, ops.delta_rule)
                 h = h.add_(out)
-            h = self._mlp(rms_norm_f32(h, layer.post_norm, eps), layer.ffn, h)
+            h = self._mlp(ops.rms_norm(h, layer.post_norm), layer.ffn, h)
         return h
 
-    def _attention(self, x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor,
-                   kv: torch.Tensor, attn_meta: Any, residual: torch.Tensor) -> torch.Tensor:
-        c = self.config
+    def _attention(self, x: torch.Tensor, w: AttentionWeights, rope: Any, kv: torch.Tensor, attn_meta: Any,
+                   residual: torch.Tensor) -> torch.Tensor:
+        c, ops = self.config, self.ops
         t, d, heads = x.shape[0], c.head_dim, c.num_heads
-        qg, k, v = linear(x, w.qkv).split([heads * 2 * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        qg, k, v = ops.linear(x, w.qkv).split([heads * 2 * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q, gate = qg.view(t, heads, 2 * d).chunk(2, dim=-1)
-        q = rms_norm_f32(q, w.q_norm, c.rms_norm_eps)
-        k = rms_norm_f32(k.view(t, c.num_kv_heads, d), w.k_norm, c.rms_norm_eps)
-        q, k = (self._rope(y, cos, sin) for y in (q, k))
+        q = ops.rope(ops.rms_norm(q, w.q_norm), rope)
+        k = ops.rope(ops.rms_norm(k.view(t, c.num_kv_heads, d), w.k_norm), rope)
         v = v.reshape(t, c.num_kv_heads, d)
         self.attention.write_kv_cache(k, v, kv[0], kv[1], attn_meta.slot_mapping)
         o = self.attention.paged_attention(q.contiguous(), kv[0], kv[1], attn_meta.block_tables,
                                            attn_meta.cu_seqlens_q, attn_meta.seq_lens, d ** -0.5,
                                            plan=attn_meta.plan)
         o = o.reshape(t, heads * d) * torch.sigmoid(gate.reshape(t, heads * d))
-        return linear_add(o, w.o, None, residual)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        turned, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        return torch.cat([turned * cos + swap_halves(turned) * sin, kept], dim=-1)
+        return ops.linear_add(o, w.o, None, residual)
 
     def _mlp(self, x: torch.Tensor, w: FeedForwardWeights, residual: torch.Tensor) -> torch.Tensor:
         out = None if w.moe is None else moe.moe_forward(x, w.moe, self.experts_fn)
         if w.gate is not None:
-            dense = linear(F.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
+            ops = self.ops
+            dense = ops.linear(ops.silu_mul(ops.linear(x, w.gate), ops.linear(x, w.up)), w.down)
             if w.shared_gate is not None:
-                dense = torch.sigmoid(linear(x, w.shared_gate)) * dense
+                dense = torch.sigmoid(ops.linear(x, w.shared_gate)) * dense
             out = dense if out is None else out + dense
         return residual.add_(out)
 

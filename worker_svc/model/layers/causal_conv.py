@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker_svc.model.layers.op import LayerOp
+
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
                   slots: torch.Tensor, cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
@@ -21,10 +23,6 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     num_tokens, channels = x.shape
     width = weight.shape[1] - 1
     n = len(slots)
-    if x.is_cuda and num_tokens == n and activation in ("silu", None):  # a decode step: a Triton kernel, in place
-        from kernels.recurrent_triton import conv1d_decode
-
-        return conv1d_decode(x, weight, bias, states, slots, silu=activation == "silu")
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = torch.repeat_interleave(torch.arange(n, device=x.device), lens, output_size=num_tokens)
     # Buffer layout: sequence i's window (width rows), then its tokens; so token t sits width * (seq + 1) rows on.
@@ -47,3 +45,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation is None:
         return y
     raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
+
+
+class CausalConv1d(LayerOp):
+    """`causal_conv1d`; on CUDA a decode step (one row per sequence) runs the Triton kernel that shifts the pool's
+    windows in place."""
+
+    def forward_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
+                       slots: torch.Tensor, cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+        return causal_conv1d(x, weight, bias, states, slots, cu_seqlens, activation)
+
+    def forward_cuda(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor,
+                     slots: torch.Tensor, cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+        if x.shape[0] == len(slots) and activation in ("silu", None):
+            from kernels.recurrent_triton import conv1d_decode  # Triton: imported only where it runs
+
+            return conv1d_decode(x, weight, bias, states, slots, silu=activation == "silu")
+        return causal_conv1d(x, weight, bias, states, slots, cu_seqlens, activation)

@@ -15,7 +15,11 @@ chunked prefill carries the state across chunks exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from worker_svc.model.layers.op import LayerOp
 
 BLOCK = 64  # tokens solved together in the chunked form
 
@@ -25,10 +29,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+                     states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     decode_step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """o [T, Hv, dv] float32 for q, k [T, Hk, dk], v [T, Hv, dv], g (log decay, <= 0) and beta [T, Hv]; each key head
     serves Hv / Hk consecutive value heads. `states` [S, Hv, dk, dv] is read at `slots` [N] and updated in place;
-    cu_seqlens [N + 1] gives each sequence's rows."""
+    cu_seqlens [N + 1] gives each sequence's rows. `decode_step`: what the one-row sequences take (torch's
+    `_recurrent_step` where None; `GatedDeltaRule` picks the device's kernel)."""
     heads = v.shape[1]
     q, k = (l2_normalize(x.float()).repeat_interleave(heads // x.shape[1], dim=1) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
@@ -39,9 +45,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if bool(single.any()):
         seqs = torch.nonzero(single).flatten()
         rows = cu_seqlens[seqs]
-        step = _recurrent_step
-        if states.is_cuda:  # the pool updated in place by a Triton kernel, no gather / write-back
-            from kernels.recurrent_triton import gated_delta_rule_decode as step
+        step = decode_step or _recurrent_step
         out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots[seqs])
     if not bool(single.all()):
         seqs = torch.nonzero(~single).flatten()
@@ -100,3 +104,18 @@ def _chunked(q, k, v, g, beta, states, slots, starts, lens, out) -> None:
         s[on] = s_on * block_decay[m] + k_decayed[m].transpose(-1, -2) @ v_new
     states.index_copy_(0, slots, s.to(states.dtype))
     out[rows[valid]] = result.movedim(2, 1)[valid]
+
+
+class GatedDeltaRule(LayerOp):
+    """`gated_delta_rule` with the device's decode step: torch's natively, on CUDA the Triton kernel that updates the
+    pool in place (no gather / write-back of the decoding sequences' states)."""
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return gated_delta_rule(q, k, v, g, beta, states, slots, cu_seqlens)
+
+    def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        from kernels.recurrent_triton import gated_delta_rule_decode  # Triton: imported only where it runs
+
+        return gated_delta_rule(q, k, v, g, beta, states, slots, cu_seqlens, gated_delta_rule_decode)

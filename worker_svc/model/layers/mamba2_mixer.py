@@ -1,11 +1,12 @@
 """A Mamba2 mixer (Nemotron-H's `M` layers, Granite 4.0's `mamba` layers) over a flattened step.
 
-in-projection [z | x B C | dt] -> causal conv of x B C (carried window) -> SSD scan (carried state, worker_svc/
-ssd_scan.py) -> y * silu(z), RMS-normed per group -> out-projection.
+in-projection [z | x B C | dt] -> causal conv of x B C (carried window) -> SSD scan (carried state, ssd_scan.py)
+-> y * silu(z), RMS-normed per group -> out-projection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +53,18 @@ class Mamba2Weights:
 
 def mamba2_mixer(x: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_states: torch.Tensor,
                  ssm_states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, eps: float,
-                 linear) -> torch.Tensor:
+                 linear: Callable[..., torch.Tensor], conv: Callable[..., torch.Tensor] = causal_conv1d,
+                 scan: Callable[..., torch.Tensor] = ssd_scan) -> torch.Tensor:
     """The layer's output [T, hidden] for its normed input x [T, hidden]; conv_states [S, conv_dim, K - 1] and
-    ssm_states [S, heads, head_dim, state_size] are read at `slots` and updated."""
+    ssm_states [S, heads, head_dim, state_size] are read at `slots` and updated. `linear`, `conv` and `scan`: the
+    model's ops (Linear, CausalConv1d, SSDScan) or the plain torch functions."""
     t = x.shape[0]
     gn = dims.groups * dims.state_size
     z, xbc, dt = linear(x, w.in_proj).split([dims.inner, dims.conv_dim, dims.heads], dim=-1)
-    xbc = causal_conv1d(xbc, w.conv, w.conv_bias, conv_states, slots, cu_seqlens)
+    xbc = conv(xbc, w.conv, w.conv_bias, conv_states, slots, cu_seqlens)
     xs, b, c = xbc.split([dims.inner, gn, gn], dim=-1)
     dt = F.softplus(dt.float() + w.dt_bias).clamp(min=dims.time_step_min)
-    y = ssd_scan(xs.view(t, dims.heads, dims.head_dim), dt, w.a, b.view(t, dims.groups, dims.state_size),
+    y = scan(xs.view(t, dims.heads, dims.head_dim), dt, w.a, b.view(t, dims.groups, dims.state_size),
                  c.view(t, dims.groups, dims.state_size), w.d, ssm_states, slots, cu_seqlens)
     # Gate, then RMS-normalise each of the `groups` slices of the inner dimension, in float32.
     y = y.reshape(t, dims.groups, -1) * F.silu(z.float()).view(t, dims.groups, -1)

@@ -1,4 +1,5 @@
-"""RMSNorm ops: Llama's (round, then scale), per-head (Qwen3's q/k norm), and Gemma's (scale by 1 + w, round once)."""
+"""RMSNorm ops: Llama's (round, then scale), per-head (Qwen3's q/k norm), Gemma's (scale by 1 + w, round once) and
+the hybrid families' (scale in float32, round once)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,24 @@ class RMSNorm(LayerOp):
 
     def forward_cpu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.ops)
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 then rounded (`weight` float32), as the
+    hybrid families' transformers code computes its RMSNorm."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+class Float32RMSNorm(LayerOp):
+    """The hybrid families' RMSNorm (`rms_norm_f32`) of x [..., D] with a float32 weight [D]; torch's ops in every
+    mode (the C++ kernel rounds before scaling, as Llama does)."""
+
+    def __init__(self, eps: float, mode: str):
+        super().__init__(mode)
+        self.eps = eps
+
+    def forward_native(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm_f32(x, weight, self.eps)

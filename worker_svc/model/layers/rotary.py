@@ -9,7 +9,7 @@ import torch
 
 from kernels import cpu_ops
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.layers.op import LayerOp
+from worker_svc.model.layers.op import NATIVE, LayerOp
 
 
 def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
@@ -91,3 +91,19 @@ class Rotary(LayerOp):
         positions, cos, sin = step
         self.ops.rope_(qk, positions, cos, sin)  # in place
         return qk
+
+
+class PartialRotary(Rotary):
+    """Rope of the first `rotary_dim` dims of each head (Qwen3-Next's partial rotary; all of them: Granite), the rest
+    kept, from tables [max_position, rotary_dim]; torch's ops in every mode (two products, then their sum, as the
+    hybrid families' transformers code rounds), applied to q and k heads one tensor at a time."""
+
+    def __init__(self, cos: torch.Tensor, sin_signed: torch.Tensor, mode: str):
+        super().__init__(cos, sin_signed, NATIVE)
+        self.rotary_dim = cos.shape[-1]
+
+    def forward_native(self, x: torch.Tensor, step: Any) -> torch.Tensor:
+        if x.shape[-1] == self.rotary_dim:
+            return super().forward_native(x, step)
+        turned, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        return torch.cat([super().forward_native(turned, step), kept], dim=-1)

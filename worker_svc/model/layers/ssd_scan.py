@@ -12,16 +12,22 @@ same index together. So the Python loop runs over block indices only, never over
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from worker_svc.model.layers.op import LayerOp
 
 BLOCK = 64  # tokens per block in the chunked form
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
-             states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+             states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+             decode_step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """y [T, H, P] float32 for x [T, H, P], dt [T, H] (already softplus'd and clamped), a [H] (< 0), b and c
     [T, G, N] (each group serves H / G consecutive heads), d [H]; `states` [S, H, P, N] is read at `slots` [N] and
-    updated in place; cu_seqlens [N + 1] gives each sequence's rows."""
+    updated in place; cu_seqlens [N + 1] gives each sequence's rows. `decode_step`: what the one-row sequences take
+    (torch's `_recurrent_step` where None; `SSDScan` picks the device's kernel)."""
     heads = x.shape[1]
     x, dt = x.float(), dt.float()
     b, c = (y.float().repeat_interleave(heads // y.shape[1], dim=1) for y in (b, c))
@@ -31,9 +37,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     if bool(single.any()):
         seqs = torch.nonzero(single).flatten()
         rows = cu_seqlens[seqs]
-        step = _recurrent_step
-        if states.is_cuda:  # the pool updated in place by a Triton kernel, no gather / write-back
-            from kernels.recurrent_triton import ssd_decode as step
+        step = decode_step or _recurrent_step
         out[rows] = step(x[rows], dt[rows], a, b[rows], c[rows], states, slots[seqs])
     if not bool(single.all()):
         seqs = torch.nonzero(~single).flatten()
@@ -82,3 +86,20 @@ def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
         s[on] = s_on * block_decay[m] + writes[m]
     states.index_copy_(0, slots, s.to(states.dtype))
     out[rows[valid]] = result.movedim(2, 1)[valid]
+
+
+class SSDScan(LayerOp):
+    """`ssd_scan` with the device's decode step: torch's natively, on CUDA the Triton kernel that updates the pool in
+    place (no gather / write-back of the decoding sequences' states)."""
+
+    def forward_native(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                       d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                       cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return ssd_scan(x, dt, a, b, c, d, states, slots, cu_seqlens)
+
+    def forward_cuda(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                     d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+        from kernels.recurrent_triton import ssd_decode  # Triton: imported only where it runs
+
+        return ssd_scan(x, dt, a, b, c, d, states, slots, cu_seqlens, ssd_decode)
