@@ -79,10 +79,18 @@ class Client:
         return Stream(self, req, reattach_before_start, on_unavailable)
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
-        """Abort a request by the id it was sent with (the scheduler finds every sequence of n > 1)."""
-        resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata,
-                                     timeout=timeout)
-        return resp.found
+        """Abort a request by the id it was sent with (the scheduler finds every sequence of n > 1). UNAVAILABLE (a
+        scheduler standing by while Redis fails over, a restart) is retried for up to `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata,
+                                             timeout=max(0.1, deadline - time.monotonic()))
+                return resp.found
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + REATTACH_PAUSE_S >= deadline:
+                    raise
+            await asyncio.sleep(REATTACH_PAUSE_S)
 
     async def model_info(self, timeout: float = 5.0) -> pb.ModelInfoResponse:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=timeout)

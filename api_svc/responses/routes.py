@@ -113,7 +113,11 @@ def add_routes(router: APIRouter, cfg: APIConfig, bridge_of: Callable[[Request],
         except APIError as e:
             raise renamed(e) from None
         if store is not None:  # visible (GET, cancel) from any API process while it runs
-            await store.put(rid, draft.record("in_progress"))
+            try:
+                await store.put(rid, draft.record("in_progress"))
+            except APIError:  # Redis is away (a 503): the generation it would have stored is aborted
+                await gen.close()
+                raise
 
         if body.background:
             async def finish_in_background() -> None:

@@ -18,7 +18,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.policy import PolicyConfig
 from scheduler_svc.core.scheduler import FINISH_REJECTED, SchedulerCore
 from scheduler_svc.core.step_records import SchedulerOutput, StepRecord
-from scheduler_svc.driver.frontend import AddRequest, Frontend
+from scheduler_svc.driver.frontend import AbortRequest, AddRequest, Frontend
 from scheduler_svc.driver.observers import MetricsObserver, Observer, StepLogObserver, StepTimes, TracingObserver
 from scheduler_svc.driver.outbox import Published
 from scheduler_svc.driver.worker_client import PlanRejected, WorkerClient, WorkerError, WorkerFenced, encode_plan
@@ -176,8 +176,8 @@ class Driver(Frontend):
         self.core = None
         self._abandon_in_flight()
         self.lease.token = None
-        with self.lock:
-            self.inbox.clear()
+        with self.lock:  # an abort already answered "found" outlives the stand-down: the next lead applies it
+            self.inbox = [c for c in self.inbox if isinstance(c, AbortRequest)]
         self._notify("serving_stopped", self.outbox.end_all())
 
     def _drain_inbox(self) -> None:

@@ -37,6 +37,7 @@ from scheduler_svc.driver.outbox import UNAVAILABLE
 from scheduler_svc.driver.worker_client import WorkerError
 from scheduler_svc.lora_registry import LoraService
 from scheduler_svc.servers.sequence_stream import SequenceStream
+from scheduler_svc.servers.store_errors import retryable_store_errors
 
 SERVICE_NAME = "llmserve.v1.LLMServe"
 
@@ -77,9 +78,11 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             lora_adapters=[pb.LoraAdapter(name=n, path=p)
                            for n, p in (self.loras.adapters() if self.loras else {}).items()])
 
+    @retryable_store_errors
     async def LoadLoraAdapter(self, request, context):
         return await self._lora_call(context, "load", request.lora_name, request.lora_path)
 
+    @retryable_store_errors
     async def UnloadLoraAdapter(self, request, context):
         return await self._lora_call(context, "unload", request.lora_name)
 
@@ -92,17 +95,27 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             await context.abort(e.code, str(e))
         return pb.LoadLoraAdapterResponse(message=message)
 
+    @retryable_store_errors
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        await self.refuse_unless_leading(context)
         return pb.AbortResponse(found=abort_sequences(self.driver.abort, request.request_id))
 
+    @retryable_store_errors
     async def Embed(self, request: pb.EmbedRequest, context):
         if request.WhichOneof("prompt") is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids")
         _, streams = await self.admit(embed.generate_request(request, request.request_id or uuid.uuid4().hex),
                                       context, embed=True)
         return await embed.wait(self.driver, streams[0].pub, context)
+
+    async def refuse_unless_leading(self, context) -> None:
+        """UNAVAILABLE from a scheduler that does not lead now (a standby, or standing by while Redis fails over):
+        it holds none of the pool's requests, so an abort it answered "not found" would be lost."""
+        if not self.driver.ready.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler does not lead the pool right now "
+                                "(a standby, or Redis is failing over); retry shortly")
 
     def _admit(self, request: pb.GenerateRequest, metadata, embed: bool = False) -> tuple[str, list[SequenceStream]]:
         """In the thread pool: find the request (memory, then Redis) or validate, tokenize and submit it."""
@@ -166,6 +179,7 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             admitted.add_done_callback(_abort_when_admitted(driver))
             raise
 
+    @retryable_store_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         rid, streams = await self.admit(request, context)
         async for msg in self.stream(rid, streams, context):

@@ -26,6 +26,7 @@ from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from scheduler_svc.driver import embed
 from scheduler_svc.driver.admission import abort_sequences
+from scheduler_svc.servers.store_errors import retryable_store_errors
 
 if TYPE_CHECKING:
     from scheduler_svc.servers.servicer import LLMServeServicer
@@ -133,6 +134,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
+    @retryable_store_errors
     async def Generate(self, request: vpb.GenerateRequest, context):
         self.last_receive = time.time()
         try:
@@ -177,6 +179,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     done.matched_token_id = seq.ids[-1]
                 yield vpb.GenerateResponse(complete=done)
 
+    @retryable_store_errors
     async def Embed(self, request: vpb.EmbedRequest, context):
         self.last_receive = time.time()
         if not request.tokenized.input_ids:
@@ -194,7 +197,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         info = self.driver.worker_info
         return set(info.model.eos_token_ids) if info is not None else set()
 
+    @retryable_store_errors
     async def Abort(self, request: vpb.AbortRequest, context):
+        await self.public.refuse_unless_leading(context)
         for rid in request.request_ids:
             abort_sequences(self.driver.abort, rid)
         return vpb.AbortResponse()
