@@ -110,6 +110,10 @@ def completion(st: Stack) -> httpx.Response:
                             "ignore_eos": True})
 
 
+def embeddings(st: Stack) -> httpx.Response:
+    return httpx.post(st.url + "/v1/embeddings", json={"model": st.model, "input": PROMPT}, timeout=RPC_TIMEOUT_S)
+
+
 def stored_response(st: Stack) -> httpx.Response:
     return httpx.get(st.url + "/v1/responses/resp_never_stored", timeout=RPC_TIMEOUT_S)
 
@@ -162,11 +166,11 @@ def test_every_request_path_answers_unavailable_while_redis_is_stopped_then_succ
         "vllm Embed": lambda: vllm_embed(stack, "site-vembed", ids),
     }
     assert stack.health() == "SERVING"
-    with stack.redis_stopped(), ThreadPoolExecutor(len(calls) + 2) as pool:
+    with stack.redis_stopped(), ThreadPoolExecutor(len(calls) + 3) as pool:
         # Each call looks its request id up in Redis (a re-attach would find its request there) on a scheduler
         # that still leads: the store failure itself must come back as UNAVAILABLE.
         grpc_calls = {name: pool.submit(rpc_code, call) for name, call in calls.items()}
-        http_calls = {"completions": pool.submit(completion, stack),
+        http_calls = {"completions": pool.submit(completion, stack), "embeddings": pool.submit(embeddings, stack),
                       "responses store": pool.submit(stored_response, stack)}
         codes = {name: f.result() for name, f in grpc_calls.items()}
         statuses = {name: f.result() for name, f in http_calls.items()}
@@ -185,6 +189,9 @@ def test_every_request_path_answers_unavailable_while_redis_is_stopped_then_succ
     assert vllm_embed(stack, "site-vembed", ids) == pytest.approx(reference["vllm embedding"], abs=1e-4)
     again = completion(stack)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference["text"], again.text
+    vector = embeddings(stack)
+    assert vector.status_code == 200, vector.text
+    assert vector.json()["data"][0]["embedding"] == pytest.approx(reference["embedding"], abs=1e-4)
     assert stored_response(stack).status_code == 404
     assert_clean(stack)
 

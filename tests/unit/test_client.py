@@ -103,3 +103,41 @@ def test_a_server_that_stays_unavailable_ends_the_stream():
     with pytest.raises(grpc.aio.AioRpcError) as e:
         collect(server, timeout=0.5)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and len(server.resumes) >= 2
+
+
+class StandbyServer(pb_grpc.LLMServeServicer):
+    """Answers Abort UNAVAILABLE `standby_calls` times (a scheduler standing by while Redis fails over), then leads."""
+
+    def __init__(self, standby_calls: int):
+        self.standby_calls, self.calls = standby_calls, 0
+
+    async def Abort(self, request, context):
+        self.calls += 1
+        if self.calls <= self.standby_calls:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler does not lead the pool right now")
+        return pb.AbortResponse(found=True)
+
+
+def abort_on(server: StandbyServer, timeout: float) -> bool:
+    async def run():
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_LLMServeServicer_to_server(server, grpc_server)
+        port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        try:
+            async with Client(f"127.0.0.1:{port}") as client:
+                return await client.abort("r", timeout=timeout)
+        finally:
+            await grpc_server.stop(None)
+
+    return asyncio.run(run())
+
+
+def test_abort_retries_a_standby_scheduler_until_it_leads():
+    server = StandbyServer(standby_calls=3)
+    assert abort_on(server, timeout=30) and server.calls == 4
+    # One that stays a standby: UNAVAILABLE once the timeout has passed.
+    server = StandbyServer(standby_calls=10 ** 6)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        abort_on(server, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and server.calls >= 2
