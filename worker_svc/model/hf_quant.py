@@ -87,8 +87,18 @@ def _check_compressed_tensors(qc: dict) -> None:
                           "true only: static input scales are not read")
 
 
-def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str) -> QuantizedWeight:
-    """A float8_e4m3fn [out, in] weight and its scale (a scalar, one per output row, or one per [bn, bk] block) as
+def block_size(qc: dict) -> tuple[int, int]:
+    """The [rows, columns] of a block-scaled FP8 weight's blocks: `weight_block_size` (fp8) or the config groups'
+    `block_structure` (compressed-tensors); 128 x 128 where unnamed (DeepSeek-V3's and Qwen3-FP8's)."""
+    block = qc.get("weight_block_size")
+    for group in (qc.get("config_groups") or {}).values():
+        block = block or (group.get("weights") or {}).get("block_structure")
+    return tuple(block) if block else (128, 128)
+
+
+def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str,
+               block: tuple[int, int] = (128, 128)) -> QuantizedWeight:
+    """A float8_e4m3fn [out, in] weight and its scale (a scalar, one per output row, or one per `block`) as
     a QuantizedWeight whose `scale` is [out, ceil(in / group)]: rows repeated so q, k and v stack (cat_rows)."""
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name}: an FP8 weight must be float8_e4m3fn; it is {weight.dtype}")
@@ -98,17 +108,18 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str) -> Quantize
         return QuantizedWeight(weight, scale.reshape(-1, 1).expand(out, 1).contiguous(), None, 8, "fp8", group=inp)
     if scale.dim() != 2:
         raise ValueError(f"{name}: scale of shape {tuple(scale.shape)} fits no FP8 layout for a {out}x{inp} weight")
-    row_blocks, col_blocks = scale.shape
-    bn, bk = -(-out // row_blocks), -(-inp // col_blocks)
-    if -(-out // bn) != row_blocks or -(-inp // bk) != col_blocks:
-        raise ValueError(f"{name}: scale of shape {tuple(scale.shape)} fits no block size for a {out}x{inp} weight")
+    bn, bk = block
+    if tuple(scale.shape) != (-(-out // bn), -(-inp // bk)):
+        raise ValueError(f"{name}: scale of shape {tuple(scale.shape)} does not fit {bn}x{bk} blocks of a "
+                         f"{out}x{inp} weight")
     return QuantizedWeight(weight, scale.repeat_interleave(bn, dim=0)[:out].contiguous(), None, 8, "fp8", group=bk)
 
 
-def convert_fp8(tensors: dict[str, torch.Tensor], keep_quantized: bool) -> dict:
+def convert_fp8(tensors: dict[str, torch.Tensor], keep_quantized: bool,
+                block: tuple[int, int] = (128, 128)) -> dict:
     """The model's weights from a checkpoint's tensors: every FP8 weight with its scale (`weight_scale_inv` or
-    `weight_scale`) becomes a QuantizedWeight where the model packs it (a dense family's projections, with
-    `keep_quantized`), else float32 dequantized; the rest float32."""
+    `weight_scale`, blocks of `block`) becomes a QuantizedWeight where the model packs it (a dense family's
+    projections, with `keep_quantized`), else float32 dequantized; the rest float32."""
     out: dict = {}
     for name, t in tensors.items():
         if name.endswith((".weight_scale_inv", ".weight_scale")):
@@ -119,7 +130,7 @@ def convert_fp8(tensors: dict[str, torch.Tensor], keep_quantized: bool) -> dict:
             scale = tensors.get(name + "_scale_inv", tensors.get(name + "_scale"))
             if scale is None:
                 raise ValueError(f"{name} is FP8 but the checkpoint has no {name}_scale_inv or {name}_scale")
-            w = fp8_weight(t, scale, name)
+            w = fp8_weight(t, scale, name, block)
             out[name] = w if keep_quantized and _PROJECTION.fullmatch(name) else w.dequantize()
         else:
             out[name] = t.float()

@@ -389,7 +389,8 @@ def load_hf_dir(path: str, shard: Shard = FULL,
     ), **extra})
     check_shardable(config, shard.size)
     if quant_method is not None:
-        return config, _load_hf_quantized(files, quant_method, shard, hybrid=getattr(family, "hybrid", False))
+        return config, _load_hf_quantized(files, cfg["quantization_config"], shard,
+                                          hybrid=getattr(family, "hybrid", False))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -398,18 +399,19 @@ def load_hf_dir(path: str, shard: Shard = FULL,
     return config, weights
 
 
-def _load_hf_quantized(files: list[str], method: str, shard: Shard, hybrid: bool) -> dict:
-    """The weights of a quantized checkpoint (`method`, checked), its tensors read as stored (hf_quant.py)."""
+def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -> dict:
+    """The weights of a quantized checkpoint (its quantization_config `qc`, checked), its tensors read as stored
+    (hf_quant.py)."""
     from safetensors.torch import load_file
 
     if shard.size > 1:
-        raise ValueError(f"--tensor-parallel-size > 1 with a {method} checkpoint is not supported yet: quantized "
-                         "weights are not sharded")
+        raise ValueError(f"--tensor-parallel-size > 1 with a {qc['quant_method']} checkpoint is not supported "
+                         "yet: quantized weights are not sharded")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(load_file(file))
     # The hybrid families read their projections other than through the packed matmul: dequantized there.
-    return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid)
+    return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
 
 
 def _as_id_list(value) -> list[int]:
