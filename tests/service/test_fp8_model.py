@@ -7,17 +7,25 @@ FP8 matmul against dequantize-then-matmul."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.config import parse
+from protos import worker_pb2 as pb
+from tests.e2e.test_startup_validation import assert_fails, run_cli
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
+from tests.support.driver import DriverRequest, run_requests
+from worker_svc.config import WorkerConfig
+from worker_svc.core.runner import ModelRunner
 from worker_svc.model import families as models
 from worker_svc.model import quant
 from worker_svc.model.hf_quant import fp8_weight
 from worker_svc.model.loader import load_hf_dir
+from worker_svc.server import execute_step
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
 # Shapes with partial 128-blocks (k / v 128 rows, gate / up 320, down 320 columns).
@@ -150,3 +158,35 @@ def test_fp8_weights_fuse_across_q_k_v():
     parts = [fp8_weight(*fp8_quantize(torch.randn(rows, 256, generator=gen), "block"), "w") for rows in (256, 64, 64)]
     fused = quant.cat_rows(parts)
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_the_worker_serves_an_fp8_checkpoint_and_refuses_what_it_does_not_apply(tmp_path):
+    """Through the worker's own path (ModelRunner, --quantization fp8 agreeing with the checkpoint): chunked prefills
+    beside decodes give each request the FP8 model's greedy tokens alone; a worker given a static activation scheme
+    fails at start naming the field, and so does --quantization naming another format."""
+    write_fp8_checkpoint(tmp_path, "fp8_block")
+    runner = ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "--quantization", "fp8", "--dtype",
+                                              "float32", "--num-gpu-blocks-override", "64"]))
+    vocab = runner.config.vocab_size
+    reqs = [DriverRequest(f"r{i}", p, pb.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                          arrival_step=2 * i) for i, p in enumerate(prompts(vocab, lengths=(30, 17, 9)))]
+    run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size)
+    config, weights = load_hf_dir(str(tmp_path))
+    alone = models.by_name(config.architecture)(config, weights, torch.float32, "cpu")
+    for r in reqs:
+        solo = PagedRunner(alone, 64)
+        logits, tokens = solo.step({0: r.prompt_ids}), []
+        for _ in range(5):
+            tokens.append(int(logits[0].argmax()))
+            logits = solo.step({0: [tokens[-1]]})
+        assert r.output == tokens, r.request_id
+
+    assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--model", str(tmp_path), "--quantization",
+                         "compressed-tensors"), "--quantization compressed-tensors does not match", "'fp8'")
+    config_path = tmp_path / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["quantization_config"]["activation_scheme"] = "static"
+    config_path.write_text(json.dumps(config_json))
+    assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--model", str(tmp_path)),
+                 "quantization_config.activation_scheme='static'")
