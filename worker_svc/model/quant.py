@@ -9,6 +9,10 @@ Two in-memory forms, chosen by the GGUF type:
   half a code of the group's absmax / 127. (torch's int8 weight-only kernel takes one scale per output row: where
   it runs instead of the project's kernels, `QuantLinear` requantizes per row once more.)
 
+A third form holds an HF FP8 checkpoint's weights (hf_quant.py): float8_e4m3fn codes with a float32 scale per row
+and per `group` columns (the checkpoint's block width, or the whole row), dequantized to the activations' dtype in
+each matmul (no fast FP8 GEMM on CPU), so the values are the checkpoint's exactly and memory stays FP8-sized.
+
 The matmuls: on CPU the project's kernels (kernels/csrc/quant_matmul.cpp: float32 or bfloat16 activations, the
 weights turned into float32 in registers), or where they are not built torch's int4 / int8 weight-packed kernels
 (bfloat16 activations only); on CUDA the Triton dequantize-GEMM in kernels/quant_gemm.py (bfloat16 or float16).
