@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import parse
+from common.config import ConfigError, parse
 from protos import worker_pb2 as pb
 from tests.e2e.test_startup_validation import assert_fails, run_cli
 from tests.service.test_model import PagedRunner
@@ -182,6 +182,8 @@ def test_the_worker_serves_an_fp8_checkpoint_and_refuses_what_it_does_not_apply(
             logits = solo.step({0: [tokens[-1]]})
         assert r.output == tokens, r.request_id
 
+    with pytest.raises(ConfigError, match="--optimization-level 1 runs dense weights only"):
+        ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "-O1", "--num-gpu-blocks-override", "64"]))
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--model", str(tmp_path), "--quantization",
                          "compressed-tensors"), "--quantization compressed-tensors does not match", "'fp8'")
     config_path = tmp_path / "config.json"
