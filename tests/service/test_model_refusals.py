@@ -34,7 +34,12 @@ def refusal(tmp_path, architecture: str, **fields) -> str:
      "rope_parameters.sliding_attention.rope_type='linear'"),
     ("Qwen2ForCausalLM", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
     # quantization_config: a method, or a field value within a known one, that the loader does not apply.
-    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method='awq'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 128}}, "bits=8"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 16}},
+     "group_size=16"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                  "version": "gemv"}}, "version='gemv'"),
     ("LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method='bitsandbytes'"),
     ("LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
      "activation_scheme='static'"),

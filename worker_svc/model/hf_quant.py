@@ -14,13 +14,21 @@ import re
 
 import torch
 
+from worker_svc.model.hf_awq import check_awq
 from worker_svc.model.quant import QuantizedWeight
 
 # --quantization's names (vLLM's) that an HF checkpoint can carry and llmserve applies.
-HF_METHODS = ("fp8", "compressed-tensors")
+HF_METHODS = ("fp8", "compressed-tensors", "awq")
 
 # The matmul weights a dense family packs through quant.QuantLinear; any other FP8 tensor is dequantized at load.
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
+
+def packed_by_the_model(name: str) -> bool:
+    """Whether `name` is a matmul weight a dense family packs through quant.QuantLinear (else dequantized at load)."""
+    return _PROJECTION.fullmatch(name) is not None
+
 
 _FP8_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers", "modules_to_not_convert",
                "fmt"}
@@ -45,7 +53,10 @@ def check_quantization_config(cfg: dict, requested: str | None) -> str | None:
     if requested is not None and requested != method:
         raise ValueError(f"--quantization {requested} does not match the checkpoint's "
                          f"quantization_config.quant_method={method!r}")
-    (_check_fp8 if method == "fp8" else _check_compressed_tensors)(qc)
+    if method == "awq":
+        check_awq(qc, _refuse)
+    else:
+        (_check_fp8 if method == "fp8" else _check_compressed_tensors)(qc)
     return method
 
 
@@ -131,7 +142,7 @@ def convert_fp8(tensors: dict[str, torch.Tensor], keep_quantized: bool,
             if scale is None:
                 raise ValueError(f"{name} is FP8 but the checkpoint has no {name}_scale_inv or {name}_scale")
             w = fp8_weight(t, scale, name, block)
-            out[name] = w if keep_quantized and _PROJECTION.fullmatch(name) else w.dequantize()
+            out[name] = w if keep_quantized and packed_by_the_model(name) else w.dequantize()
         else:
             out[name] = t.float()
     return out
