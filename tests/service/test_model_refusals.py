@@ -33,7 +33,51 @@ def refusal(tmp_path, architecture: str, **fields) -> str:
                                                "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "rope_parameters.sliding_attention.rope_type='linear'"),
     ("Qwen2ForCausalLM", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+    # quantization_config: a method, or a field value within a known one, that the loader does not apply.
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 128}}, "bits=8"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 16}},
+     "group_size=16"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                  "version": "gemv"}}, "version='gemv'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method='bitsandbytes'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+     "activation_scheme='static'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt='e5m2'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+     "weight_block_size=[128]"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8", "kv_cache_quant_method": "x"}},
+     "kv_cache_quant_method='x'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
+     "format='pack-quantized'"),
+    ("LlamaForCausalLM", {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8}}},
+     "kv_cache_scheme={'num_bits': 8}"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                                  "config_groups": {"group_0": {"weights": {
+                                                      "num_bits": 8, "type": "float", "strategy": "group",
+                                                      "symmetric": True, "dynamic": False}}}}},
+     "config_groups.group_0.weights.strategy='group'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                                  "config_groups": {"group_0": {"weights": {
+                                                      "num_bits": 8, "type": "float", "strategy": "tensor",
+                                                      "symmetric": True, "dynamic": False},
+                                                      "input_activations": {"num_bits": 8, "type": "float",
+                                                                            "dynamic": False}}}}},
+     "config_groups.group_0.input_activations.dynamic=False"),
 ])
 def test_refused_naming_the_field(tmp_path, architecture, fields, named):
     message = refusal(tmp_path, architecture, **fields)
     assert named in message and "config.json" in message, message
+
+
+@pytest.mark.parametrize("fields,flag,named", [
+    ({}, "fp8", "--quantization fp8: the checkpoint has no quantization_config"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "compressed-tensors",
+     "--quantization compressed-tensors does not match the checkpoint's quantization_config.quant_method='fp8'"),
+])
+def test_a_quantization_flag_the_checkpoint_does_not_match_is_refused(tmp_path, fields, flag, named):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **BASE, **fields}))
+    with pytest.raises(ValueError) as info:
+        load_hf_dir(str(tmp_path), quantization=flag)
+    assert named in str(info.value), info.value

@@ -121,6 +121,9 @@ class ModelRunner:
         # The process's intra-op threads (all cores unless told); small steps may run on one fewer (cpu/threads.py).
         self.small_step_threads = SmallStepThreads(torch.get_num_threads())
         compiled = wants_compiled(opts)  # inductor cannot trace CPU-packed weights
+        if compiled and any(isinstance(w, quant.QuantizedWeight) for w in weights.values()):  # detected, no flag
+            raise ConfigError(f"--optimization-level {opts.optimization_level} runs dense weights only; {opts.model} "
+                              "holds quantized weights (its quantization_config): use -O0")
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         if getattr(family, "hybrid", False):
             refuse_uncomposed(opts, self.config.architecture, max(tp_size, opts.tensor_parallel_size), compiled)

@@ -19,6 +19,7 @@ import torch
 
 from common import gguf_cache
 from worker_svc.model import families as models
+from worker_svc.model import hf_awq, hf_quant
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import hf_rope
 from worker_svc.parallel.sharding import (
@@ -76,8 +77,12 @@ def model_name(path: str) -> str:
 
 def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[ModelConfig, dict]:
     is_gguf = os.path.isfile(path) and path.endswith(".gguf")
-    if quantization not in (None, "gguf"):
-        raise ValueError(f"--quantization must be gguf or unset; got {quantization!r}")
+    if quantization not in (None, "gguf", *hf_quant.HF_METHODS):
+        raise ValueError(f"--quantization must be gguf, {', '.join(hf_quant.HF_METHODS)} or unset; "
+                         f"got {quantization!r}")
+    if quantization in hf_quant.HF_METHODS and is_gguf:
+        raise ValueError(f"--quantization {quantization} reads a Hugging Face checkpoint directory; {path!r} is a "
+                         "GGUF file (use --quantization gguf)")
     if quantization == "gguf":
         if not is_gguf:
             raise ValueError(f"--quantization gguf needs a .gguf model file; {path!r} is not one "
@@ -89,7 +94,7 @@ def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[Mo
     if is_gguf:
         return load_gguf(path, shard)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return load_hf_dir(path, shard)
+        return load_hf_dir(path, shard, quantization)
     raise ValueError(
         f"unsupported model path {path!r}: expected a .gguf file or a directory with "
         "config.json and *.safetensors"
@@ -330,9 +335,11 @@ def _gguf_to_hf_name(name: str, config: ModelConfig) -> str:
 # ------------------------------------------------------------------- HF directory
 
 
-def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_dir(path: str, shard: Shard = FULL,
+                quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json. A
-    tensor-parallel rank reads only its slices from the files (safetensors slices are lazy)."""
+    tensor-parallel rank reads only its slices from the files (safetensors slices are lazy). A quantization_config
+    is checked against `quantization` (--quantization) and applied, or refused (hf_quant.py)."""
     from safetensors import safe_open
 
     with open(os.path.join(path, "config.json")) as f:
@@ -341,6 +348,7 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         family = models.model_class(cfg.get("architectures") or [])
         rope_theta, rope_scaling = hf_rope(cfg)
         extra = family.hf_config(cfg)
+        quant_method = hf_quant.check_quantization_config(cfg, quantization)
     except ValueError as e:
         raise ValueError(f"{path}/config.json: {e}") from None
 
@@ -380,12 +388,34 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         name=model_name(path),
     ), **extra})
     check_shardable(config, shard.size)
+    if quant_method is not None:
+        return config, _load_hf_quantized(files, cfg["quantization_config"], shard,
+                                          hybrid=getattr(family, "hybrid", False))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 weights[name] = shard_tensor(name, f.get_slice(name), config, shard).float()
     return config, weights
+
+
+def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -> dict:
+    """The weights of a quantized checkpoint (its quantization_config `qc`, checked), its tensors read as stored
+    (hf_quant.py)."""
+    from safetensors.torch import load_file
+
+    if shard.size > 1:
+        raise ValueError(f"--tensor-parallel-size > 1 with a {qc['quant_method']} checkpoint is not supported "
+                         "yet: quantized weights are not sharded")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    # The hybrid families read their projections other than through the packed matmul: dequantized there.
+    if qc["quant_method"] == "awq":
+        if hybrid:
+            raise ValueError("an awq checkpoint of a hybrid family is not supported yet")
+        return hf_awq.convert_awq(tensors, hf_quant.packed_by_the_model)
+    return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
 
 
 def _as_id_list(value) -> list[int]:

@@ -9,6 +9,10 @@ Two in-memory forms, chosen by the GGUF type:
   half a code of the group's absmax / 127. (torch's int8 weight-only kernel takes one scale per output row: where
   it runs instead of the project's kernels, `QuantLinear` requantizes per row once more.)
 
+A third form holds an HF FP8 checkpoint's weights (hf_quant.py): float8_e4m3fn codes with a float32 scale per row
+and per `group` columns (the checkpoint's block width, or the whole row), dequantized to the activations' dtype in
+each matmul (no fast FP8 GEMM on CPU), so the values are the checkpoint's exactly and memory stays FP8-sized.
+
 The matmuls: on CPU the project's kernels (kernels/csrc/quant_matmul.cpp: float32 or bfloat16 activations, the
 weights turned into float32 in registers), or where they are not built torch's int4 / int8 weight-packed kernels
 (bfloat16 activations only); on CUDA the Triton dequantize-GEMM in kernels/quant_gemm.py (bfloat16 or float16).
@@ -39,6 +43,12 @@ class QuantizedWeight:
     bits: int
     source: str
     activation_bits: int = 0  # 8 or 16: the CPU kernel makes x's 32-groups integers first (--activation-quantization)
+    group: int = GROUP  # input columns a scale covers (fp8: a checkpoint's block width, or all columns)
+
+    @property
+    def is_fp8(self) -> bool:
+        """codes float8_e4m3fn [out, in], scale [out, ceil(in / group)] (an HF FP8 checkpoint, hf_quant.py)."""
+        return self.codes.dtype == torch.float8_e4m3fn
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,6 +61,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, inp = self.shape
+        if self.is_fp8:  # the last block may be partial: scales repeated over the columns, cut to the width
+            return (self.codes.float() * self.scale.repeat_interleave(self.group, dim=1)[:, :inp]).to(dtype)
         w = self.codes.view(out, inp // GROUP, GROUP).float() * self.scale.unsqueeze(-1)
         return (w if self.zero is None else w + self.zero.unsqueeze(-1)).reshape(out, inp).to(dtype)
 
@@ -68,14 +80,14 @@ class QuantizedWeight:
 
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack along the output dim (q, k, v into one matmul); all parts must be of one form."""
-    if len({w.bits for w in weights}) != 1:
+    if len({(w.bits, w.is_fp8, w.group) for w in weights}) != 1:
         raise ValueError("cannot fuse int4 and int8 weights into one matmul: "
                          f"{', '.join(w.source for w in weights)}")
     first = weights[0]
     return QuantizedWeight(torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
                            None if first.zero is None else torch.cat([w.zero for w in weights]),
                            first.bits, "+".join(sorted({w.source for w in weights})),
-                           min(w.activation_bits for w in weights))
+                           min(w.activation_bits for w in weights), first.group)
 
 
 # ---------------------------------------------------------------------------- reading GGUF blocks
@@ -183,7 +195,11 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.on_cuda = device.type == "cuda"
         self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
-        if weight.bits == 8 and self.ops is not None:
+        self.fp8: QuantizedWeight | None = None
+        if weight.is_fp8:  # no FP8 GEMM on CPU: dequantized per call, so memory stays one byte a value
+            self.ops = None  # (and the C++ layer loop, which runs `ops` kernels only, leaves it to Python)
+            self.fp8 = weight.map_rows(lambda t: t.to(device))
+        elif weight.bits == 8 and self.ops is not None:
             self.codes, self.scale = weight.codes.contiguous(), weight.scale.float().contiguous()
         elif weight.bits == 8:
             codes, scale = per_row_int8(weight)
@@ -208,6 +224,8 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T; with `residual` (only where `fuses_residual(x)`): residual + x @ w.T, as a separate add."""
+        if self.fp8 is not None:
+            return torch.nn.functional.linear(x, self.fp8.dequantize(x.dtype))
         if self.ops is not None and x.dim() == 2:  # the model's case, without the reshapes (a decode step's ~150 calls)
             if self.bits == 8:
                 return self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits, residual)
@@ -237,6 +255,8 @@ def with_integer_activations(weights: dict, bits: int, device: torch.device) -> 
         raise ValueError(f"{flag} runs on the project's CPU kernels (an x86-64 CPU with AVX2 and FMA); they are not "
                          f"available on this {device.type} device")
     quantized = {k: w for k, w in weights.items() if isinstance(w, QuantizedWeight)}
+    if any(w.is_fp8 for w in quantized.values()):
+        raise ValueError(f"{flag} runs on int4 / int8 weights (--quantization gguf), not on an FP8 checkpoint's")
     if not quantized:
         raise ValueError(f"{flag} needs quantized weights: add --quantization gguf with a .gguf model")
     odd = [k for k, w in quantized.items() if w.shape[1] % GROUP]
