@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 from scheduler_svc.core.policy import PolicyConfig
 from scheduler_svc.core.request import Request
@@ -147,10 +148,14 @@ class Metrics:
                                     "grammar masks and advancing matchers", L, registry=r)
         self._last_token_time: dict[str, float] = {}
         self._tokens_this_step = 0
+        self._families = [v for v in vars(self).values() if isinstance(v, MetricWrapperBase)]  # no child bound yet
         self.set_model_name(model_name)
 
     def set_model_name(self, name: str) -> None:
         """Bind every metric's label once: `labels()` per token would cost more than the observation."""
+        if name != self.model_name:  # the placeholder's children would show as a second model: drop them
+            for metric in self._families:
+                metric.clear()
         self.model_name = name
         m = {"model_name": name}
         self.c_running, self.c_waiting, self.c_kv = (g.labels(**m) for g in (self.running, self.waiting,

@@ -68,3 +68,11 @@ def test_api_page_carries_the_scheduler_series_or_says_why_not():
     assert "# scheduler metrics unavailable" in down
     assert [s.value for s in samples(down) if s.name == "llmserve:scheduler_metrics_up"] == [0]
     assert not any(s.name.startswith("vllm:") for s in samples(down))
+
+
+def test_the_worker_named_model_replaces_the_placeholder():
+    m = Metrics()  # "model" until the worker describes itself
+    m.set_model_name("tiny")
+    _serve_one(m, "a", 0, 0.0)
+    names = {s.labels.get("model_name") for s in samples(generate_latest(m.registry).decode())}
+    assert names == {"tiny"}
