@@ -13,7 +13,7 @@ import uuid
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from api_svc import errors, lora, openapi, tools
@@ -23,7 +23,7 @@ from api_svc.config import APIConfig
 from api_svc.embeddings import EmbeddingRequest, embeddings
 from api_svc.errors import APIError
 from api_svc.limits import BodyLimit, check_prompts
-from api_svc.metrics import HTTPMetrics, MetricsMiddleware
+from api_svc.metrics import HTTPMetrics, MetricsMiddleware, scheduler_page
 from api_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api_svc.responses import routes as responses_api
 from api_svc.responses.store import ResponseStore
@@ -279,7 +279,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     @app.get("/metrics", responses=openapi.METRICS, response_class=PlainTextResponse)
     async def prometheus():
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        page = await scheduler_page(metrics, cfg.scheduler_metrics_url)
+        return PlainTextResponse(page, media_type=CONTENT_TYPE_LATEST)
 
     openapi.install(app)
     return app

@@ -44,6 +44,8 @@ class APIConfig:
     reattach_timeout: float = setting(
         60.0, "seconds a stream keeps re-attaching while the scheduler is unavailable (fail-over)",
         check=c.at_least(0))
+    scheduler_metrics_url: str | None = setting(
+        None, "the scheduler's Prometheus endpoint (its --metrics-port), re-served on this API's /metrics")
     log_level: str = setting("warning", "uvicorn's log level (access logs at info)")
     max_request_body_bytes: int = setting(
         limits.DEFAULT_MAX_BODY_BYTES, "largest request body accepted; a larger one is answered 413 before parsing",

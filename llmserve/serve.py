@@ -84,8 +84,8 @@ def worker_argv(cfg: WorkerConfig, port: int) -> list[str]:
                     *to_argv(cfg, exclude=SERVE_ONLY | {"host", "port"}))
 
 
-def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int, redis_url: str | None = None
-             ) -> list[str]:
+def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int, redis_url: str | None = None,
+             metrics_port: int | None = None) -> list[str]:
     """The `llmserve api` command line of `serve`: on --host and --http-port, in front of its scheduler, with every
     API setting `serve` shares (the scheduler's --api-key: clients use one key for both; --tokenizer;
     --served-model-name; the scheduler's Redis and --namespace, for stored responses)."""
@@ -93,6 +93,8 @@ def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int, re
     where = {"host": own.host, "port": own.http_port, "scheduler": f"{host}:{scheduler_port}"}
     if redis_url:
         where["redis_url"] = redis_url
+    if metrics_port:  # the API's /metrics re-serves the scheduler's vllm:* series, as vLLM's :8000/metrics does
+        where["scheduler_metrics_url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     api = from_namespace(APIConfig, args, **where)
     return cli_argv("api", *[w for k, v in where.items() for w in (c.flag(k), v)], *to_argv(api, exclude=where))
 
@@ -245,7 +247,12 @@ def serve(args: argparse.Namespace) -> None:
             return
         sched = Scheduler(sched_cfg).start()
         if own.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
-            api_cmd, api_log = api_argv(args, own, sched.port, redis_url), os.path.join(log_dir, "api.log")
+            metrics_port = sched_cfg.metrics_port
+            if metrics_port is None:  # on loopback only, for the API to read
+                metrics_port = free_port()
+                sched.driver.metrics.serve(metrics_port, host="127.0.0.1")
+            api_cmd = api_argv(args, own, sched.port, redis_url, metrics_port)
+            api_log = os.path.join(log_dir, "api.log")
             api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log, die_with_parent=True))
         deadline = time.monotonic() + 120
         while not sched.driver.ready.wait(0.5) and not sup.stopping.is_set():

@@ -40,6 +40,10 @@ class MetricsObserver(Observer):
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
 
+    def requests_added(self, reqs: list[Request]) -> None:
+        if reqs:
+            self.metrics.request_added(reqs)
+
     def step_committed(self, record: StepRecord) -> None:
         m, out, outcome = self.metrics, record.output, record.outcome
         m.preempted(len(out.preempted))
