@@ -52,7 +52,9 @@ class Forwarder:
     def _poll(self) -> None:
         while not self._stopping.is_set():
             found = next((b for b in self.backends if health(b, timeout=0.5) == "SERVING"), None)
-            if found is not None and found != self.serving:
+            if found is not None:
+                # Every poll, not only on a change: a connection opened to another scheduler while the leader
+                # was changing (its accept raced this poll) would otherwise stay on a standby for good.
                 self.serving = found
                 self._loop.call_soon_threadsafe(self._drop_others, found)
             time.sleep(POLL_S)

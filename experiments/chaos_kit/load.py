@@ -106,7 +106,10 @@ class Load:
     async def _run(self) -> None:
         async with Client(self.grpc_address, reattach_timeout=REATTACH_S) as client, \
                 httpx.AsyncClient(base_url=self.http_url, timeout=httpx.Timeout(REATTACH_S, connect=10)) as http:
-            self.model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            deadline = time.monotonic() + REATTACH_S
+            while (models := await http.get("/v1/models")).status_code == 503 and time.monotonic() < deadline:
+                await asyncio.sleep(RETRY_503_S)  # no worker behind the scheduler yet
+            self.model = models.json()["data"][0]["id"]
             await asyncio.gather(*(self._slot(client, http) for _ in range(self.concurrency)))
 
     async def _slot(self, client: Client, http: httpx.AsyncClient) -> None:
