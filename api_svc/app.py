@@ -62,7 +62,8 @@ def create_app(cfg: APIConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        bridge = Bridge(cfg.scheduler, cfg.scheduler_api_key, cfg.reattach_timeout, cfg.tokenizer)
+        bridge = Bridge(cfg.scheduler, cfg.scheduler_api_key, cfg.reattach_timeout, cfg.tokenizer,
+                        cfg.scheduler_credentials(), cfg.scheduler_tls_server_name)
         app.state.bridge = bridge
         store = app.state.response_store = \
             ResponseStore(cfg.redis_url, cfg.namespace, cfg.responses_store_ttl) if cfg.redis_url else None
@@ -120,13 +121,15 @@ def create_app(cfg: APIConfig) -> FastAPI:
             raise errors.unauthorized()
 
     async def served_name(bridge: Bridge) -> str:
+        """The first --served-model-name (vLLM: replies carry it), else the scheduler's model name."""
         info = await bridge.model_info()
-        return cfg.served_model_name or info.model_name
+        return cfg.served_model_name[0] if cfg.served_model_name else info.model_name
 
     async def check_model(bridge: Bridge, model: str | None) -> str:
-        """The name replies carry: the served model's, or the registered LoRA adapter's that `model` names."""
+        """The name replies carry: the served model's (any --served-model-name is accepted), or the registered LoRA
+        adapter's that `model` names."""
         name = await served_name(bridge)
-        if model is not None and model != name:
+        if model is not None and model != name and model not in (cfg.served_model_name or ()):
             if model not in await lora.adapters(bridge):
                 raise errors.model_not_found(model, name)
             return model

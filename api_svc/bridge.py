@@ -201,13 +201,16 @@ class Bridge:
     api_key: str | None = None
     reattach_timeout: float = 60.0
     tokenizer_path: str | None = None
+    credentials: grpc.ChannelCredentials | None = None  # TLS to the scheduler (--scheduler-tls-*); None: plaintext
+    server_name: str | None = None
     info: pb.ModelInfoResponse | None = None
     tokenizer: Tokenizer | None = None
     tokenizer_error: str | None = None
     _pending: set = field(default_factory=set)
 
     def __post_init__(self):
-        self.client = Client(self.address, api_key=self.api_key, reattach_timeout=self.reattach_timeout)
+        self.client = Client(self.address, api_key=self.api_key, credentials=self.credentials,
+                             server_name=self.server_name, reattach_timeout=self.reattach_timeout)
         self._info_lock = asyncio.Lock()
         self._tokenizer_future: asyncio.Future | None = None
 
@@ -220,7 +223,8 @@ class Bridge:
                 try:
                     info = await self.client.model_info()
                 except grpc.aio.AioRpcError as e:
-                    raise unavailable(f"the scheduler at {self.address} is not ready: {e.details()}") from None
+                    raise unavailable(f"the scheduler at {self.address} is not ready: {e.details()}"
+                                      f"{self._tls_hint()}") from None
                 self._start_tokenizer(self.tokenizer_path or info.model_path)
                 self.info = info
         return self.info
@@ -267,10 +271,17 @@ class Bridge:
         the process's CPU (and the GIL) for 1-2 s, which a first request would wait behind."""
         status = await self.client.health()
         if status != "SERVING":
-            return f"the scheduler at {self.address} is {status}"
+            return f"the scheduler at {self.address} is {status}{self._tls_hint() if status == 'UNAVAILABLE' else ''}"
         if self._tokenizer_future is not None and not self._tokenizer_future.done():
             return "the API is still loading its tokenizer"
         return None
+
+    def _tls_hint(self) -> str:
+        """What a connection the scheduler refuses most likely means (gRPC says only "unavailable")."""
+        if self.credentials is None:
+            return " (if the scheduler serves TLS, give --scheduler-tls-ca)"
+        return (" (over TLS: check that --scheduler-tls-ca signed the scheduler's certificate, and if it has "
+                "--tls-client-ca give --scheduler-tls-cert/--scheduler-tls-key)")
 
     def generation(self, req: pb.GenerateRequest, chat: bool = False) -> Generation:
         return Generation(self, req, chat)

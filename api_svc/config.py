@@ -9,6 +9,7 @@ from api_svc import limits
 from api_svc.tool_parsers import PARSERS
 from common import config as c
 from common.config import ConfigError, setting
+from common.validation import check_ca, check_cert_pair, check_channel_tls
 
 
 def enable_auto_tool_choice() -> Any:
@@ -39,7 +40,7 @@ class APIConfig:
     api_key: str | None = c.api_key()
     scheduler_api_key: str | None = setting(
         None, "the scheduler's --api-key (default: --api-key, as `llmserve serve` uses one key for both)")
-    served_model_name: str | None = c.served_model_name()
+    served_model_name: list[str] | None = c.served_model_name()
     tokenizer: str | None = c.tokenizer()
     reattach_timeout: float = setting(
         60.0, "seconds a stream keeps re-attaching while the scheduler is unavailable (fail-over)",
@@ -58,6 +59,44 @@ class APIConfig:
     responses_store_ttl: float = responses_store_ttl()
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
+    # HTTPS (vLLM's names, uvicorn's options).
+    ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key (PEM); needs --ssl-certfile")
+    ssl_certfile: str | None = setting(None, "certificate chain (PEM) of --ssl-keyfile")
+    ssl_ca_certs: str | None = setting(None, "CA bundle (PEM) that client certificates are checked against")
+    ssl_cert_reqs: int = setting(0, "client certificates, as Python's ssl module numbers it: 0 none, 1 optional, "
+                                 "2 required (with --ssl-ca-certs)", choices=(0, 1, 2))
+    # The gRPC channel to the scheduler (its --tls-cert / --tls-client-ca), as the scheduler's --worker-tls-*.
+    scheduler_tls_ca: str | None = setting(
+        None, "connect to the scheduler over TLS, trusting this CA bundle (PEM) (default: plaintext)")
+    scheduler_tls_cert: str | None = setting(
+        None, "client certificate (PEM) for a scheduler that requires one (its --tls-client-ca)")
+    scheduler_tls_key: str | None = setting(None, "private key (PEM) of --scheduler-tls-cert")
+    scheduler_tls_server_name: str | None = setting(
+        None, "expect this name in the scheduler's certificate instead of --scheduler's host")
 
     def __post_init__(self):
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
+
+    def validate(self) -> None:
+        """The TLS flags' combinations and files; ConfigError naming the flags."""
+        c.check(self)
+        check_channel_tls(ca=self.scheduler_tls_ca, cert=self.scheduler_tls_cert, key=self.scheduler_tls_key,
+                          server_name=self.scheduler_tls_server_name, prefix="--scheduler-tls")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+        if self.ssl_certfile is not None:
+            check_cert_pair("--ssl-certfile", self.ssl_certfile, "--ssl-keyfile", self.ssl_keyfile)
+        if self.ssl_ca_certs is not None:
+            if self.ssl_certfile is None:
+                raise ConfigError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile (HTTPS)")
+            check_ca("--ssl-ca-certs", self.ssl_ca_certs)
+        elif self.ssl_cert_reqs:
+            raise ConfigError(f"--ssl-cert-reqs {self.ssl_cert_reqs} needs --ssl-ca-certs (the CA of the clients)")
+
+    def scheduler_credentials(self):
+        """grpc.ChannelCredentials for the scheduler, None for plaintext."""
+        if self.scheduler_tls_ca is None:
+            return None
+        from common.tls import channel_credentials
+
+        return channel_credentials(self.scheduler_tls_ca, self.scheduler_tls_cert, self.scheduler_tls_key)

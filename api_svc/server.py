@@ -31,6 +31,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = from_namespace(APIConfig, args, scheduler_api_key=args.scheduler_api_key or args.api_key)
+        cfg.validate()
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
@@ -42,9 +43,12 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"cannot listen on {cfg.host}:{cfg.port}: {e}") from None
     sock.listen(2048)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(cfg), loop="asyncio", log_level=cfg.log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(create_app(cfg), loop="asyncio", log_level=cfg.log_level, timeout_keep_alive=30,
+                            ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile, ssl_ca_certs=cfg.ssl_ca_certs,
+                            ssl_cert_reqs=cfg.ssl_cert_reqs)
     server = uvicorn.Server(config)
-    logging.getLogger("llmserve.api").info("OpenAI API on http://%s:%d/v1 (scheduler %s)", cfg.host, port,
-                                           cfg.scheduler)
+    scheme = "https" if cfg.ssl_certfile else "http"
+    logging.getLogger("llmserve.api").info("OpenAI API on %s://%s:%d/v1 (scheduler %s over %s)", scheme, cfg.host,
+                                           port, cfg.scheduler, "TLS" if cfg.scheduler_tls_ca else "plaintext")
     print(LISTENING_LINE.format(port=port), flush=True)
     server.run(sockets=[sock])

@@ -38,6 +38,8 @@ class Meta:
     device_default: dict[str, Any] | None = None
     check: Callable[[Any], str | None] | None = None  # what is wrong with a value, or None
     from_env: bool = False  # the default comes from $LLMSERVE_<NAME> (a secret kept out of `ps`)
+    parse: Callable[[str], Any] | None = None  # argparse's `type` instead of the annotation's
+    nargs: str | None = None  # "+": one or more words (vLLM's list flags); the value is then a list of str
 
 
 def setting(default: Any, help: str, **meta: Any) -> Any:
@@ -65,14 +67,32 @@ def is_power_of_two(v: int | None) -> str | None:
     return f"must be a power of two >= 1 (the paged-attention kernels index blocks by shifts), got {v}"
 
 
+_MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's token counts: `2048`, `32k` (32,000), `32K` (32,768), `25.6k`; a fraction needs a decimal unit."""
+    text = text.strip()
+    unit = _MULTIPLIERS.get(text[-1:])
+    number = text[:-1] if unit else text
+    try:
+        if unit is None:
+            return int(number)
+        if unit in (1 << 10, 1 << 20, 1 << 30):
+            return int(number) * unit
+        return int(float(number) * unit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (e.g. 2048, 32k, 32K)") from None
+
+
 # ---- settings shared by two processes: declared once ------------------------------------------------------------
 
 
 def max_num_batched_tokens() -> Any:
     """The scheduler's token budget per step; the worker sizes its KV pool after a warm-up step this large."""
     return setting(None, "tokens per step (the scheduler's budget; the worker warms up with a step this large "
-                   "before it sizes the KV pool on a GPU)", device_default={"cpu": 512, "cuda": 8192},
-                   check=at_least(1))
+                   "before it sizes the KV pool on a GPU; 8k / 8K as vLLM reads them)",
+                   device_default={"cpu": 512, "cuda": 8192}, check=at_least(1), parse=human_readable_int)
 
 
 def redis_url() -> Any:
@@ -88,10 +108,21 @@ def enable_lora() -> Any:
     return setting(False, "serve LoRA adapters of the base model (vLLM's flag): requests pick one by the model name")
 
 
+def lora_modules_problem(words: list[str] | None) -> str | None:
+    from common.lora import parse_lora_modules
+
+    try:
+        parse_lora_modules(words)
+    except ValueError as e:
+        return str(e).removeprefix("--lora-modules ")
+    return None
+
+
 def lora_modules() -> Any:
     """The scheduler registers them (in Redis); the worker reads and checks each at start-up."""
-    return setting(None, "LoRA adapters to serve, NAME=PATH pairs (PEFT directories) separated by spaces or commas "
-                   "(needs --enable-lora)", metavar="NAME=PATH ...")
+    return setting(None, "LoRA adapters to serve (PEFT directories), vLLM's forms: NAME=PATH words, or JSON objects "
+                   '\'{"name": "a", "path": "/p", "base_model_name": "m"}\' (needs --enable-lora)',
+                   metavar="NAME=PATH|JSON", nargs="+", check=lora_modules_problem)
 
 
 def max_loras() -> Any:
@@ -134,7 +165,8 @@ def api_key() -> Any:
 
 
 def served_model_name() -> Any:
-    return setting(None, "the model name HTTP clients use (default: the model's file or directory name)")
+    return setting(None, "the model name(s) HTTP clients use (vLLM's form: one or more words; replies and "
+                   "/v1/models carry the first; default: the model's file or directory name)", nargs="+")
 
 
 # ---- derived views ----------------------------------------------------------------------------------------------
@@ -164,10 +196,12 @@ def default(f: dataclasses.Field) -> Any:
 
 
 def value_type(cls: type, name: str) -> type:
-    """int, float, str or bool: the field's annotation without `| None`."""
+    """int, float, str or bool: the field's annotation without `| None` (of a list: its element's)."""
     hint = typing.get_type_hints(cls)[name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list:
+        hint = typing.get_args(hint)[0]
     return hint
 
 
@@ -184,7 +218,7 @@ def add_arguments(parser, *classes: type, exclude: Iterable[str] = ()) -> None:
             if kind is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
-                kw.update(type=kind, choices=m.choices, metavar=m.metavar)
+                kw.update(type=m.parse or kind, choices=m.choices, metavar=m.metavar, nargs=m.nargs)
             parser.add_argument(flag(f.name), *m.aliases, **kw)
 
 
@@ -232,6 +266,8 @@ def to_argv(cfg: Any, exclude: Iterable[str] = ()) -> list[str]:
             continue
         if isinstance(value, bool):
             out.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
+        elif isinstance(value, (list, tuple)):
+            out += [flag(f.name), *map(str, value)]
         elif value is not None:
             out += [flag(f.name), str(value)]
     return out

@@ -69,19 +69,24 @@ def check_server_tls(*, cert: str | None, key: str | None, client_ca: str | None
         _check_ca("--tls-client-ca", client_ca)
 
 
-def check_channel_tls(*, ca: str | None, cert: str | None, key: str | None, server_name: str | None) -> None:
+def check_channel_tls(*, ca: str | None, cert: str | None, key: str | None, server_name: str | None,
+                      prefix: str = "--worker-tls") -> None:
     """--worker-tls-ca/--worker-tls-cert/--worker-tls-key/--worker-tls-server-name of the scheduler->worker
-    channel: TLS is on with --worker-tls-ca; the client certificate and the name override need it."""
+    channel (`prefix` names the flags of another channel: the API's --scheduler-tls-*): TLS is on with the CA; the
+    client certificate and the name override need it."""
     if (cert is None) != (key is None):
-        pair = ("--worker-tls-cert", "--worker-tls-key")
+        pair = (f"{prefix}-cert", f"{prefix}-key")
         given, missing = pair if key is None else pair[::-1]
         raise ConfigError(f"{given} needs {missing}: the client certificate and its key go together")
     if ca is None:
-        for flag, value in (("--worker-tls-cert", cert), ("--worker-tls-server-name", server_name)):
+        for flag, value in ((f"{prefix}-cert", cert), (f"{prefix}-server-name", server_name)):
             if value is not None:
-                raise ConfigError(f"{flag} needs --worker-tls-ca (the CA that signed the worker's certificate): "
-                                  "TLS to the worker is on only with it")
+                raise ConfigError(f"{flag} needs {prefix}-ca (the CA that signed the server's certificate): "
+                                  "TLS is on only with it")
         return
-    _check_ca("--worker-tls-ca", ca)
+    _check_ca(f"{prefix}-ca", ca)
     if cert is not None:
-        _check_cert_pair("--worker-tls-cert", cert, "--worker-tls-key", key)
+        _check_cert_pair(f"{prefix}-cert", cert, f"{prefix}-key", key)
+
+
+check_ca, check_cert_pair = _check_ca, _check_cert_pair  # for the HTTP API's --ssl-* flags

@@ -62,7 +62,7 @@ class ServeConfig:
     host: str = setting("127.0.0.1", "address of the public gRPC API (and of the HTTP API)")
     port: int = setting(50051, "port of the public gRPC API")
     http_port: int = setting(8000, "the OpenAI-compatible HTTP API's port; 0 turns it off", check=c.at_least(0))
-    served_model_name: str | None = c.served_model_name()
+    served_model_name: list[str] | None = c.served_model_name()
     log_dir: str | None = setting(None, "the worker's and redis-server's logs (default: a temporary directory, "
                                   "removed at exit)")
     enable_auto_tool_choice: bool = enable_auto_tool_choice()

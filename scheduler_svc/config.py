@@ -56,7 +56,7 @@ class SchedulerConfig:
         "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; the only method)",
         metavar="JSON")
     enable_lora: bool = c.enable_lora()
-    lora_modules: str | None = c.lora_modules()
+    lora_modules: list[str] | None = c.lora_modules()
     max_loras: int = c.max_loras()
     allow_runtime_lora_updating: bool = setting(
         False, "accept /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")

@@ -81,8 +81,9 @@ class WorkerConfig:
                                             "activations, KV pool)", check=c.between(0, 1))
     num_gpu_blocks_override: int | None = setting(None, "KV pool size in blocks (skips the memory-based sizing)",
                                                   check=c.at_least(1))
-    max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens (default: the model's)",
-                                        check=c.at_least(1))
+    max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens, 4096 or 4k / 4K as "
+                                        "vLLM reads them (default: the model's)", check=c.at_least(1),
+                                        parse=c.human_readable_int)
     max_num_batched_tokens: int | None = c.max_num_batched_tokens()
     attention_backend: str = setting("auto", "paged-attention kernels: auto = triton on CUDA, torch on CPU",
                                      choices=("auto", "triton", "torch"))
@@ -126,7 +127,7 @@ class WorkerConfig:
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")
     enable_lora: bool = c.enable_lora()
-    lora_modules: str | None = c.lora_modules()
+    lora_modules: list[str] | None = c.lora_modules()
     max_loras: int = c.max_loras()
     max_lora_rank: int = setting(16, "largest LoRA rank served; adapters above it are refused at load",
                                  check=c.at_least(1))

@@ -87,7 +87,7 @@ def test_serve_passes_its_shared_settings_to_the_http_api():
     argv = serve.api_argv(args, from_namespace(serve.ServeConfig, args), 50051)
     back = build_parser().parse_args(argv[3:])
     assert (back.host, back.port, back.scheduler) == ("0.0.0.0", 8123, "127.0.0.1:50051")
-    assert (back.api_key, back.tokenizer, back.served_model_name) == ("k", "/t.gguf", "m")
+    assert (back.api_key, back.tokenizer, back.served_model_name) == ("k", "/t.gguf", ["m"])
     assert back.scheduler_metrics_url is None  # no scheduler metrics port given
     argv = serve.api_argv(args, from_namespace(serve.ServeConfig, args), 50051, metrics_port=9090)
     assert build_parser().parse_args(argv[3:]).scheduler_metrics_url == "http://127.0.0.1:9090/metrics"

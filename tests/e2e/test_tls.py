@@ -1,5 +1,8 @@
 """TLS between the processes, with real processes and throw-away certificates made here:
 
+- the HTTP API (compose.yaml's api command and TLS variables): HTTPS to an `openai` client trusting the CA, TLS to
+  the scheduler, a client certificate for a mutual-TLS scheduler, and a clear 503 when it lacks the CA;
+
 - a worker serving mutual TLS (--tls-cert/--tls-key/--tls-client-ca): a scheduler with the right --worker-tls-*
   drives it end to end; a plaintext scheduler, one trusting another CA, and one without a client certificate
   stay NOT_SERVING and log why;
@@ -335,3 +338,121 @@ def test_redact_url_hides_every_password():
     assert redact_url("rediss://user:hunter2@h:6380/1?ssl_ca_certs=/c/ca.pem&ssl_password=hunter2") == \
         "rediss://user:***@h:6380/1?ssl_ca_certs=/c/ca.pem&ssl_password=***"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+# ---- the HTTP API: TLS to the scheduler, HTTPS to its clients (compose.yaml's api command) ----------------------
+
+def start_compose_api(scheduler_port: int, redis_port: int, model: str, tmp: Path, **tls_env: str):
+    """compose.yaml's api command, run here (local ports, the scheduler on localhost: its certificate's name), with
+    its TLS variables from `tls_env` as .env would give them. Returns (process, port, log path)."""
+    import yaml
+
+    from tests.e2e.test_compose import TOKENIZER, unescape
+
+    port = cluster.free_port()
+    command = yaml.safe_load(open(os.path.join(ROOT, "compose.yaml")))["services"]["api"]["command"]
+    argv = [unescape(a).replace("8000", str(port)).replace("scheduler:50051", f"localhost:{scheduler_port}")
+            .replace("0.0.0.0", "127.0.0.1").replace(TOKENIZER, model) for a in command]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], PYTHONPATH=ROOT,
+               REDIS_URL=f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0", **tls_env)
+    log = tmp / f"api-{port}.log"
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, port, log
+
+
+def trusting(ca: str):
+    import ssl
+
+    return ssl.create_default_context(cafile=ca)
+
+
+def wait_health(proc, url: str, verify, log: Path, want: int = 200, timeout: float = 90):
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = httpx.get(url, verify=verify, timeout=5)
+            if r.status_code == want:
+                return r
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.3)
+
+
+def stop_proc(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_openai_client_over_https_through_a_tls_scheduler(tls_scheduler, redis_pw, pki, bundled_model_path, tmp_path):
+    import httpx
+    import openai
+
+    proc, port, log = start_compose_api(tls_scheduler.port, redis_pw, bundled_model_path, tmp_path,
+                                        LLMSERVE_SCHEDULER_TLS_CA=pki["ca"], LLMSERVE_SSL_CERTFILE=pki["server_cert"],
+                                        LLMSERVE_SSL_KEYFILE=pki["server_key"])
+    try:
+        wait_health(proc, f"https://localhost:{port}/health", trusting(pki["ca"]), log)
+        client = openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="none",
+                               http_client=httpx.Client(verify=trusting(pki["ca"])))
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": "Hello"}])
+        assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens >= 1
+        with pytest.raises(httpx.HTTPError):  # a client that does not trust the CA is refused
+            httpx.get(f"https://localhost:{port}/health", verify=trusting(pki["other_ca"]), timeout=5)
+        assert "https://" in log.read_text() and "over TLS" in log.read_text()
+    finally:
+        stop_proc(proc)
+
+
+def test_api_without_the_ca_says_why(tls_scheduler, redis_pw, pki, bundled_model_path, tmp_path):
+    import httpx
+
+    proc, port, log = start_compose_api(tls_scheduler.port, redis_pw, bundled_model_path, tmp_path)
+    try:
+        r = wait_health(proc, f"http://127.0.0.1:{port}/health", None, log, want=503)
+        assert "--scheduler-tls-ca" in r.text, r.text
+        chat = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                          json={"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert chat.status_code == 503 and "--scheduler-tls-ca" in chat.text, chat.text
+    finally:
+        stop_proc(proc)
+
+
+def test_api_presents_a_client_certificate_to_a_mutual_tls_scheduler(redis_pw, pki, bundled_model_path, tmp_path):
+    """The scheduler has --tls-client-ca (no worker: it stays NOT_SERVING, which the API can only learn over the
+    mutual-TLS handshake); without a client certificate the API cannot reach it and says what to give."""
+    s = cluster.start_scheduler(f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_pw}/0", f"127.0.0.1:{cluster.free_port()}",
+                                ["--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"],
+                                 "--tls-client-ca", pki["ca"]])
+    try:
+        for env, needle in (({"LLMSERVE_SCHEDULER_TLS_CERT": pki["client_cert"],
+                              "LLMSERVE_SCHEDULER_TLS_KEY": pki["client_key"]}, "is NOT_SERVING"),
+                            ({}, "--scheduler-tls-cert")):
+            proc, port, log = start_compose_api(s.port, redis_pw, bundled_model_path, tmp_path,
+                                                LLMSERVE_SCHEDULER_TLS_CA=pki["ca"], **env)
+            try:
+                deadline = time.monotonic() + 60
+                while needle not in (r := wait_health(proc, f"http://127.0.0.1:{port}/health", None, log,
+                                                      want=503)).text:
+                    assert time.monotonic() < deadline, r.text
+                    time.sleep(0.5)
+            finally:
+                stop_proc(proc)
+    finally:
+        cluster.stop(s)
+
+
+def test_api_tls_flags_that_cannot_work_fail_at_start(pki):
+    assert_fails(run_cli("api", "--port", 0, "--ssl-keyfile", pki["server_key"]), "--ssl-keyfile", "--ssl-certfile")
+    assert_fails(run_cli("api", "--port", 0, "--ssl-certfile", pki["server_cert"], "--ssl-keyfile", pki["client_key"]),
+                 "cannot use", "--ssl-certfile")
+    assert_fails(run_cli("api", "--port", 0, "--scheduler-tls-cert", pki["client_cert"], "--scheduler-tls-key",
+                         pki["client_key"]), "--scheduler-tls-cert", "--scheduler-tls-ca")
+    assert_fails(run_cli("api", "--port", 0, "--scheduler-tls-ca", "/nonexistent/ca.pem"), "--scheduler-tls-ca")

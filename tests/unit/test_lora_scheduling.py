@@ -78,7 +78,7 @@ def test_ledger_record_keeps_the_adapter():
 def test_lora_modules_flag():
     assert parse_lora_modules("a=/x b=/y,c=/z") == [("a", "/x"), ("b", "/y"), ("c", "/z")]
     assert parse_lora_modules(None) == []
-    with pytest.raises(ValueError, match="entry 'a' must be NAME=PATH"):
+    with pytest.raises(ValueError, match="word 'a' must be NAME=PATH"):
         parse_lora_modules("a")
     with pytest.raises(ValueError, match="names 'a' twice"):
         parse_lora_modules("a=/x a=/y")
