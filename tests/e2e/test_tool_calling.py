@@ -108,9 +108,13 @@ def test_required_calls_validate(st, sampling, parallel):
     r = st.client.chat.completions.create(model=st.model, messages=ASK, tools=TOOLS, tool_choice="required",
                                           parallel_tool_calls=parallel, max_tokens=300, **sampling)
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
     calls = choice.message.tool_calls
     assert calls and (parallel or len(calls) == 1)
+    if choice.finish_reason == "length":  # the bundled model may go on calling (an array has no end) until cut off
+        assert parallel and len(calls) > 1, choice
+        calls = calls[:-1]  # the last one as far as it got
+    else:
+        assert choice.finish_reason == "tool_calls", choice
     for call in calls:
         assert call.function.name in SCHEMAS
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
@@ -139,7 +143,7 @@ def reassemble(chunks) -> tuple[list[dict], str | None, str]:
 @pytest.mark.parametrize("choice", ["required", named("create_event")], ids=["required", "named"])
 def test_streamed_deltas_reassemble_to_the_whole_call(st, choice):
     kw = {"model": st.model, "messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": 160,
-          "temperature": 0}
+          "temperature": 0, "parallel_tool_calls": False}  # one call: the bundled model may go on calling
     whole = st.client.chat.completions.create(**kw).choices[0]
     chunks = list(st.client.chat.completions.create(stream=True, **kw))
     calls, finish, content = reassemble(chunks)
@@ -299,8 +303,8 @@ def test_streamed_and_whole_calls_agree_in_every_finish_state(st, choice, max_to
     if choice == "hermes":  # a model writing Hermes' format (the bundled one does not by itself)
         said = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
         client, kw["extra_body"] = st.auto_client, {"structured_outputs": {"regex": escaped(said)}}
-    else:
-        kw["tool_choice"] = choice
+    else:  # one call: in an array the bundled model may go on calling until max_tokens
+        kw["tool_choice"], kw["parallel_tool_calls"] = choice, False
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == ("tool_calls" if max_tokens == 160 else "length"), whole
     calls, finish, content = streamed(client, **kw)
