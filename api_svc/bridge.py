@@ -53,6 +53,8 @@ def _set_constraint(s: pb.SamplingParams, body: SamplingFields) -> None:
             raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
         given.append(("response_format", "json_schema", rf.json_schema.schema_))
     so = body.structured_outputs
+    if so is not None and so.disable_any_whitespace:
+        s.disable_any_whitespace = True
     if so is not None:
         for where, field, value in (("json", "json_schema", so.json_), ("regex", "regex", so.regex),
                                     ("choice", "choice", so.choice), ("grammar", "grammar", so.grammar),

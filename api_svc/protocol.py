@@ -52,6 +52,7 @@ class StructuredOutputs(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False  # json: no optional whitespace (the server's config may also say so)
 
 
 def _wire_type(fd: FieldDescriptor) -> object:

@@ -12,6 +12,7 @@ Adding a parser: write such a function and add it to PARSERS under the name `--t
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import secrets
 import string
@@ -160,11 +161,14 @@ def _held_back(text: str, marker: str, final: bool) -> str:
     return text
 
 
-def _whole_calls_or_text(text: str, parsed: Parsed, final: bool) -> Parsed:
-    """At the end, calls that did not parse mean the model was not calling: everything is content."""
-    if final and any(c.name is None or not c.done for c in parsed.calls):
-        return Parsed(text)
-    return parsed
+def whole_calls_or_text(text: str, parsed: Parsed, final: bool) -> Parsed:
+    """At the end, text that never named a call is content: the model was not calling. A call whose name came
+    through stays a call, also when its object never closed (max_tokens cut it): a stream has sent it already, and
+    the whole reply says what the stream said."""
+    if not final:
+        return parsed
+    named = list(itertools.takewhile(lambda c: c.name is not None, parsed.calls))
+    return Parsed(parsed.content, named) if named else Parsed(text)
 
 
 # ---- the parsers -------------------------------------------------------------------------------------------------
@@ -191,7 +195,7 @@ def hermes(text: str, final: bool) -> Parsed:
         if end is None:
             break
         at = text.find(HERMES_START, end)
-    return _whole_calls_or_text(text, out, final)
+    return whole_calls_or_text(text, out, final)
 
 
 PYTHON_TAG = "<|python_tag|>"
@@ -217,7 +221,7 @@ def llama3_json(text: str, final: bool) -> Parsed:
         j = skip_ws(body, end)
         if j < len(body) and body[j] == ";":
             j = skip_ws(body, j + 1)
-    return _whole_calls_or_text(text, out, final)
+    return whole_calls_or_text(text, out, final)
 
 
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -235,7 +239,7 @@ def mistral(text: str, final: bool) -> Parsed:
     if j < len(rest) and rest[j] == "[":
         calls, _ = scan_array(rest, j, ("arguments", "parameters"))
         out.calls = calls
-        return _whole_calls_or_text(text, out, final)
+        return whole_calls_or_text(text, out, final)
     for part in rest.split(MISTRAL_CALLS):
         name, sep, args = part.partition(MISTRAL_ARGS)
         if not sep:
@@ -245,7 +249,7 @@ def mistral(text: str, final: bool) -> Parsed:
         start = skip_ws(args, 0)
         stop = value_end(args, start)
         out.calls.append(Call(name.strip(), args[start:stop] if stop is not None else args[start:], stop is not None))
-    return _whole_calls_or_text(text, out, final)
+    return whole_calls_or_text(text, out, final)
 
 
 def pythonic(text: str, final: bool) -> Parsed:

@@ -22,7 +22,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from api_svc.errors import bad_request
-from api_svc.tool_parsers import PARSERS, Call, Parsed, ToolParser, call_id, scan_array, scan_call, skip_ws
+from api_svc.tool_parsers import (
+    PARSERS,
+    Call,
+    Parsed,
+    ToolParser,
+    call_id,
+    scan_array,
+    scan_call,
+    skip_ws,
+    whole_calls_or_text,
+)
 from protos import llmserve_pb2 as pb
 
 CHOICES = ("none", "auto", "required")
@@ -104,6 +114,8 @@ class ToolPlan:
     def apply(self, req: pb.GenerateRequest) -> None:
         if self.schema is not None:
             req.sampling.json_schema = json.dumps(self.schema)
+            # Compact arguments: under a grammar a small model spends max_tokens on newlines and indentation.
+            req.sampling.disable_any_whitespace = True
         if self.keep_special_tokens:
             req.sampling.skip_special_tokens = False
 
@@ -114,8 +126,8 @@ class ToolPlan:
         """A whole choice's `message` and its finish_reason ("tool_calls" when it called)."""
         state = self.choice()
         delta = state.feed(text, True)
-        if not state.ids:
-            return {"role": "assistant", "content": text}, finish_reason
+        if not state.ids:  # the content a stream sends: all the text, unless it was held back as a call's
+            return {"role": "assistant", "content": state.content}, finish_reason
         calls = [{"id": i, "type": "function", "function": {"name": c["function"]["name"], "arguments": a}}
                  for i, c, a in zip(state.ids, delta["tool_calls"], state.arguments, strict=True)]
         return ({"role": "assistant", "content": delta.get("content") or None, "tool_calls": calls},
@@ -166,9 +178,10 @@ class ChoiceTools:
 
 
 def _named(name: str) -> Callable[[str, bool], Parsed]:
-    """A named call's text is its arguments."""
+    """A named call's text is its arguments (trailing whitespace held back until more follows, so that a stream cut
+    by max_tokens sends what the whole reply holds)."""
     def extract(text: str, final: bool) -> Parsed:
-        return Parsed("", [Call(name, text.strip() if final else text.lstrip(), final)])
+        return Parsed("", [Call(name, text.strip(), final)])
     return extract
 
 
@@ -177,9 +190,8 @@ def _required(parallel: bool) -> Callable[[str, bool], Parsed]:
         j = skip_ws(text, 0)
         if j >= len(text):
             return Parsed("")
-        if parallel:
-            return Parsed("", scan_array(text, j, ("parameters",))[0])
-        return Parsed("", [scan_call(text, j, ("parameters",))[0]])
+        calls = scan_array(text, j, ("parameters",))[0] if parallel else [scan_call(text, j, ("parameters",))[0]]
+        return whole_calls_or_text(text, Parsed("", calls), final)
     return extract
 
 

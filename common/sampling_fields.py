@@ -22,7 +22,7 @@ from typing import Any
 
 # Kinds of value. A record holds: FLOAT float, INT int, BOOL bool, TOKEN_IDS list[int], LOGIT_BIAS dict[int, float]
 # (token id -> bias), TOKEN_SEQS list[list[int]] (the public API carries strings; admission tokenizes them),
-# CONSTRAINT {"kind", "spec"} (structured output).
+# CONSTRAINT {"kind", "spec"[, "disable_any_whitespace"]} (structured output).
 FLOAT, INT, BOOL, TOKEN_IDS, LOGIT_BIAS, TOKEN_SEQS, CONSTRAINT = (
     "float", "int", "bool", "token_ids", "logit_bias", "token_seqs", "constraint")
 _SAME = "="  # a row's api / vllm name equal to its record name
@@ -143,7 +143,10 @@ def _decode(f: SamplingField, v: Any) -> Any:
         return {int(t): float(b) for t, b in v.items()}
     if f.kind == TOKEN_SEQS:
         return [[int(t) for t in seq] for seq in v]
-    return {"kind": str(v["kind"]), "spec": str(v["spec"])}
+    out = {"kind": str(v["kind"]), "spec": str(v["spec"])}
+    if v.get("disable_any_whitespace"):  # kept only when set, so older records read back alike
+        out["disable_any_whitespace"] = True
+    return out
 
 
 def _to_dict(self: Any) -> dict[str, Any]:
@@ -175,7 +178,7 @@ def _plain(self: Any) -> bool:
 
 
 _TYPES = {FLOAT: float, INT: int, BOOL: bool, TOKEN_IDS: list[int], LOGIT_BIAS: dict[int, float],
-          TOKEN_SEQS: list[list[int]], CONSTRAINT: dict[str, str]}
+          TOKEN_SEQS: list[list[int]], CONSTRAINT: dict[str, str | bool]}
 
 # How a sequence samples, as admission decided it: the scheduler's record (kept in Redis) and the worker's copy (from
 # its wire). Field names are the worker message's; defaults are the table's.

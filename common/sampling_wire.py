@@ -25,8 +25,9 @@ def read(msg: Any, f: SamplingField, name: str) -> Any:
             inner = fd.message_type.fields[0].name
             return [list(getattr(v, inner)) for v in value] or None
         return list(value) or None
-    if fd.message_type is not None:
-        return {s.name: getattr(value, s.name) for s in fd.message_type.fields} if msg.HasField(name) else None
+    if fd.message_type is not None:  # a flag left off stays out, as in records written before it existed
+        return {s.name: getattr(value, s.name) for s in fd.message_type.fields
+                if s.type != s.TYPE_BOOL or getattr(value, s.name)} if msg.HasField(name) else None
     if fd.has_presence:
         return value if msg.HasField(name) else None
     if not value and f.limit is not None and not f.limit.ok(value):

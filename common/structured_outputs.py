@@ -28,6 +28,9 @@ class ConstraintError(ValueError):
 class Constraint:
     kind: str
     spec: str = ""
+    # json_schema: no optional whitespace, whatever the server's config says (forced tool calls, vLLM's per-request
+    # structured_outputs.disable_any_whitespace); a different key of the worker's grammar cache.
+    disable_any_whitespace: bool = False
 
     def describe(self) -> str:
         return f"{self.kind} ({len(self.spec)} bytes)"
@@ -101,7 +104,8 @@ def build_grammar(c: Constraint, cfg: StructuredOutputsConfig):
     check_shape(c)
     try:
         if c.kind == JSON_SCHEMA:
-            return xgr.Grammar.from_json_schema(c.spec, any_whitespace=not cfg.disable_any_whitespace)
+            compact = c.disable_any_whitespace or cfg.disable_any_whitespace
+            return xgr.Grammar.from_json_schema(c.spec, any_whitespace=not compact)
         if c.kind == JSON_OBJECT:
             return xgr.Grammar.builtin_json_grammar()
         if c.kind == REGEX:

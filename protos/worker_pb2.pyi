@@ -35,12 +35,14 @@ class LoadLoraAdapterReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("kind", "spec")
+    __slots__ = ("kind", "spec", "disable_any_whitespace")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
+    disable_any_whitespace: bool
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
 
 class PrepareConstraintReply(_message.Message):
     __slots__ = ("compile_seconds", "cached")

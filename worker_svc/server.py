@@ -118,7 +118,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         from common.structured_outputs import Constraint, ConstraintError
 
         try:
-            _, seconds, cached = self.runner.grammars.get(Constraint(request.kind, request.spec))
+            c = Constraint(request.kind, request.spec, request.disable_any_whitespace)
+            _, seconds, cached = self.runner.grammars.get(c)
         except ConstraintError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PrepareConstraintReply(compile_seconds=seconds, cached=cached)

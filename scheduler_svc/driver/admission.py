@@ -17,7 +17,15 @@ from common.chat_messages import template_messages, template_tools
 from common.request_limits import MAX_N, MAX_STOP_BYTES, MAX_STOP_STRINGS
 from common.sampling_fields import FIELDS, LOGIT_BIAS, TOKEN_IDS, SamplingField, SamplingParams
 from common.sampling_wire import read
-from common.structured_outputs import CHOICE, JSON_OBJECT, Constraint, ConstraintError, check_shape, choice_spec
+from common.structured_outputs import (
+    CHOICE,
+    JSON_OBJECT,
+    JSON_SCHEMA,
+    Constraint,
+    ConstraintError,
+    check_shape,
+    choice_spec,
+)
 from common.tokenizer import CHAT_ROLES, Tokenizer
 from protos import llmserve_pb2 as pb
 from scheduler_svc.core.request import Request
@@ -76,7 +84,7 @@ def constraint_of(s: pb.SamplingParams) -> tuple[str, Constraint] | None:
         elif name == JSON_OBJECT:
             c = Constraint(JSON_OBJECT)
         else:
-            c = Constraint(name, getattr(s, name))
+            c = Constraint(name, getattr(s, name), name == JSON_SCHEMA and s.disable_any_whitespace)
         check_shape(c)
     except ConstraintError as e:
         raise _invalid(f"sampling.{name}: {e}") from None
@@ -213,7 +221,10 @@ def build_request(req: pb.GenerateRequest, ids: list[int], limits: Limits, reque
         sampling.bad_words = bad_words_token_ids(list(s.bad_words), tokenizer)
     structured = constraint_of(s)
     if structured is not None:
-        sampling.constraint = {"kind": structured[1].kind, "spec": structured[1].spec}
+        c = structured[1]
+        sampling.constraint = {"kind": c.kind, "spec": c.spec}
+        if c.disable_any_whitespace:
+            sampling.constraint["disable_any_whitespace"] = True
     return Request(
         request_id=request_id, prompt_ids=ids, sampling=sampling, priority=req.priority, arrival_time=time.time(),
         stop=list(s.stop), include_stop_str_in_output=s.include_stop_str_in_output,

@@ -121,11 +121,14 @@ class WorkerClient:
         """Why a connection attempt failed, for the log (TLS handshake failures hide in the details)."""
         return f"{err.code.name}: {err}{tls.closed_hint(str(err), self.tls)}"
 
-    def prepare_constraint(self, kind: str, spec: str, timeout: float = 300.0) -> wpb.PrepareConstraintReply:
+    def prepare_constraint(self, kind: str, spec: str, disable_any_whitespace: bool = False,
+                           timeout: float = 300.0) -> wpb.PrepareConstraintReply:
         """Have the worker compile a structured-output constraint into its cache (off its step loop). A constraint
         that does not compile raises WorkerError with INVALID_ARGUMENT and xgrammar's reason."""
         try:
-            return self.stub.PrepareConstraint(wpb.Constraint(kind=kind, spec=spec), timeout=timeout)
+            return self.stub.PrepareConstraint(wpb.Constraint(kind=kind, spec=spec,
+                                                              disable_any_whitespace=disable_any_whitespace),
+                                               timeout=timeout)
         except grpc.RpcError as e:
             raise WorkerError(e.code(), e.details() or "") from None
 

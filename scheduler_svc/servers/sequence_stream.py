@@ -16,6 +16,7 @@ class SequenceStream:
     def __init__(self, tokenizer: Tokenizer, pub: Published, index: int, resume_from: int):
         req = pub.request
         self.pub = pub
+        self.tokenizer = tokenizer
         self.index = index
         self.resume_from = resume_from
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens, req.stop,
@@ -36,8 +37,11 @@ class SequenceStream:
         msg = pb.GenerateResponse(request_id=rid, index=self.index, first_token_index=max(self.sent, self.resume_from))
         if self.sent == 0 and self.resume_from == 0 and self.pub.prompt_logprobs is not None:
             add_prompt_logprobs(msg, self.pub.request.prompt_ids, self.pub.prompt_logprobs)
+        # vLLM's rule: the token that stopped the request (EOS, a stop token id) is not part of the text, also
+        # when special tokens are kept (tool parsers keep them to see their markers).
+        silent = len(new) - 1 if finish == FINISH_STOP and new and self._is_stop_token(new[-1]) else None
         for i, tok in enumerate(new):
-            delta = self.detok.push([tok])
+            delta = "" if i == silent else self.detok.push([tok])
             index = self.sent + i
             if index >= self.resume_from:
                 msg.token_ids.append(tok)
@@ -60,6 +64,17 @@ class SequenceStream:
             msg.usage.prompt_tokens = self.pub.request.num_prompt_tokens
             msg.usage.completion_tokens = self.sent
         return msg, finish
+
+    def _is_stop_token(self, tok: int) -> bool:
+        """Whether the request's last token ended it as a stop token whose text stays out: a stop token id, or a
+        special token (EOS) that shows only because special tokens are kept; include_stop_str_in_output keeps it."""
+        req = self.pub.request
+        if req.include_stop_str_in_output:
+            return False
+        if tok in (req.sampling.stop_token_ids or ()):
+            return True
+        return not self.tokenizer.decode([tok], skip_special_tokens=True) and \
+            bool(self.tokenizer.decode([tok], skip_special_tokens=False))
 
 
 def add_prompt_logprobs(msg: pb.GenerateResponse, prompt_ids: list[int], lps: list) -> None:

@@ -151,7 +151,7 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
     def _prepare(self, name: str, c: Constraint) -> None:
         """Have the worker compile the request's grammar now (off its step loop), or refuse the request."""
         try:
-            reply = self.driver.worker.prepare_constraint(c.kind, c.spec)
+            reply = self.driver.worker.prepare_constraint(c.kind, c.spec, c.disable_any_whitespace)
         except WorkerError as e:
             if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise AdmissionError(e.code, f"sampling.{name}: {e}") from None

@@ -167,3 +167,17 @@ def test_bad_words_are_each_word_with_and_without_a_leading_space(tokenizer):
     assert seqs[0] == tokenizer.encode(" hello world", add_special_tokens=False)
     assert tokenizer.encode("hello world", add_special_tokens=False) in seqs
     assert len(seqs) == len({tuple(s) for s in seqs}) <= 2
+
+
+def test_a_compact_json_constraint_keeps_its_flag_on_every_form(tokenizer):
+    """structured_outputs.disable_any_whitespace (vLLM's per-request field) rides with the constraint to the worker
+    and through Redis; off, the record has no such key (records written before it read back alike)."""
+    schema = '{"type": "object"}'
+    for flag in (True, False):
+        body = CompletionRequest(prompt="x", structured_outputs={"json": schema, "disable_any_whitespace": flag})
+        (req,) = completion_requests(body, "r")
+        record = _admit(req, tokenizer)
+        want = {"kind": "json_schema", "spec": schema, **({"disable_any_whitespace": True} if flag else {})}
+        assert record.constraint == want
+        worker = sampling_from_wire(wpb.SamplingParams.FromString(sampling_to_wire(record).SerializeToString()))
+        assert worker == record and _through_redis(worker) == record

@@ -110,3 +110,24 @@ def test_matcher_replays_output_and_refuses_output_that_does_not_fit():
 def test_a_token_outside_the_mask_ends_the_request():
     m = cache().matcher(Constraint("regex", "a+"), ids(""))
     assert GrammarMasks.advance([m], np.array([VOCAB.index("b")])).tolist() == [True]
+
+
+def test_disable_any_whitespace_per_constraint_or_for_the_server():
+    """The constraint's own flag (forced tool calls, vLLM's per-request field) or the server's config: JSON without
+    optional whitespace, so no token goes to newlines and indentation; without either, whitespace is free."""
+    vocab = [*VOCAB, " ", "\n"]
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+    def fits(text: str, c: Constraint, cfg: StructuredOutputsConfig | None = None) -> bool:
+        gc = GrammarCache("", len(vocab), [EOS], config=cfg, vocabulary=(vocab, "RAW"))
+        try:
+            gc.matcher(c, np.array([vocab.index(ch) for ch in text], dtype=np.int64))
+        except ConstraintError:
+            return False
+        return True
+
+    free, compact = Constraint("json_schema", schema), Constraint("json_schema", schema, disable_any_whitespace=True)
+    assert free != compact  # separate entries of the grammar cache
+    assert fits('{\n  "a": 1', free) and fits('{"a": 1}', free)
+    assert fits('{"a": 1}', compact) and not fits('{\n', compact) and not fits('{"a":  1', compact)
+    assert not fits('{\n', free, StructuredOutputsConfig(disable_any_whitespace=True))

@@ -5,11 +5,12 @@ reassemble to the whole parse."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from api_svc.tool_parsers import PARSERS, Call, hermes, llama3_json, mistral, pythonic, value_end
-from api_svc.tools import ToolPlan, required_schema
+from api_svc.tool_parsers import PARSERS, Call, Parsed, hermes, llama3_json, mistral, pythonic, value_end
+from api_svc.tools import NamedToolChoice, Tool, ToolPlan, plan, required_schema
 
 # Outputs in each model family's own format (Hermes 2 Pro / Qwen2.5, Llama 3.1, Mistral 7B v0.3, Mistral v11
 # tokenizer, Llama 3.2 pythonic), each with the calls it holds and its content.
@@ -21,8 +22,6 @@ RECORDED = {
          '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Oslo"}}\n</tool_call>',
          "I will look both up.\n", [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "Europe/Oslo"})]),
         ("The capital of France is Paris.", "The capital of France is Paris.", []),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '<tool_call>\n{"name": "get_weather", '
-         '"arguments": {"city": "Pa', []),  # cut off: not a call, the text is the content
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "San Francisco, CA", "unit": "fahrenheit"}}', "",
@@ -93,6 +92,50 @@ def test_streamed_deltas_reassemble_to_the_whole_parse(parser, text, content, ca
     assert got_calls == [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
 
 
+def test_a_call_cut_off_stays_a_call_and_unnamed_text_is_content():
+    cut = hermes('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', True)
+    assert cut.content == "" and cut.calls == [Call("get_weather", '{"city": "Pa', False)]
+    text = '<tool_call>\n{"name": "get_wea'
+    assert hermes(text, True) == Parsed(text)  # no name came through: not a call
+    message, finish = ToolPlan(hermes, True).message(text, "length")
+    assert message == {"role": "assistant", "content": text} and finish == "length"
+
+
+def prefixes(text: str) -> list[str]:
+    return [text[:k] for k in range(len(text) + 1)]
+
+
+def forced(choice, parallel: bool = True) -> ToolPlan:
+    """The plan of a request forcing calls of the tools f and g."""
+    tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in ("f", "g")]
+    body = SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=None,
+                           structured_outputs=None)
+    return plan(body, False, None)
+
+
+def forced_plans() -> list[tuple[ToolPlan, str]]:
+    """required (one call, parallel) and named, with compact text as their grammars write it."""
+    one = '{"name": "f", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    g = NamedToolChoice.model_validate({"type": "function", "function": {"name": "g"}})
+    return [(forced("required", False), one),
+            (forced("required"), f'[{one}, {{"name": "g", "parameters": {{"x": [1, 2]}}}}]'),
+            (forced(g), '{"x": [1, 2], "y": "a b"} ')]
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_streamed_and_whole_agree_wherever_max_tokens_cuts(step):
+    """Every prefix of every output, as a reply cut by max_tokens: the deltas reassemble to the whole reply (the
+    same content, the same calls with the same arguments), for each parser and for forced calls."""
+    cases = [(ToolPlan(PARSERS[name].parse, True, PARSERS[name].short_ids), text)
+             for name, recorded in RECORDED.items() for text, _, calls in recorded if calls]
+    for tool_plan, text in cases + forced_plans():
+        for cut in prefixes(text):
+            message, finish = tool_plan.message(cut, "length")
+            assert finish == "length"
+            whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", ())]
+            assert join(stream(tool_plan, cut, step)) == ((message["content"] or ""), whole), (cut, message)
+
+
 def test_content_is_streamed_before_the_call_and_markers_are_held_back():
     deltas = stream(ToolPlan(hermes, True), 'Let me see. <tool_call>{"name": "f", "arguments": {}}</tool_call>', 2)
     text = "".join(d.get("content", "") for d in deltas)
@@ -133,8 +176,6 @@ def test_value_end():
 def test_required_schema():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
              {"type": "function", "function": {"name": "g"}}]
-    from api_svc.tools import Tool
-
     parsed = [Tool.model_validate(t) for t in tools]
     one = required_schema(parsed, parallel=False)
     assert [a["properties"]["name"] for a in one["anyOf"]] == [{"const": "f"}, {"const": "g"}]
