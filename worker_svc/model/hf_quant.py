@@ -15,10 +15,11 @@ import re
 import torch
 
 from worker_svc.model.hf_awq import check_awq
+from worker_svc.model.hf_gptq import check_gptq
 from worker_svc.model.quant import QuantizedWeight
 
 # --quantization's names (vLLM's) that an HF checkpoint can carry and llmserve applies.
-HF_METHODS = ("fp8", "compressed-tensors", "awq")
+HF_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 
 # The matmul weights a dense family packs through quant.QuantLinear; any other FP8 tensor is dequantized at load.
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -55,6 +56,8 @@ def check_quantization_config(cfg: dict, requested: str | None) -> str | None:
                          f"quantization_config.quant_method={method!r}")
     if method == "awq":
         check_awq(qc, _refuse)
+    elif method == "gptq":
+        check_gptq(qc, _refuse)
     else:
         (_check_fp8 if method == "fp8" else _check_compressed_tensors)(qc)
     return method
