@@ -54,8 +54,19 @@ def refusal(tmp_path, architecture: str, **fields) -> str:
      "weight_block_size=[128]"),
     ("LlamaForCausalLM", {"quantization_config": {"quant_method": "fp8", "kv_cache_quant_method": "x"}},
      "kv_cache_quant_method='x'"),
-    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
-     "format='pack-quantized'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors",
+                                                  "format": "nvfp4-pack-quantized"}},
+     "format='nvfp4-pack-quantized'"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                  "config_groups": {"group_0": {"weights": {
+                                                      "num_bits": 4, "type": "int", "strategy": "group",
+                                                      "group_size": 48, "symmetric": True, "dynamic": False}}}}},
+     "config_groups.group_0.weights.group_size=48"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                  "config_groups": {"group_0": {"weights": {
+                                                      "num_bits": 8, "type": "int", "strategy": "channel",
+                                                      "symmetric": True, "dynamic": False}}}}},
+     "config_groups.group_0.weights.num_bits=8"),
     ("LlamaForCausalLM", {"quantization_config": {
         "quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8}}},
      "kv_cache_scheme={'num_bits': 8}"),

@@ -19,7 +19,7 @@ import torch
 
 from common import gguf_cache
 from worker_svc.model import families as models
-from worker_svc.model import hf_awq, hf_gptq, hf_quant
+from worker_svc.model import hf_awq, hf_compressed_int, hf_gptq, hf_quant
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import hf_rope
 from worker_svc.parallel.sharding import (
@@ -417,6 +417,10 @@ def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -
         if qc["quant_method"] == "gptq":
             return hf_gptq.convert_gptq(tensors, qc, hf_quant.packed_by_the_model)
         return hf_awq.convert_awq(tensors, hf_quant.packed_by_the_model)
+    if qc.get("format") == "pack-quantized":
+        if hybrid:
+            raise ValueError("a pack-quantized checkpoint of a hybrid family is not supported yet")
+        return hf_compressed_int.convert_pack_quantized(tensors, hf_quant.packed_by_the_model)
     return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
 
 

@@ -1,0 +1,125 @@
+"""compressed-tensors `pack-quantized` W4A16 checkpoints (strategy group with 32 / 64 / 128 columns, symmetric and
+with zero points; strategy channel) written here from a random transformers Llama, quantized by the format's rules
+(signed 4-bit codes plus 8 packed 8 per int32 along the input dim, zero points packed along the output dim, float16
+scales), against transformers on the dequantized model: logits within a stated tolerance and greedy tokens equal
+where transformers' top-2 margin is clear; the weights held as the int4 kernels' codes; the conversion against
+dequantize-then-matmul."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.service.test_awq_model import LOGIT_TOL, MARGIN, PROJECTIONS, SHAPE, STEPS
+from tests.service.test_gptq_model import pack_columns, pack_rows
+from tests.service.test_model import PagedRunner
+from tests.service.test_model_families import make_checkpoint, prompts
+from worker_svc.model import families as models
+from worker_svc.model import quant
+from worker_svc.model.hf_compressed_int import packed_weight
+from worker_svc.model.loader import load_hf_dir
+
+
+def pack_quantize(w: torch.Tensor, group: int | None, sym: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(weight_packed, weight_scale, weight_shape[, weight_zero_point]) of w [out, in] by compressed-tensors'
+    rules (group None: strategy channel), and the dequantized weight."""
+    out, inp = w.shape
+    size = group or inp
+    g = w.reshape(out, inp // size, size)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    if sym:
+        scale = (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-5).half()
+        zero = torch.zeros_like(scale, dtype=torch.float32)
+    else:
+        scale = ((hi - lo) / 15).clamp(min=1e-5).half()
+        zero = (torch.round(-lo / scale.float()) - 8).clamp(-8, 7)
+    s = scale.float().unsqueeze(-1)
+    q = torch.round(g / s + zero.unsqueeze(-1)).clamp(-8, 7)
+    dequantized = ((q - zero.unsqueeze(-1)) * s).reshape(out, inp)
+    tensors = {"weight_packed": pack_columns((q.reshape(out, inp) + 8).to(torch.uint8)), "weight_scale": scale,
+               "weight_shape": torch.tensor([out, inp])}
+    if not sym:
+        tensors["weight_zero_point"] = pack_rows((zero + 8).to(torch.uint8))
+    return tensors, dequantized
+
+
+def write_checkpoint(path, group: int | None, sym: bool) -> torch.nn.Module:
+    hf = make_checkpoint("llama", path, **SHAPE)
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    dequantized = {}
+    for name in list(tensors):
+        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
+            packed, dequantized[name] = pack_quantize(tensors.pop(name).float(), group, sym)
+            tensors |= {name.removesuffix("weight") + k: v for k, v in packed.items()}
+    save_file(tensors, file)
+    config = json.loads((path / "config.json").read_text())
+    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax",
+               **({"strategy": "group", "group_size": group} if group else {"strategy": "channel"})}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "quantization_status": "compressed", "ignore": ["lm_head"],
+                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                   "input_activations": None}}}
+    (path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in dequantized:
+                p.copy_(dequantized[name])
+    return hf.float().eval()
+
+
+CASES = [(32, True), (64, False), (128, True), (None, False)]
+
+
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: f"{f'group{c[0]}' if c[0] else 'channel'}-{'sym' if c[1] else 'zp'}")
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("packed")
+    hf = write_checkpoint(path, *request.param)
+    config, weights = load_hf_dir(str(path))
+    return hf, models.by_name(config.architecture)(config, weights, torch.float32, "cpu")
+
+
+def test_weights_are_int4(pair):
+    _, ours = pair
+    for layer in ours.layers:
+        for w in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
+            assert isinstance(w, quant.QuantLinear) and w.bits == 4 and w.source == "compressed-tensors"
+
+
+def test_logits_and_greedy_tokens_match_the_dequantized_model(pair):
+    hf, ours = pair
+    for prompt in prompts(hf.config.vocab_size, lengths=(40, 23)):
+        runner = PagedRunner(ours, 64)
+        got = runner.step({0: prompt}, all_logits=True)
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0]
+        assert (got - want).abs().max().item() < LOGIT_TOL
+        ids = list(prompt)
+        for _ in range(STEPS):
+            with torch.no_grad():
+                ref = hf(torch.tensor([ids])).logits[0, -1]
+            top2 = ref.topk(2).values
+            if top2[0] - top2[1] <= MARGIN:
+                break  # past an unclear choice the paths may part
+            token = int(got[-1].argmax())
+            assert token == int(ref.argmax()), (prompt, ids[len(prompt):])
+            ids.append(token)
+            got = runner.step({0: [token]})
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, None])
+@pytest.mark.parametrize("sym", [True, False])
+def test_conversion_matches_dequantize_then_matmul(group, sym):
+    gen = torch.Generator().manual_seed(group or 1)
+    w = torch.randn(96, 256, generator=gen)
+    packed, dequantized = pack_quantize(w, group, sym)
+    weight = packed_weight(packed["weight_packed"], packed["weight_scale"], packed["weight_shape"],
+                           packed.get("weight_zero_point"), "w")
+    assert torch.allclose(weight.dequantize(), dequantized, atol=1e-6)
+    x = torch.randn(5, 256, generator=gen)
+    got = quant.QuantLinear(weight, torch.float32, torch.device("cpu"))(x)
+    assert torch.allclose(got, x @ dequantized.T, atol=1e-4, rtol=1e-4)
