@@ -1,9 +1,10 @@
-"""compressed-tensors `pack-quantized` W4A16 checkpoints (strategy group with 32 / 64 / 128 columns, symmetric and
-with zero points; strategy channel) written here from a random transformers Llama, quantized by the format's rules
+"""compressed-tensors `pack-quantized` W4A16 checkpoints (strategy group with 32 / 64 / 128 columns, symmetric and with
+zero points; strategy channel) and `int-quantized` W8A8 checkpoints (int8 weights per channel or per tensor, dynamic
+per-token int8 activations declared) written here from a random transformers Llama, quantized by the format's rules
 (signed 4-bit codes plus 8 packed 8 per int32 along the input dim, zero points packed along the output dim, float16
 scales), against transformers on the dequantized model: logits within a stated tolerance and greedy tokens equal
-where transformers' top-2 margin is clear; the weights held as the int4 kernels' codes; the conversion against
-dequantize-then-matmul."""
+where transformers' top-2 margin is clear; the weights held as the int4 / int8 kernels' codes; the conversion
+against dequantize-then-matmul."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
 from worker_svc.model import families as models
 from worker_svc.model import quant
-from worker_svc.model.hf_compressed_int import packed_weight
+from worker_svc.model.hf_compressed_int import int8_weight, packed_weight
 from worker_svc.model.loader import load_hf_dir
 
 
@@ -46,23 +47,40 @@ def pack_quantize(w: torch.Tensor, group: int | None, sym: bool) -> tuple[dict[s
     return tensors, dequantized
 
 
-def write_checkpoint(path, group: int | None, sym: bool) -> torch.nn.Module:
+def int8_quantize(w: torch.Tensor, strategy: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(weight int8, weight_scale) of w [out, in] by compressed-tensors' symmetric int8 rules (absmax / 127 per
+    channel or per tensor), and the dequantized weight."""
+    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+    scale = (amax / 127).clamp(min=1e-8).half()
+    q = torch.round(w / scale.float()).clamp(-128, 127)
+    return {"weight": q.to(torch.int8), "weight_scale": scale}, q * scale.float()
+
+
+def write_checkpoint(path, group: int | None, sym: bool, int8: str | None = None) -> torch.nn.Module:
+    """A pack-quantized checkpoint (int8 None), or an int-quantized one with weight strategy `int8`."""
     hf = make_checkpoint("llama", path, **SHAPE)
     (file,) = path.glob("*.safetensors")
     tensors = load_file(file)
     dequantized = {}
     for name in list(tensors):
         if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
-            packed, dequantized[name] = pack_quantize(tensors.pop(name).float(), group, sym)
+            w = tensors.pop(name).float()
+            packed, dequantized[name] = pack_quantize(w, group, sym) if int8 is None else int8_quantize(w, int8)
             tensors |= {name.removesuffix("weight") + k: v for k, v in packed.items()}
     save_file(tensors, file)
     config = json.loads((path / "config.json").read_text())
-    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax",
-               **({"strategy": "group", "group_size": group} if group else {"strategy": "channel"})}
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    if int8 is None:
+        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax",
+                   **({"strategy": "group", "group_size": group} if group else {"strategy": "channel"})}
+        acts = None
+    else:
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": int8}
+        acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    config["quantization_config"] = {"quant_method": "compressed-tensors",
+                                     "format": "pack-quantized" if int8 is None else "int-quantized",
                                      "quantization_status": "compressed", "ignore": ["lm_head"],
                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                   "input_activations": None}}}
+                                                                   "input_activations": acts}}}
     (path / "config.json").write_text(json.dumps(config))
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -90,8 +108,30 @@ def test_weights_are_int4(pair):
             assert isinstance(w, quant.QuantLinear) and w.bits == 4 and w.source == "compressed-tensors"
 
 
+@pytest.fixture(scope="module", params=["channel", "tensor"], ids=lambda s: f"int8-{s}")
+def int8_pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("int8")
+    hf = write_checkpoint(path, None, True, int8=request.param)
+    config, weights = load_hf_dir(str(path))
+    return hf, models.by_name(config.architecture)(config, weights, torch.float32, "cpu")
+
+
+def test_int8_weights_are_int8(int8_pair):
+    _, ours = int8_pair
+    for layer in ours.layers:
+        for w in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
+            assert isinstance(w, quant.QuantLinear) and w.bits == 8 and w.source == "compressed-tensors"
+
+
+def test_int8_logits_and_greedy_tokens_match_the_dequantized_model(int8_pair):
+    assert_matches(*int8_pair)
+
+
 def test_logits_and_greedy_tokens_match_the_dequantized_model(pair):
-    hf, ours = pair
+    assert_matches(*pair)
+
+
+def assert_matches(hf, ours) -> None:
     for prompt in prompts(hf.config.vocab_size, lengths=(40, 23)):
         runner = PagedRunner(ours, 64)
         got = runner.step({0: prompt}, all_logits=True)
@@ -119,6 +159,18 @@ def test_conversion_matches_dequantize_then_matmul(group, sym):
     packed, dequantized = pack_quantize(w, group, sym)
     weight = packed_weight(packed["weight_packed"], packed["weight_scale"], packed["weight_shape"],
                            packed.get("weight_zero_point"), "w")
+    assert torch.allclose(weight.dequantize(), dequantized, atol=1e-6)
+    x = torch.randn(5, 256, generator=gen)
+    got = quant.QuantLinear(weight, torch.float32, torch.device("cpu"))(x)
+    assert torch.allclose(got, x @ dequantized.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_int8_conversion_matches_dequantize_then_matmul(strategy):
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 256, generator=gen)
+    tensors, dequantized = int8_quantize(w, strategy)
+    weight = int8_weight(tensors["weight"], tensors["weight_scale"], "w")
     assert torch.allclose(weight.dequantize(), dequantized, atol=1e-6)
     x = torch.randn(5, 256, generator=gen)
     got = quant.QuantLinear(weight, torch.float32, torch.device("cpu"))(x)

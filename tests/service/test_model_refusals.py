@@ -67,6 +67,18 @@ def refusal(tmp_path, architecture: str, **fields) -> str:
                                                       "num_bits": 8, "type": "int", "strategy": "channel",
                                                       "symmetric": True, "dynamic": False}}}}},
      "config_groups.group_0.weights.num_bits=8"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                                  "config_groups": {"group_0": {"weights": {
+                                                      "num_bits": 8, "type": "int", "strategy": "channel",
+                                                      "symmetric": False, "dynamic": False}}}}},
+     "config_groups.group_0.weights.symmetric=False"),
+    ("LlamaForCausalLM", {"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                                  "config_groups": {"group_0": {"weights": {
+                                                      "num_bits": 8, "type": "int", "strategy": "channel",
+                                                      "symmetric": True, "dynamic": False},
+                                                      "input_activations": {"num_bits": 8, "type": "int",
+                                                                            "dynamic": False}}}}},
+     "config_groups.group_0.input_activations.dynamic=False"),
     ("LlamaForCausalLM", {"quantization_config": {
         "quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8}}},
      "kv_cache_scheme={'num_bits': 8}"),

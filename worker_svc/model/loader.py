@@ -417,10 +417,12 @@ def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -
         if qc["quant_method"] == "gptq":
             return hf_gptq.convert_gptq(tensors, qc, hf_quant.packed_by_the_model)
         return hf_awq.convert_awq(tensors, hf_quant.packed_by_the_model)
-    if qc.get("format") == "pack-quantized":
+    if qc.get("format") in hf_compressed_int.INT_FORMATS:
         if hybrid:
-            raise ValueError("a pack-quantized checkpoint of a hybrid family is not supported yet")
-        return hf_compressed_int.convert_pack_quantized(tensors, hf_quant.packed_by_the_model)
+            raise ValueError(f"a {qc['format']} checkpoint of a hybrid family is not supported yet")
+        convert = hf_compressed_int.convert_pack_quantized if qc["format"] == "pack-quantized" else \
+            hf_compressed_int.convert_int_quantized
+        return convert(tensors, hf_quant.packed_by_the_model)
     return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
 
 
