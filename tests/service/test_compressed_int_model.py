@@ -9,19 +9,26 @@ against dequantize-then-matmul."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.config import parse
+from protos import worker_pb2 as pb
 from tests.service.test_awq_model import LOGIT_TOL, MARGIN, PROJECTIONS, SHAPE, STEPS
 from tests.service.test_gptq_model import pack_columns, pack_rows
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
+from tests.support.driver import DriverRequest, run_requests
+from worker_svc.config import WorkerConfig
+from worker_svc.core.runner import ModelRunner
 from worker_svc.model import families as models
 from worker_svc.model import quant
 from worker_svc.model.hf_compressed_int import int8_weight, packed_weight
 from worker_svc.model.loader import load_hf_dir
+from worker_svc.server import execute_step
 
 
 def pack_quantize(w: torch.Tensor, group: int | None, sym: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -175,3 +182,28 @@ def test_int8_conversion_matches_dequantize_then_matmul(strategy):
     x = torch.randn(5, 256, generator=gen)
     got = quant.QuantLinear(weight, torch.float32, torch.device("cpu"))(x)
     assert torch.allclose(got, x @ dequantized.T, atol=1e-4, rtol=1e-4)
+
+
+def test_the_worker_serves_an_int8_checkpoint_with_int8_activations(tmp_path):
+    """Through the worker's own path (--quantization compressed-tensors --activation-quantization int8): every int8
+    matmul makes its input's 32-groups int8, and chunked prefills beside decodes give each request the tokens of
+    that model alone."""
+    write_checkpoint(tmp_path, None, True, int8="channel")
+    runner = ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "--quantization", "compressed-tensors",
+                                              "--activation-quantization", "int8", "--dtype", "float32",
+                                              "--num-gpu-blocks-override", "64"]))
+    reqs = [DriverRequest(f"r{i}", p, pb.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                          arrival_step=2 * i) for i, p in enumerate(prompts(runner.config.vocab_size, (30, 17, 9)))]
+    run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size)
+    config, weights = load_hf_dir(str(tmp_path))
+    weights = quant.with_integer_activations(weights, 8, torch.device("cpu"))
+    assert all(w.activation_bits == 8 for w in weights.values() if isinstance(w, quant.QuantizedWeight))
+    alone = models.by_name(config.architecture)(config, weights, torch.float32, "cpu")
+    for r in reqs:
+        solo = PagedRunner(alone, 64)
+        logits, tokens = solo.step({0: r.prompt_ids}), []
+        for _ in range(5):
+            tokens.append(int(logits[0].argmax()))
+            logits = solo.step({0: [tokens[-1]]})
+        assert r.output == tokens, r.request_id

@@ -8,18 +8,25 @@ where the groups are runs of columns; the conversion against dequantize-then-mat
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.config import parse
+from protos import worker_pb2 as pb
 from tests.service.test_awq_model import LOGIT_TOL, MARGIN, PROJECTIONS, SHAPE, STEPS
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
+from tests.support.driver import DriverRequest, run_requests
+from worker_svc.config import WorkerConfig
+from worker_svc.core.runner import ModelRunner
 from worker_svc.model import families as models
 from worker_svc.model import quant
 from worker_svc.model.hf_gptq import gptq_weight, unpack_columns, unpack_rows
 from worker_svc.model.loader import load_hf_dir
+from worker_svc.server import execute_step
 
 
 def pack_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -169,3 +176,24 @@ def test_act_order_is_exact_where_runs_keep_one_group_and_dequantized_otherwise(
     zeros = unpack_columns(packed["qzeros"]).float() + 1
     want = (unpack_rows(packed["qweight"]).float() - zeros[g]) * packed["scales"].float()[g]
     assert torch.allclose(weight.dequantize(), want.T, atol=1e-6)
+
+
+def test_the_worker_serves_a_gptq_checkpoint(tmp_path):
+    """Through the worker's own path (ModelRunner, --quantization gptq agreeing with the checkpoint): chunked
+    prefills beside decodes give each request the int4 model's greedy tokens alone."""
+    write_gptq_checkpoint(tmp_path, 64, False, False, False)
+    runner = ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "--quantization", "gptq", "--dtype",
+                                              "float32", "--num-gpu-blocks-override", "64"]))
+    reqs = [DriverRequest(f"r{i}", p, pb.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                          arrival_step=2 * i) for i, p in enumerate(prompts(runner.config.vocab_size, (30, 17, 9)))]
+    run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
+                 block_size=runner.block_size)
+    config, weights = load_hf_dir(str(tmp_path))
+    alone = models.by_name(config.architecture)(config, weights, torch.float32, "cpu")
+    for r in reqs:
+        solo = PagedRunner(alone, 64)
+        logits, tokens = solo.step({0: r.prompt_ids}), []
+        for _ in range(5):
+            tokens.append(int(logits[0].argmax()))
+            logits = solo.step({0: [tokens[-1]]})
+        assert r.output == tokens, r.request_id
