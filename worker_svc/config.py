@@ -90,10 +90,10 @@ class WorkerConfig:
     quantization: str | None = setting(
         None, "gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls; activations in "
         "--dtype, auto as without it, bfloat16 where the CPU kernels are not built) instead of dequantizing them "
-        "at load; fp8, compressed-tensors, awq: the format of an HF checkpoint's quantization_config (detected "
-        "without the flag; a mismatch is refused), FP8 weights kept FP8 and dequantized per matmul, AWQ int4 on "
+        "at load; fp8, compressed-tensors, awq, gptq: the format of an HF checkpoint's quantization_config (detected "
+        "without the flag; a mismatch is refused), FP8 weights kept FP8 and dequantized per matmul, AWQ / GPTQ int4 on "
         "the int4 kernels",
-        aliases=("-q",), choices=("gguf", "fp8", "compressed-tensors", "awq"))
+        aliases=("-q",), choices=("gguf", "fp8", "compressed-tensors", "awq", "gptq"))
     activation_quantization: str | None = setting(
         None, "with --quantization gguf on CPU, each 32-value group of a matmul's input is made integers (one scale a "
         "group) so the int4 / int8 weights multiply in integer instructions: int16 (logits within ~0.01 of float "

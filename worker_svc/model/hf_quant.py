@@ -15,10 +15,12 @@ import re
 import torch
 
 from worker_svc.model.hf_awq import check_awq
+from worker_svc.model.hf_compressed_int import INT_FORMATS, check_int_weights
+from worker_svc.model.hf_gptq import check_gptq
 from worker_svc.model.quant import QuantizedWeight
 
 # --quantization's names (vLLM's) that an HF checkpoint can carry and llmserve applies.
-HF_METHODS = ("fp8", "compressed-tensors", "awq")
+HF_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 
 # The matmul weights a dense family packs through quant.QuantLinear; any other FP8 tensor is dequantized at load.
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -55,6 +57,8 @@ def check_quantization_config(cfg: dict, requested: str | None) -> str | None:
                          f"quantization_config.quant_method={method!r}")
     if method == "awq":
         check_awq(qc, _refuse)
+    elif method == "gptq":
+        check_gptq(qc, _refuse)
     else:
         (_check_fp8 if method == "fp8" else _check_compressed_tensors)(qc)
     return method
@@ -76,23 +80,27 @@ def _check_fp8(qc: dict) -> None:
 
 def _check_compressed_tensors(qc: dict) -> None:
     fmt = qc.get("format")
-    if fmt != "float-quantized":
-        raise _refuse("format", fmt, "compressed-tensors format float-quantized only")
+    formats = ("float-quantized", *INT_FORMATS)
+    if fmt not in formats:
+        raise _refuse("format", fmt, f"compressed-tensors formats {', '.join(formats)}")
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if qc.get(key):
             raise _refuse(key, qc[key], "none only")
     for name, group in (qc.get("config_groups") or {}).items():
         where = f"config_groups.{name}"
-        if group.get("format", fmt) != "float-quantized":
-            raise _refuse(f"{where}.format", group["format"], "float-quantized only")
+        if group.get("format", fmt) != fmt:
+            raise _refuse(f"{where}.format", group["format"], f"{fmt} only (the checkpoint's format)")
         if group.get("output_activations"):
             raise _refuse(f"{where}.output_activations", group["output_activations"], "none only")
         weights = group.get("weights") or {}
+        acts = group.get("input_activations")
+        if fmt in INT_FORMATS:
+            check_int_weights(fmt, weights, acts, where, _refuse)
+            continue
         for key, allowed in (("num_bits", (8,)), ("type", ("float",)), ("strategy", ("tensor", "channel", "block")),
                              ("symmetric", (True,)), ("dynamic", (False,)), ("actorder", (None,))):
             if weights.get(key) not in allowed:
                 raise _refuse(f"{where}.weights.{key}", weights.get(key), f"one of {allowed}")
-        acts = group.get("input_activations")
         if acts and not acts.get("dynamic"):
             raise _refuse(f"{where}.input_activations.dynamic", acts.get("dynamic"),
                           "true only: static input scales are not read")

@@ -19,7 +19,7 @@ import torch
 
 from common import gguf_cache
 from worker_svc.model import families as models
-from worker_svc.model import hf_awq, hf_quant
+from worker_svc.model import hf_awq, hf_compressed_int, hf_gptq, hf_quant
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import hf_rope
 from worker_svc.parallel.sharding import (
@@ -411,10 +411,18 @@ def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -
     for file in files:
         tensors.update(load_file(file))
     # The hybrid families read their projections other than through the packed matmul: dequantized there.
-    if qc["quant_method"] == "awq":
+    if qc["quant_method"] in ("awq", "gptq"):
         if hybrid:
-            raise ValueError("an awq checkpoint of a hybrid family is not supported yet")
+            raise ValueError(f"an {qc['quant_method']} checkpoint of a hybrid family is not supported yet")
+        if qc["quant_method"] == "gptq":
+            return hf_gptq.convert_gptq(tensors, qc, hf_quant.packed_by_the_model)
         return hf_awq.convert_awq(tensors, hf_quant.packed_by_the_model)
+    if qc.get("format") in hf_compressed_int.INT_FORMATS:
+        if hybrid:
+            raise ValueError(f"a {qc['format']} checkpoint of a hybrid family is not supported yet")
+        convert = hf_compressed_int.convert_pack_quantized if qc["format"] == "pack-quantized" else \
+            hf_compressed_int.convert_int_quantized
+        return convert(tensors, hf_quant.packed_by_the_model)
     return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
 
 
