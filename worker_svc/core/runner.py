@@ -181,15 +181,23 @@ class ModelRunner:
         return n
 
     def _size_state_pool(self, budget: int) -> int:
-        """A hybrid model's state pool (--num-state-slots, or auto from the KV budget); the bytes it takes."""
+        """A hybrid model's state pool (--num-state-slots, or auto from --max-num-seqs and --state-snapshot-share
+        within the KV budget); the bytes it takes."""
         if not getattr(self.model, "hybrid", False):
             return 0
-        state_dtype = ssm_dtype(self.opts.mamba_ssm_cache_dtype)
+        o = self.opts
+        state_dtype = ssm_dtype(o.mamba_ssm_cache_dtype)
         shape = self.model.state_shape()
         per_slot = shape.bytes_per_slot(self.dtype, state_dtype)
-        n = self.opts.num_state_slots or auto_num_slots(per_slot, budget)
+        n = o.num_state_slots or auto_num_slots(per_slot, budget, o.max_num_seqs, o.state_snapshot_share)
         self.state = StateCache(shape, n, self.dtype, state_dtype, self.device)
-        log.info("state pool: %d slots of %d bytes (%s recurrent state)", n, per_slot, state_dtype)
+        log.info("state pool: %d slots (%s) of %d bytes, %d bytes in all (%s recurrent state)", n,
+                 "--num-state-slots" if o.num_state_slots else
+                 f"auto: --max-num-seqs {o.max_num_seqs}, --state-snapshot-share {o.state_snapshot_share:g}",
+                 per_slot, n * per_slot, state_dtype)
+        if n < o.max_num_seqs:
+            log.warning("state pool: %d slots, below --max-num-seqs %d: the scheduler runs at most %d sequences", n,
+                        o.max_num_seqs, n)
         return n * per_slot
 
     @property
