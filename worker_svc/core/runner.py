@@ -35,6 +35,7 @@ from worker_svc.model.compiled import compile_model, wants_compiled
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hybrid import refuse_uncomposed
 from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
 from worker_svc.model.loader import load_model_weights
 from worker_svc.parallel.sharding import FULL, Shard, local_config
 from worker_svc.sampling import prompt_logprobs
@@ -281,7 +282,8 @@ class ModelRunner:
             self.lora.begin_step(sched.rows, chunk_rows)
         if self.state is not None:  # each sequence's slot, in the order of its rows
             slots = torch.from_numpy(self.batch.inputs.state_slot[sched.rows]).to(self.device)
-            inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64))
+            inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64),
+                                     RecurrentSplit.of_lengths(chunk_rows, self.device))  # host data: no read back
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
         self._save_states(plan)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ConfigError
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
 
 AUTO_BUDGET_SHARE = 0.5  # auto: the state pool takes at most this share of the KV memory budget
 
@@ -93,8 +94,15 @@ class StateCache:
 @dataclass
 class StateStep:
     """What a hybrid forward needs beyond the attention metadata: the pool, and per sequence of the step (in the
-    order of its rows) its slot and its rows [cu_seqlens[i], cu_seqlens[i + 1])."""
+    order of its rows) its slot and its rows [cu_seqlens[i], cu_seqlens[i + 1]); `split`, the decode rows and
+    chunks every recurrent layer of the step takes, made once (the runner's from the plan's lengths; else from
+    cu_seqlens here, one read of it)."""
 
     cache: StateCache
     slots: torch.Tensor  # [N] int64
     cu_seqlens: torch.Tensor  # [N + 1] int64
+    split: RecurrentSplit | None = None
+
+    def __post_init__(self):
+        if self.split is None:
+            self.split = RecurrentSplit.of_cu_seqlens(self.cu_seqlens)
