@@ -95,6 +95,25 @@ def max_num_batched_tokens() -> Any:
                    device_default={"cpu": 512, "cuda": 8192}, check=at_least(1), parse=human_readable_int)
 
 
+def max_num_seqs() -> Any:
+    """The scheduler's cap on running requests; a hybrid model's worker sizes its state pool from it (one slot each)."""
+    return setting(None, "running requests cap (a hybrid model's worker also gives each one a state slot when "
+                   "--num-state-slots is auto)", device_default={"cpu": 64, "cuda": 256}, check=at_least(1))
+
+
+def state_snapshot_share() -> Any:
+    """The scheduler bounds prefix-cache snapshots by it; a hybrid model's worker sizes its state pool with room for
+    them."""
+    return setting(0.5, "hybrid models (recurrent layers beside attention): the largest share of the worker's state "
+                   "slots that prefix-cache snapshots of the recurrent state may hold (least recently used evicted "
+                   "first; a request needing a slot evicts one too); 0: no hybrid prefix caching",
+                   check=_share)
+
+
+def _share(v: float) -> str | None:
+    return None if 0 <= v <= 1 else f"must be in [0, 1], got {v}"
+
+
 def redis_url() -> Any:
     return setting(None, "Redis (redis://[:PASSWORD@]HOST:PORT/DB; rediss://...?ssl_ca_certs=PATH for TLS): the "
                    "scheduler's state; the HTTP API's stored responses (/v1/responses)")

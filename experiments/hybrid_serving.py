@@ -7,8 +7,8 @@ Qwen3.5 (Gated DeltaNet layers, every 4th layer full attention) and a Qwen3 (eve
 - Capacity: a real `llmserve worker` per model with the same `--kv-cache-memory` budget; its Describe
   (num_blocks, kv_bytes_per_block, num_state_slots, state_bytes_per_slot) says how many sequences of `--context`
   tokens fit: the blocks they need, and for the hybrid a state slot each. The hybrid is sized twice: the auto slot
-  count (a quarter of the budget) and `--num-state-slots` set to what the budget holds for that context (one slot
-  plus its blocks per sequence), each read back from the worker.
+  count (the CPU default --max-num-seqs 64 plus room for the snapshot share: 128) and `--num-state-slots` set to
+  what the budget holds for that context (one slot plus its blocks per sequence), each read back from the worker.
 - TTFT: redis-server + the hybrid worker + one scheduler process per mode (`--enable-prefix-caching` /
   `--no-enable-prefix-caching`). Per repetition a fresh `--prompt-len`-token prompt: sent cold (its answer of
   `--answer-len` tokens kept), sent again (repeat), then extended (prompt + answer + a `--turn-len`-token user

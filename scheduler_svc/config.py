@@ -32,17 +32,12 @@ class SchedulerConfig:
                                       check=c.at_least(1))
     worker_address: str = setting("127.0.0.1:50061", "HOST:PORT of the worker's gRPC server")
     max_num_batched_tokens: int | None = c.max_num_batched_tokens()
-    max_num_seqs: int | None = setting(None, "running requests cap", device_default={"cpu": 64, "cuda": 256},
-                                       check=c.at_least(1))
+    max_num_seqs: int | None = c.max_num_seqs()
     enable_chunked_prefill: bool = setting(True, "split long prompts over steps within the token budget")
     long_prefill_token_threshold: int = setting(0, "longest prefill chunk of one request per step (0: the budget)",
                                                 check=c.at_least(0))
     enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes (hash-chained full blocks)")
-    state_snapshot_share: float = setting(
-        0.5, "hybrid models (recurrent layers beside attention): the largest share of the worker's state slots that "
-        "prefix-cache snapshots of the recurrent state may hold (least recently used evicted first; a request "
-        "needing a slot evicts one too); 0: no hybrid prefix caching", check=lambda v: None if 0 <= v <= 1
-        else f"must be in [0, 1], got {v}")
+    state_snapshot_share: float = c.state_snapshot_share()
     scheduling_policy: str = setting("fcfs", "who waits and who is preempted first", choices=("fcfs", "priority"))
     scheduling_mode: str = setting(
         "continuous", "continuous: iteration-level admission (the product); static: a new batch only when the "

@@ -146,8 +146,11 @@ class WorkerConfig:
         check=_json_flag_problem(CompilationConfig.parse))
     num_state_slots: int = setting(
         0, "hybrid models (Gated DeltaNet / Mamba2 layers): recurrent-state slots, one per running sequence or "
-        "prefix-cache snapshot (0 = auto: as many as a quarter of the KV memory budget holds, at least 8, at most "
-        "1024; the state pool's bytes come out of that budget); ignored for other models", check=c.at_least(0))
+        "prefix-cache snapshot (0 = auto: --max-num-seqs slots for the running sequences plus room for the "
+        "--state-snapshot-share of snapshots, i.e. max-num-seqs / (1 - share), at most half the KV memory budget; "
+        "the state pool's bytes come out of that budget); ignored for other models", check=c.at_least(0))
+    max_num_seqs: int | None = c.max_num_seqs()
+    state_snapshot_share: float = c.state_snapshot_share()
     mamba_ssm_cache_dtype: str = setting(
         "auto", "dtype of a hybrid model's recurrent state matrices (vLLM's flag; auto = float32); the conv windows "
         "stay in --dtype", choices=("auto", "float32", "bfloat16", "float16"))

@@ -302,6 +302,19 @@ def test_config_options_the_model_would_ignore_are_refused(tmp_path, architectur
     assert named in str(info.value) and "config.json" in str(info.value), str(info.value)
 
 
+def test_auto_state_slots_follow_max_num_seqs_and_the_snapshot_share(family, caplog):
+    """--num-state-slots auto: --max-num-seqs slots plus the snapshot share's room, reported and logged at start."""
+    _, _, path = family
+    opts = dict(model=str(path), dtype="float32", device="cpu", block_size=BLOCK, kv_cache_memory=64 << 20)
+    with caplog.at_level("INFO", logger="worker_svc.core.runner"):
+        r = ModelRunner(WorkerConfig(**opts, max_num_seqs=6, state_snapshot_share=0.25))
+    assert r.num_state_slots == 8  # 6 / 0.75
+    assert f"state pool: 8 slots (auto: --max-num-seqs 6, --state-snapshot-share 0.25) of {r.state_bytes_per_slot} " \
+        f"bytes, {8 * r.state_bytes_per_slot} bytes in all" in caplog.text
+    assert ModelRunner(WorkerConfig(**opts, max_num_seqs=6, state_snapshot_share=0)).num_state_slots == 6
+    assert ModelRunner(WorkerConfig(**opts)).num_state_slots == 128  # the CPU default --max-num-seqs 64, share 0.5
+
+
 @pytest.mark.parametrize("flags, named", [
     (dict(optimization_level=1), "-O 1"),
     (dict(enable_lora=True), "--enable-lora"),

@@ -1,6 +1,7 @@
 """The recurrent layers' ops (worker_svc/causal_conv.py, gated_delta_rule.py, ssd_scan.py) against transformers'
 own torch functions on random inputs: several sequences of different lengths in one flattened step, and a state
-carried across a split of each sequence (chunked prefill, then decode tokens)."""
+carried across a split of each sequence (chunked prefill, then decode tokens); the step's decode / chunk split
+(recurrent_split.py), made once from host data, is all the scans read of the step's layout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from worker_svc.model.layers.causal_conv import causal_conv1d
 from worker_svc.model.layers.gated_delta_rule import gated_delta_rule
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
 from worker_svc.model.layers.ssd_scan import ssd_scan
 
 LENGTHS = (37, 1, 70, 5)
@@ -132,3 +134,40 @@ def test_ssd_scan_matches_hf_across_a_split(cuts):
     for i, (y, final) in enumerate(expected):
         torch.testing.assert_close(torch.cat(got[i]), y, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(states[slots[i]], final, atol=2e-5, rtol=1e-4)
+
+
+def test_split_from_the_plans_lengths_equals_the_one_read_from_cu_seqlens():
+    lengths = [37, 1, 70, 1, 5]
+    host, read = RecurrentSplit.of_lengths(lengths, "cpu"), RecurrentSplit.of_cu_seqlens(_cu(lengths))
+    assert host.decode_seqs.tolist() == read.decode_seqs.tolist() == [1, 3]
+    assert host.decode_rows.tolist() == [37, 108]
+    assert host.chunks.seqs.tolist() == [0, 2, 4] and host.chunks.size == 64
+    assert [m.tolist() for _, m in host.chunks.rounds] == [[0, 1, 3], [2]]  # 70 rows: the only second block
+    assert torch.equal(host.chunks.rows, read.chunks.rows) and torch.equal(host.chunks.valid, read.chunks.valid)
+    assert RecurrentSplit.of_lengths([1, 1], "cpu").chunks is None
+    assert RecurrentSplit.of_lengths([3], "cpu").decode_rows is None
+
+
+def test_given_the_steps_split_the_scans_never_read_cu_seqlens():
+    """The per-step split is all the scans read of the step's layout: cu_seqlens on the meta device (any read of its
+    values would raise) gives the same bits as the real one (on CUDA each read would be a host sync per layer)."""
+    lengths = [37, 1, 70, 5, 1]
+    cu, unreadable = _cu(lengths), torch.empty(len(lengths) + 1, dtype=torch.int64, device="meta")
+    split = RecurrentSplit.of_lengths(lengths, "cpu")
+    t, slots = sum(lengths), torch.tensor([6, 1, 3, 0, 4])
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(t, 2, 8, generator=g), torch.randn(t, 2, 8, generator=g), torch.randn(t, 4, 6, generator=g)
+    decay, beta = -torch.rand(t, 4, generator=g), torch.rand(t, 4, generator=g)
+    pool = torch.randn(7, 4, 8, 6, generator=g)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta_rule(q, k, v, decay, beta, want_pool, slots, cu)
+    got = gated_delta_rule(q, k, v, decay, beta, got_pool, slots, unreadable, split)
+    assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+    x, dt = torch.randn(t, 4, 6, generator=g), torch.rand(t, 4, generator=g)
+    a, d = -torch.rand(4, generator=g), torch.randn(4, generator=g)
+    b, c = torch.randn(t, 2, 5, generator=g), torch.randn(t, 2, 5, generator=g)
+    pool = torch.randn(7, 4, 6, 5, generator=g)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = ssd_scan(x, dt, a, b, c, d, want_pool, slots, cu)
+    got = ssd_scan(x, dt, a, b, c, d, got_pool, slots, unreadable, split)
+    assert torch.equal(got, want) and torch.equal(got_pool, want_pool)

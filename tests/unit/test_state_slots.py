@@ -1,7 +1,7 @@
 """Hybrid models' state slots on the scheduler side, pure: the slot pool (ownership, snapshots, budget, LRU,
 records), and the core driven through the real plan encoding against a recorder of exact recurrent state
 (tests/support/hybrid_plans.py): preemption, n = 2, mixed lengths, prefix hits on a repeated prompt and on an
-extended conversation, the snapshot budget.
+extended conversation, the snapshot budget; the worker's auto slot count (--num-state-slots 0) as a pure function.
 """
 
 from __future__ import annotations
@@ -10,9 +10,44 @@ from dataclasses import replace
 
 import pytest
 
+from common.config import ConfigError
 from scheduler_svc.core.policy import PolicyConfig
 from scheduler_svc.core.state_pool import NoFreeStateSlots, StateSlotPool, from_records
 from tests.support.hybrid_plans import Stack, expected_output, toks
+from worker_svc.core.state_cache import auto_num_slots
+
+# ---- the worker's auto slot count ----------------------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("max_num_seqs, share, expected", [
+    (64, 0.5, 128),  # the CPU default: as many snapshots as running sequences
+    (256, 0.5, 512),  # the CUDA default
+    (10, 0.0, 10),  # no prefix caching of the state: one slot per sequence, none spare
+    (10, 0.3, 15),  # 10 / 0.7 = 14.3: 15 slots, of which snapshots may hold int(4.5) = 4
+    (10, 0.75, 40),
+    (1, 0.5, 2),
+])
+def test_auto_slots_are_one_per_running_sequence_plus_the_snapshot_share(max_num_seqs, share, expected):
+    n = auto_num_slots(MiB, 1 << 40, max_num_seqs, share)
+    assert n == expected
+    # with snapshots at their bound every running sequence still finds a slot (the scheduler's budget, policy.py)
+    snapshots = PolicyConfig(max_num_batched_tokens=64, max_num_seqs=max_num_seqs, block_size=16, num_state_slots=n,
+                             state_snapshot_share=share).max_state_snapshots
+    assert n - snapshots >= max_num_seqs
+
+
+def test_auto_slots_are_bounded_by_half_the_memory_budget():
+    # a 1 GiB budget (long contexts want most of it for KV): the state pool never takes more than 512 MiB of it
+    assert auto_num_slots(4 * MiB, 1024 * MiB, 64, 0.5) == 128  # 512 MiB: exactly the 128 wanted
+    assert auto_num_slots(8 * MiB, 1024 * MiB, 64, 0.5) == 64  # only 64 fit in half: running slots, no spare
+    assert auto_num_slots(8 * MiB, 1024 * MiB, 256, 0.5) == 64  # fewer than --max-num-seqs: the scheduler caps it
+    assert auto_num_slots(MiB, 100 * MiB, 4, 1.0) == 50  # share 1: snapshots may take all the bound allows
+    with pytest.raises(ConfigError, match=r"no state slot of 8388608 bytes fits in half the KV memory budget "
+                                          r"\(8388608 bytes\).*--num-state-slots"):
+        auto_num_slots(8 * MiB, 8 * MiB, 64, 0.5)
+
 
 # ---- the pool -------------------------------------------------------------------------------------------------
 
@@ -142,7 +177,6 @@ def test_worker_loss_cancels_pending_snapshots_and_frees_every_slot():
 
 
 def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_num_seqs():
-    from common.validation import ConfigError
     from protos import worker_pb2 as wpb
     from scheduler_svc.core.speculative import parse_speculative_config
     from scheduler_svc.ledger.leadership import sized_policy

@@ -35,6 +35,7 @@ from worker_svc.model.compiled import compile_model, wants_compiled
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hybrid import refuse_uncomposed
 from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
 from worker_svc.model.loader import load_model_weights
 from worker_svc.parallel.sharding import FULL, Shard, local_config
 from worker_svc.sampling import prompt_logprobs
@@ -184,15 +185,23 @@ class ModelRunner:
         return n
 
     def _size_state_pool(self, budget: int) -> int:
-        """A hybrid model's state pool (--num-state-slots, or auto from the KV budget); the bytes it takes."""
+        """A hybrid model's state pool (--num-state-slots, or auto from --max-num-seqs and --state-snapshot-share
+        within the KV budget); the bytes it takes."""
         if not getattr(self.model, "hybrid", False):
             return 0
-        state_dtype = ssm_dtype(self.opts.mamba_ssm_cache_dtype)
+        o = self.opts
+        state_dtype = ssm_dtype(o.mamba_ssm_cache_dtype)
         shape = self.model.state_shape()
         per_slot = shape.bytes_per_slot(self.dtype, state_dtype)
-        n = self.opts.num_state_slots or auto_num_slots(per_slot, budget)
+        n = o.num_state_slots or auto_num_slots(per_slot, budget, o.max_num_seqs, o.state_snapshot_share)
         self.state = StateCache(shape, n, self.dtype, state_dtype, self.device)
-        log.info("state pool: %d slots of %d bytes (%s recurrent state)", n, per_slot, state_dtype)
+        log.info("state pool: %d slots (%s) of %d bytes, %d bytes in all (%s recurrent state)", n,
+                 "--num-state-slots" if o.num_state_slots else
+                 f"auto: --max-num-seqs {o.max_num_seqs}, --state-snapshot-share {o.state_snapshot_share:g}",
+                 per_slot, n * per_slot, state_dtype)
+        if n < o.max_num_seqs:
+            log.warning("state pool: %d slots, below --max-num-seqs %d: the scheduler runs at most %d sequences", n,
+                        o.max_num_seqs, n)
         return n * per_slot
 
     @property
@@ -276,7 +285,8 @@ class ModelRunner:
             self.lora.begin_step(sched.rows, chunk_rows)
         if self.state is not None:  # each sequence's slot, in the order of its rows
             slots = torch.from_numpy(self.batch.inputs.state_slot[sched.rows]).to(self.device)
-            inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64))
+            inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64),
+                                     RecurrentSplit.of_lengths(chunk_rows, self.device))  # host data: no read back
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
         self._save_states(plan)

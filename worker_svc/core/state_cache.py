@@ -5,19 +5,22 @@ Slot s holds every recurrent layer's state for one sequence (or one prefix-cache
 Mamba2: [heads, head_dim, state_size]) in --mamba-ssm-cache-dtype. The scheduler hands slots out; the worker only
 zeroes, copies and updates them as the plan says (worker_svc/plan.py).
 
-Sizing (--num-state-slots 0 = auto): a quarter of the KV memory budget, at least AUTO_MIN slots and at most AUTO_MAX;
-the slots' bytes come out of the budget before the KV blocks are counted.
+Sizing (--num-state-slots 0 = auto, `auto_num_slots`): one slot per running sequence (--max-num-seqs) plus the room
+prefix-cache snapshots may take (--state-snapshot-share of all slots), never more than half the KV memory budget; the
+slots' bytes come out of the budget before the KV blocks are counted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-AUTO_SHARE = 4  # auto: 1 / AUTO_SHARE of the KV memory budget
-AUTO_MIN = 8
-AUTO_MAX = 1024
+from common.config import ConfigError
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
+
+AUTO_BUDGET_SHARE = 0.5  # auto: the state pool takes at most this share of the KV memory budget
 
 SSM_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,8 +47,20 @@ def ssm_dtype(name: str) -> torch.dtype:
     return SSM_DTYPES[name]
 
 
-def auto_num_slots(bytes_per_slot: int, budget: int) -> int:
-    return max(AUTO_MIN, min(AUTO_MAX, budget // AUTO_SHARE // bytes_per_slot))
+def auto_num_slots(bytes_per_slot: int, budget: int, max_num_seqs: int, snapshot_share: float) -> int:
+    """--num-state-slots auto. Snapshots may hold `snapshot_share` of the slots, so max_num_seqs / (1 - share) slots
+    leave every running sequence its own slot while snapshots fill their share (share 1: as many as the bound
+    allows). The bound, half the budget, keeps room for KV; below max_num_seqs slots the scheduler caps
+    --max-num-seqs at the count."""
+    fit = int(budget * AUTO_BUDGET_SHARE) // bytes_per_slot
+    if fit < 1:
+        raise ConfigError(f"no state slot of {bytes_per_slot} bytes fits in half the KV memory budget ({budget} "
+                          "bytes): raise --kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA), or set "
+                          "--num-state-slots")
+    if snapshot_share >= 1:
+        return fit
+    # the small slack keeps a float quotient such as 128.00000001 from asking for a slot more
+    return min(fit, math.ceil(max_num_seqs / (1 - snapshot_share) - 1e-9))
 
 
 class StateCache:
@@ -79,8 +94,15 @@ class StateCache:
 @dataclass
 class StateStep:
     """What a hybrid forward needs beyond the attention metadata: the pool, and per sequence of the step (in the
-    order of its rows) its slot and its rows [cu_seqlens[i], cu_seqlens[i + 1])."""
+    order of its rows) its slot and its rows [cu_seqlens[i], cu_seqlens[i + 1]); `split`, the decode rows and
+    chunks every recurrent layer of the step takes, made once (the runner's from the plan's lengths; else from
+    cu_seqlens here, one read of it)."""
 
     cache: StateCache
     slots: torch.Tensor  # [N] int64
     cu_seqlens: torch.Tensor  # [N + 1] int64
+    split: RecurrentSplit | None = None
+
+    def __post_init__(self):
+        if self.split is None:
+            self.split = RecurrentSplit.of_cu_seqlens(self.cu_seqlens)

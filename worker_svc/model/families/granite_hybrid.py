@@ -124,7 +124,8 @@ class GraniteMoeHybrid(HybridModel):
             if isinstance(layer.mixer, Mamba2Weights):
                 j = self.state_index[i]
                 out = mamba2_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                   state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan)
+                                   state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan,
+                                   state.split)
             else:
                 out = self._attention(x, *layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta)
             h = h + out * m

@@ -113,7 +113,8 @@ class NemotronH(HybridModel):
             if block.kind == "mamba":
                 j = self.state_index[i]
                 h = h.add_(mamba2_mixer(x, block.w, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                        state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan))
+                                        state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan,
+                                        state.split))
             elif block.kind == "full_attention":
                 h = self._attention(x, *block.w, kv_cache[self.kv_index[i]], attn_meta, h)
             else:

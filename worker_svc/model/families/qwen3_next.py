@@ -173,7 +173,8 @@ class Qwen3Next(HybridModel):
             else:
                 j = self.state_index[i]
                 out = deltanet_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                     state.cu_seqlens, self.config.rms_norm_eps, ops.linear, ops.conv, ops.delta_rule)
+                                     state.cu_seqlens, self.config.rms_norm_eps, ops.linear, ops.conv, ops.delta_rule,
+                                     state.split)
                 h = h.add_(out)
             h = self._mlp(ops.rms_norm(h, layer.post_norm), layer.ffn, h)
         return h

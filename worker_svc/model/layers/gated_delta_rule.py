@@ -9,8 +9,9 @@ Decode tokens (a sequence with one row in the step) take that update directly, a
 chunked form: within a block of C tokens the updates are solved together as one unit-lower-triangular system (the
 WY form of the delta rule), and only the blocks of a sequence are visited in order, with the blocks of all sequences
 at the same index processed together; so the Python loop runs over block indices (ceil(longest chunk / C)), never
-over tokens or sequences. Every sequence starts from its state slot and leaves its final state there, which is how
-chunked prefill carries the state across chunks exactly.
+over tokens or sequences (the split and the blocks' layout: recurrent_split.py, made once per step). Every sequence
+starts from its state slot and leaves its final state there, which is how chunked prefill carries the state across
+chunks exactly.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from collections.abc import Callable
 import torch
 
 from worker_svc.model.layers.op import LayerOp
-
-BLOCK = 64  # tokens solved together in the chunked form
+from worker_svc.model.layers.recurrent_split import ChunkBlocks, RecurrentSplit
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -30,26 +30,25 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     split: RecurrentSplit | None = None,
                      decode_step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """o [T, Hv, dv] float32 for q, k [T, Hk, dk], v [T, Hv, dv], g (log decay, <= 0) and beta [T, Hv]; each key head
     serves Hv / Hk consecutive value heads. `states` [S, Hv, dk, dv] is read at `slots` [N] and updated in place;
-    cu_seqlens [N + 1] gives each sequence's rows. `decode_step`: what the one-row sequences take (torch's
-    `_recurrent_step` where None; `GatedDeltaRule` picks the device's kernel)."""
+    cu_seqlens [N + 1] gives each sequence's rows, `split` the step's decode rows and chunks (from cu_seqlens where
+    None). `decode_step`: what the one-row sequences take (torch's `_recurrent_step` where None; `GatedDeltaRule`
+    picks the device's kernel)."""
+    split = split or RecurrentSplit.of_cu_seqlens(cu_seqlens)
     heads = v.shape[1]
     q, k = (l2_normalize(x.float()).repeat_interleave(heads // x.shape[1], dim=1) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
     v, g, beta = v.float(), g.float(), beta.float()
     out = torch.empty_like(v)
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    single = lens == 1
-    if bool(single.any()):
-        seqs = torch.nonzero(single).flatten()
-        rows = cu_seqlens[seqs]
+    if split.decode_rows is not None:
+        rows = split.decode_rows
         step = decode_step or _recurrent_step
-        out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots[seqs])
-    if not bool(single.all()):
-        seqs = torch.nonzero(~single).flatten()
-        _chunked(q, k, v, g, beta, states, slots[seqs], cu_seqlens[seqs], lens[seqs], out)
+        out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots[split.decode_seqs])
+    if split.chunks is not None:
+        _chunked(q, k, v, g, beta, states, slots[split.chunks.seqs], split.chunks, out)
     return out
 
 
@@ -62,25 +61,11 @@ def _recurrent_step(q, k, v, g, beta, states, slots) -> torch.Tensor:
     return torch.einsum("nhk,nhkv->nhv", q, s)
 
 
-def _chunked(q, k, v, g, beta, states, slots, starts, lens, out) -> None:
-    """Sequences of rows [starts[i], starts[i] + lens[i]) (lens > 1), in blocks of up to BLOCK tokens."""
-    device = q.device
-    size = min(BLOCK, 1 << (int(lens.max()) - 1).bit_length())  # short chunks: a smaller block, less padding
-    blocks = (lens + size - 1) // size  # per sequence
-    first = torch.cumsum(blocks, 0) - blocks
-    num = int(blocks.sum())
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), blocks, output_size=num)
-    index = torch.arange(num, device=device) - first[seq]  # the block's index within its sequence
-    offset = index.unsqueeze(1) * size + torch.arange(size, device=device)  # [M, C] position in the chunk
-    valid = offset < lens[seq].unsqueeze(1)
-    rows = torch.where(valid, starts[seq].unsqueeze(1) + offset, 0)
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [M, H, C, ...], zero past a chunk's end
-        y = x[rows] * valid.view(*valid.shape, *([1] * (x.dim() - 1)))
-        return y.movedim(1, 2).contiguous()  # contiguous once, not at every matmul
-
-    qb, kb, vb = gather(q), gather(k), gather(v)  # [M, H, C, d]
-    gb, bb = gather(g), gather(beta)  # [M, H, C]; padding: no decay, no write
+def _chunked(q, k, v, g, beta, states, slots, chunks: ChunkBlocks, out) -> None:
+    """The chunked sequences (slots: theirs), block by block as `chunks` lays them out."""
+    size, device = chunks.size, q.device
+    qb, kb, vb = chunks.gather(q), chunks.gather(k), chunks.gather(v)  # [M, H, C, d]
+    gb, bb = chunks.gather(g), chunks.gather(beta)  # [M, H, C]; padding: no decay, no write
     cum = gb.cumsum(-1)
     lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # exp(G_i - G_j), j<=i
@@ -95,15 +80,13 @@ def _chunked(q, k, v, g, beta, states, slots, starts, lens, out) -> None:
     block_decay = cum[..., -1].exp()[..., None, None]
     s = states.index_select(0, slots).float()  # [N, H, dk, dv]
     result = torch.empty_like(u)
-    for j in range(int(blocks.max())):
-        on = torch.nonzero(blocks > j).flatten()
-        m = first[on] + j
+    for on, m in chunks.rounds:  # the j-th blocks of the sequences that have one
         s_on = s[on]
         v_new = u[m] - w[m] @ s_on
         result[m] = q_decayed[m] @ s_on + attn[m] @ v_new
         s[on] = s_on * block_decay[m] + k_decayed[m].transpose(-1, -2) @ v_new
     states.index_copy_(0, slots, s.to(states.dtype))
-    out[rows[valid]] = result.movedim(2, 1)[valid]
+    chunks.scatter(out, result)
 
 
 class GatedDeltaRule(LayerOp):
@@ -111,11 +94,13 @@ class GatedDeltaRule(LayerOp):
     pool in place (no gather / write-back of the decoding sequences' states)."""
 
     def forward_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        return gated_delta_rule(q, k, v, g, beta, states, slots, cu_seqlens)
+                       states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                       split: RecurrentSplit | None = None) -> torch.Tensor:
+        return gated_delta_rule(q, k, v, g, beta, states, slots, cu_seqlens, split)
 
     def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+                     states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     split: RecurrentSplit | None = None) -> torch.Tensor:
         from kernels.recurrent_triton import gated_delta_rule_decode  # Triton: imported only where it runs
 
-        return gated_delta_rule(q, k, v, g, beta, states, slots, cu_seqlens, gated_delta_rule_decode)
+        return gated_delta_rule(q, k, v, g, beta, states, slots, cu_seqlens, split, gated_delta_rule_decode)

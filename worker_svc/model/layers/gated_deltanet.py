@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from worker_svc.core.state_cache import StateShape
 from worker_svc.model.layers.causal_conv import causal_conv1d
 from worker_svc.model.layers.gated_delta_rule import gated_delta_rule
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def deltanet_mixer(x: torch.Tensor, w: DeltaNetWeights, dims: DeltaNetDims, conv_states: torch.Tensor,
                    ssm_states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, eps: float,
                    linear: Callable[..., torch.Tensor], conv: Callable[..., torch.Tensor] = causal_conv1d,
-                   rule: Callable[..., torch.Tensor] = gated_delta_rule) -> torch.Tensor:
+                   rule: Callable[..., torch.Tensor] = gated_delta_rule,
+                   split: RecurrentSplit | None = None) -> torch.Tensor:
     """The layer's output [T, hidden] for its normed input x [T, hidden]; conv_states [S, conv_dim, K - 1] and
     ssm_states [S, Hv, dk, dv] (this layer's views of the pool) are read at `slots` and updated. `linear`, `conv`
-    and `rule`: the model's ops (Linear, CausalConv1d, GatedDeltaRule) or the plain torch functions."""
+    and `rule`: the model's ops (Linear, CausalConv1d, GatedDeltaRule) or the plain torch functions; `split`: the
+    step's (StateStep.split), so that no layer reads cu_seqlens back to branch."""
     t = x.shape[0]
     hv, dv, dk = dims.value_heads, dims.value_dim, dims.key_dim
     qkv, z, b, a = linear(x, w.in_proj).split([dims.conv_dim, hv * dv, hv, hv], dim=-1)
@@ -67,7 +70,7 @@ def deltanet_mixer(x: torch.Tensor, w: DeltaNetWeights, dims: DeltaNetDims, conv
     q, k, v = qkv.split([dims.key_heads * dk, dims.key_heads * dk, hv * dv], dim=-1)
     beta = b.sigmoid()
     g = w.neg_a * F.softplus(a.float() + w.dt_bias)  # log decay, in float32 (A would overflow in float16)
-    o = rule(q.view(t, -1, dk), k.view(t, -1, dk), v.view(t, hv, dv), g, beta, ssm_states, slots,
-                         cu_seqlens).to(x.dtype)
+    o = rule(q.view(t, -1, dk), k.view(t, -1, dk), v.view(t, hv, dv), g, beta, ssm_states, slots, cu_seqlens,
+             split).to(x.dtype)
     o = gated_rms_norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv), w.norm, eps)
     return linear(o.view(t, hv * dv), w.out_proj)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from worker_svc.core.state_cache import StateShape
 from worker_svc.model.layers.causal_conv import causal_conv1d
+from worker_svc.model.layers.recurrent_split import RecurrentSplit
 from worker_svc.model.layers.ssd_scan import ssd_scan
 
 
@@ -54,10 +55,12 @@ class Mamba2Weights:
 def mamba2_mixer(x: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_states: torch.Tensor,
                  ssm_states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, eps: float,
                  linear: Callable[..., torch.Tensor], conv: Callable[..., torch.Tensor] = causal_conv1d,
-                 scan: Callable[..., torch.Tensor] = ssd_scan) -> torch.Tensor:
+                 scan: Callable[..., torch.Tensor] = ssd_scan,
+                 split: RecurrentSplit | None = None) -> torch.Tensor:
     """The layer's output [T, hidden] for its normed input x [T, hidden]; conv_states [S, conv_dim, K - 1] and
     ssm_states [S, heads, head_dim, state_size] are read at `slots` and updated. `linear`, `conv` and `scan`: the
-    model's ops (Linear, CausalConv1d, SSDScan) or the plain torch functions."""
+    model's ops (Linear, CausalConv1d, SSDScan) or the plain torch functions; `split`: the step's
+    (StateStep.split), so that no layer reads cu_seqlens back to branch."""
     t = x.shape[0]
     gn = dims.groups * dims.state_size
     z, xbc, dt = linear(x, w.in_proj).split([dims.inner, dims.conv_dim, dims.heads], dim=-1)
@@ -65,7 +68,7 @@ def mamba2_mixer(x: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_state
     xs, b, c = xbc.split([dims.inner, gn, gn], dim=-1)
     dt = F.softplus(dt.float() + w.dt_bias).clamp(min=dims.time_step_min)
     y = scan(xs.view(t, dims.heads, dims.head_dim), dt, w.a, b.view(t, dims.groups, dims.state_size),
-                 c.view(t, dims.groups, dims.state_size), w.d, ssm_states, slots, cu_seqlens)
+             c.view(t, dims.groups, dims.state_size), w.d, ssm_states, slots, cu_seqlens, split)
     # Gate, then RMS-normalise each of the `groups` slices of the inner dimension, in float32.
     y = y.reshape(t, dims.groups, -1) * F.silu(z.float()).view(t, dims.groups, -1)
     y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).reshape(t, dims.inner)

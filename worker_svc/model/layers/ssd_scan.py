@@ -7,7 +7,8 @@ Per head the state is a [head_dim, state_size] matrix S; token t with step dt_t 
 Decode rows (a sequence with one row in the step) take that update directly, all at once. Longer chunks take the
 chunked (SSD) form: within a block of tokens the outputs are a masked, decayed C B^T "attention" over dt x, plus the
 block's start state read through C; the blocks of one sequence are visited in order, those of all sequences at the
-same index together. So the Python loop runs over block indices only, never over tokens or sequences.
+same index together. So the Python loop runs over block indices only, never over tokens or sequences (the split and
+the blocks' layout: recurrent_split.py, made once per step).
 """
 
 from __future__ import annotations
@@ -17,31 +18,28 @@ from collections.abc import Callable
 import torch
 
 from worker_svc.model.layers.op import LayerOp
-
-BLOCK = 64  # tokens per block in the chunked form
+from worker_svc.model.layers.recurrent_split import ChunkBlocks, RecurrentSplit
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
-             states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+             states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, split: RecurrentSplit | None = None,
              decode_step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """y [T, H, P] float32 for x [T, H, P], dt [T, H] (already softplus'd and clamped), a [H] (< 0), b and c
     [T, G, N] (each group serves H / G consecutive heads), d [H]; `states` [S, H, P, N] is read at `slots` [N] and
-    updated in place; cu_seqlens [N + 1] gives each sequence's rows. `decode_step`: what the one-row sequences take
-    (torch's `_recurrent_step` where None; `SSDScan` picks the device's kernel)."""
+    updated in place; cu_seqlens [N + 1] gives each sequence's rows, `split` the step's decode rows and chunks (from
+    cu_seqlens where None). `decode_step`: what the one-row sequences take (torch's `_recurrent_step` where None;
+    `SSDScan` picks the device's kernel)."""
+    split = split or RecurrentSplit.of_cu_seqlens(cu_seqlens)
     heads = x.shape[1]
     x, dt = x.float(), dt.float()
     b, c = (y.float().repeat_interleave(heads // y.shape[1], dim=1) for y in (b, c))
     out = torch.empty_like(x)
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    single = lens == 1
-    if bool(single.any()):
-        seqs = torch.nonzero(single).flatten()
-        rows = cu_seqlens[seqs]
+    if split.decode_rows is not None:
+        rows = split.decode_rows
         step = decode_step or _recurrent_step
-        out[rows] = step(x[rows], dt[rows], a, b[rows], c[rows], states, slots[seqs])
-    if not bool(single.all()):
-        seqs = torch.nonzero(~single).flatten()
-        _chunked(x, dt, a, b, c, states, slots[seqs], cu_seqlens[seqs], lens[seqs], out)
+        out[rows] = step(x[rows], dt[rows], a, b[rows], c[rows], states, slots[split.decode_seqs])
+    if split.chunks is not None:
+        _chunked(x, dt, a, b, c, states, slots[split.chunks.seqs], split.chunks, out)
     return out + d.float()[:, None] * x
 
 
@@ -52,21 +50,10 @@ def _recurrent_step(x, dt, a, b, c, states, slots) -> torch.Tensor:
     return torch.einsum("nhpk,nhk->nhp", s, c)
 
 
-def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
-    device = x.device
-    size = min(BLOCK, 1 << (int(lens.max()) - 1).bit_length())
-    blocks = (lens + size - 1) // size
-    first = torch.cumsum(blocks, 0) - blocks
-    num = int(blocks.sum())
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), blocks, output_size=num)
-    offset = (torch.arange(num, device=device) - first[seq]).unsqueeze(1) * size + torch.arange(size, device=device)
-    valid = offset < lens[seq].unsqueeze(1)
-    rows = torch.where(valid, starts[seq].unsqueeze(1) + offset, 0)
-
-    def gather(y: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [M, H, C, ...], zero past a chunk's end
-        return (y[rows] * valid.view(*valid.shape, *([1] * (y.dim() - 1)))).movedim(1, 2).contiguous()
-
-    xb, dtb, bb, cb = gather(x), gather(dt), gather(b), gather(c)  # padding: dt 0, so no decay and no write
+def _chunked(x, dt, a, b, c, states, slots, chunks: ChunkBlocks, out) -> None:
+    """The chunked sequences (slots: theirs), block by block as `chunks` lays them out."""
+    size, device = chunks.size, x.device
+    xb, dtb, bb, cb = (chunks.gather(y) for y in (x, dt, b, c))  # padding: dt 0, so no decay and no write
     cum = (dtb * a[:, None]).cumsum(-1)  # [M, H, C] log decay from the block's start
     lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
@@ -78,14 +65,12 @@ def _chunked(x, dt, a, b, c, states, slots, starts, lens, out) -> None:
     block_decay = cum[..., -1].exp()[..., None, None]
     s = states.index_select(0, slots).float()
     result = torch.empty_like(xb)
-    for j in range(int(blocks.max())):
-        on = torch.nonzero(blocks > j).flatten()
-        m = first[on] + j
+    for on, m in chunks.rounds:  # the j-th blocks of the sequences that have one
         s_on = s[on]
         result[m] = y_diag[m] + (cb[m] @ s_on.transpose(-1, -2)) * start_decay[m]
         s[on] = s_on * block_decay[m] + writes[m]
     states.index_copy_(0, slots, s.to(states.dtype))
-    out[rows[valid]] = result.movedim(2, 1)[valid]
+    chunks.scatter(out, result)
 
 
 class SSDScan(LayerOp):
@@ -93,13 +78,13 @@ class SSDScan(LayerOp):
     place (no gather / write-back of the decoding sequences' states)."""
 
     def forward_native(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                       d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                       cu_seqlens: torch.Tensor) -> torch.Tensor:
-        return ssd_scan(x, dt, a, b, c, d, states, slots, cu_seqlens)
+                       d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                       split: RecurrentSplit | None = None) -> torch.Tensor:
+        return ssd_scan(x, dt, a, b, c, d, states, slots, cu_seqlens, split)
 
     def forward_cuda(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                     d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+                     d: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     split: RecurrentSplit | None = None) -> torch.Tensor:
         from kernels.recurrent_triton import ssd_decode  # Triton: imported only where it runs
 
-        return ssd_scan(x, dt, a, b, c, d, states, slots, cu_seqlens, ssd_decode)
+        return ssd_scan(x, dt, a, b, c, d, states, slots, cu_seqlens, split, ssd_decode)
