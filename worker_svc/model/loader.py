@@ -21,6 +21,7 @@ from common import gguf_cache
 from worker_svc.model import families as models
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import hf_rope
+from worker_svc.model.safetensors_stream import HOST_FLOAT32, Placement, iter_tensors, tensor_names
 from worker_svc.parallel.sharding import (
     FULL,
     Shard,
@@ -57,13 +58,15 @@ def default_model_path() -> str:
     return path
 
 
-def load_model_weights(path: str, shard: Shard = FULL,
-                       quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model_weights(path: str, shard: Shard = FULL, quantization: str | None = None,
+                       placement: Placement = HOST_FLOAT32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a `.gguf` file or an HF directory (config.json + *.safetensors): the whole model's config and the
     weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load.
 
-    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.model.quant.QuantizedWeight)."""
-    config, weights = _load_weights(path, shard, quantization)
+    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.model.quant.QuantizedWeight).
+    placement: the dtype and device an HF directory's matmul weights arrive in (safetensors_stream.Placement);
+    a GGUF's are float32 on the host."""
+    config, weights = _load_weights(path, shard, quantization, placement)
     config.name = model_name(path)
     return config, weights
 
@@ -74,7 +77,8 @@ def model_name(path: str) -> str:
     return os.path.basename(os.path.normpath(path))
 
 
-def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[ModelConfig, dict]:
+def _load_weights(path: str, shard: Shard, quantization: str | None,
+                  placement: Placement) -> tuple[ModelConfig, dict]:
     is_gguf = os.path.isfile(path) and path.endswith(".gguf")
     if quantization not in (None, "gguf"):
         raise ValueError(f"--quantization must be gguf or unset; got {quantization!r}")
@@ -89,7 +93,7 @@ def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[Mo
     if is_gguf:
         return load_gguf(path, shard)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return load_hf_dir(path, shard)
+        return load_hf_dir(path, shard, placement)
     raise ValueError(
         f"unsupported model path {path!r}: expected a .gguf file or a directory with "
         "config.json and *.safetensors"
@@ -330,11 +334,11 @@ def _gguf_to_hf_name(name: str, config: ModelConfig) -> str:
 # ------------------------------------------------------------------- HF directory
 
 
-def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json. A
-    tensor-parallel rank reads only its slices from the files (safetensors slices are lazy)."""
-    from safetensors import safe_open
-
+def load_hf_dir(path: str, shard: Shard = FULL,
+                placement: Placement = HOST_FLOAT32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json. Tensors are
+    read one at a time, each converted once and placed before the next (safetensors_stream.iter_tensors); a
+    tensor-parallel rank reads only its slices from the files."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     try:
@@ -355,10 +359,7 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    names: set[str] = set()
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(f.keys())
+    names = {name for _, name in tensor_names(files)}
 
     config = ModelConfig(**{**dict(
         architecture=family.name,
@@ -380,12 +381,7 @@ def load_hf_dir(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, 
         name=model_name(path),
     ), **extra})
     check_shardable(config, shard.size)
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                weights[name] = shard_tensor(name, f.get_slice(name), config, shard).float()
-    return config, weights
+    return config, dict(iter_tensors(files, config, shard, placement))
 
 
 def _as_id_list(value) -> list[int]:
