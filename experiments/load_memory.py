@@ -47,7 +47,7 @@ def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, voc
     heads, kv_heads = hidden // 64, max(1, hidden // 256)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   tie_word_embeddings=True, torch_dtype="bfloat16")
+                                   tie_word_embeddings=True, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(path)
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)  # noqa: E731
@@ -68,9 +68,10 @@ def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, voc
 
 def measure(tree: str, model: str) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-c", _CHILD, model], env=env, cwd=tree, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    run = subprocess.run([sys.executable, "-c", _CHILD, model], env=env, cwd=tree, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"loading with the tree at {tree} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
