@@ -19,10 +19,11 @@ from typing import Any
 import gguf
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from common import gguf_cache
+from common.gguf_pretokenizer import byte_level_pre_tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a chat message may have, in every API
 
@@ -138,10 +139,8 @@ class Tokenizer:
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                          continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
         tok = HFTokenizer(bpe)
-        # Plain GPT-2 byte-level split. transformers' GGUF converter has no special regex for "smollm"
-        # (it only overrides llama3/qwen2/... pre-tokenizers), so it lands here too; SmolLM2's vocab has
-        # no multi-digit tokens, so its digit splitting is implied anyway.
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        # Words are cut the way this vocabulary's merges were learned (`tokenizer.ggml.pre`).
+        tok.pre_tokenizer = byte_level_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre"), path)
         tok.decoder = decoders.ByteLevel()
 
         # Control tokens (<|im_start|>, ...) must match whole in text and be skippable when decoding.

@@ -34,6 +34,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "moe_forward": ["--layers", "1", "--hidden", "64", "--vocab", "256", "--expert-intermediate", "64",
                     "--context", "16", "--batch-sizes", "1,4", "--repeats", "1", "--warmup", "1", "--threads", "1",
                     *_JSON],
+    "load_memory": ["--layers", "1", "--hidden", "128", "--intermediate", "256", "--vocab", "256", "--ref", "HEAD"],
     "hybrid_forward": ["--families", "qwen3_5", "--batch", "2", "--context", "8", "--layers", "2", "--hidden", "64",
                        "--reps", "1"],
     "hybrid_serving": ["--layers", "4", "--hidden", "128", "--context", "4096", "--kv-budget-mib", "64", "--prompt-len",

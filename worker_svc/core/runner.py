@@ -37,6 +37,7 @@ from worker_svc.model.families.hybrid import refuse_uncomposed
 from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
 from worker_svc.model.layers.recurrent_split import RecurrentSplit
 from worker_svc.model.loader import load_model_weights
+from worker_svc.model.safetensors_stream import Placement
 from worker_svc.parallel.sharding import FULL, Shard, local_config
 from worker_svc.sampling import prompt_logprobs
 from worker_svc.sampling.grammar import GrammarCache, GrammarMasks
@@ -111,7 +112,8 @@ class ModelRunner:
         if opts.activation_quantization and not opts.quantization:
             raise ConfigError(f"--activation-quantization {opts.activation_quantization} needs --quantization gguf "
                               "(the activations of dense weights stay in --dtype)")
-        self.config, weights = load_model_weights(opts.model, shard, opts.quantization)
+        self.config, weights = load_model_weights(opts.model, shard, opts.quantization,
+                                                  Placement(self.dtype, self.device))
         if opts.activation_quantization:
             try:
                 bits = int(opts.activation_quantization.removeprefix("int"))

@@ -22,6 +22,7 @@ from worker_svc.model import families as models
 from worker_svc.model import hf_awq, hf_compressed_int, hf_gptq, hf_quant
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import hf_rope
+from worker_svc.model.safetensors_stream import HOST_FLOAT32, Placement, iter_tensors, tensor_names
 from worker_svc.parallel.sharding import (
     FULL,
     Shard,
@@ -58,13 +59,15 @@ def default_model_path() -> str:
     return path
 
 
-def load_model_weights(path: str, shard: Shard = FULL,
-                       quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model_weights(path: str, shard: Shard = FULL, quantization: str | None = None,
+                       placement: Placement = HOST_FLOAT32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a `.gguf` file or an HF directory (config.json + *.safetensors): the whole model's config and the
     weights of one tensor-parallel `shard` (tensor_parallel.shard_tensor), sliced as they load.
 
-    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.model.quant.QuantizedWeight)."""
-    config, weights = _load_weights(path, shard, quantization)
+    quantization "gguf": a GGUF's quantized matmul weights stay quantized (worker_svc.model.quant.QuantizedWeight).
+    placement: the dtype and device an HF directory's matmul weights arrive in (safetensors_stream.Placement);
+    a GGUF's are float32 on the host."""
+    config, weights = _load_weights(path, shard, quantization, placement)
     config.name = model_name(path)
     return config, weights
 
@@ -75,7 +78,8 @@ def model_name(path: str) -> str:
     return os.path.basename(os.path.normpath(path))
 
 
-def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[ModelConfig, dict]:
+def _load_weights(path: str, shard: Shard, quantization: str | None,
+                  placement: Placement) -> tuple[ModelConfig, dict]:
     is_gguf = os.path.isfile(path) and path.endswith(".gguf")
     if quantization not in (None, "gguf", *hf_quant.HF_METHODS):
         raise ValueError(f"--quantization must be gguf, {', '.join(hf_quant.HF_METHODS)} or unset; "
@@ -94,7 +98,7 @@ def _load_weights(path: str, shard: Shard, quantization: str | None) -> tuple[Mo
     if is_gguf:
         return load_gguf(path, shard)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return load_hf_dir(path, shard, quantization)
+        return load_hf_dir(path, shard, quantization, placement)
     raise ValueError(
         f"unsupported model path {path!r}: expected a .gguf file or a directory with "
         "config.json and *.safetensors"
@@ -336,12 +340,12 @@ def _gguf_to_hf_name(name: str, config: ModelConfig) -> str:
 
 
 def load_hf_dir(path: str, shard: Shard = FULL,
-                quantization: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json. A
-    tensor-parallel rank reads only its slices from the files (safetensors slices are lazy). A quantization_config
-    is checked against `quantization` (--quantization) and applied, or refused (hf_quant.py)."""
-    from safetensors import safe_open
-
+                quantization: str | None = None,
+                placement: Placement = HOST_FLOAT32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load an HF checkpoint directory: config.json, *.safetensors, optional generation_config.json. Tensors are
+    read one at a time, each converted once and placed before the next (safetensors_stream.iter_tensors); a
+    tensor-parallel rank reads only its slices from the files. A quantization_config is checked against
+    `quantization` (--quantization) and applied, or refused (hf_quant.py)."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     try:
@@ -363,10 +367,7 @@ def load_hf_dir(path: str, shard: Shard = FULL,
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    names: set[str] = set()
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(f.keys())
+    names = {name for _, name in tensor_names(files)}
 
     config = ModelConfig(**{**dict(
         architecture=family.name,
@@ -391,12 +392,7 @@ def load_hf_dir(path: str, shard: Shard = FULL,
     if quant_method is not None:
         return config, _load_hf_quantized(files, cfg["quantization_config"], shard,
                                           hybrid=getattr(family, "hybrid", False))
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                weights[name] = shard_tensor(name, f.get_slice(name), config, shard).float()
-    return config, weights
+    return config, dict(iter_tensors(files, config, shard, placement))
 
 
 def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -> dict:

@@ -1,0 +1,101 @@
+"""Peak host memory and time of loading a bfloat16 HF checkpoint: another git ref's loader against this tree's.
+
+Writes a random-weight bfloat16 Llama (safetensors, one file), then in a fresh subprocess per loader loads it the
+way the worker does (`load_model_weights`, then `LlamaModel` in bfloat16 on the CPU, prepack off) and reports the
+peak resident set (ru_maxrss), the resident set once the load is done (what the process keeps), and the time.
+
+    python -m experiments.load_memory --layers 16 --ref main     # ~1.2B parameters, 2.5 GB of safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+import torch
+from worker_svc.model.loader import load_model_weights
+from worker_svc.model.decoder import LlamaModel
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+try:
+    from worker_svc.model.safetensors_stream import Placement
+    config, weights = load_model_weights(sys.argv[1], placement=Placement(torch.bfloat16))
+except ImportError:  # a loader without placements
+    config, weights = load_model_weights(sys.argv[1])
+model = LlamaModel(config, weights, torch.bfloat16, "cpu", prepack=False)
+del weights
+seconds = time.perf_counter() - start
+kept = int(open("/proc/self/statm").read().split()[1]) * 4096
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"peak_rss": peak, "kept_rss": kept, "before_load_rss": base * 1024, "seconds": seconds}))
+"""
+
+
+def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, vocab: int) -> int:
+    """A random bfloat16 Llama (Llama-3.2-1B's shape at 16 layers); returns its bytes of weights."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    heads, kv_heads = hidden // 64, max(1, hidden // 256)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   tie_word_embeddings=True, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    cfg.save_pretrained(path)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": rand(hidden)}
+    kv = kv_heads * 64
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                            ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                            ("mlp.gate_proj", (intermediate, hidden)), ("mlp.up_proj", (intermediate, hidden)),
+                            ("mlp.down_proj", (hidden, intermediate))):
+            tensors[p + name + ".weight"] = rand(*shape)
+        tensors[p + "input_layernorm.weight"] = rand(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = rand(hidden)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def measure(tree: str, model: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": tree}
+    run = subprocess.run([sys.executable, "-c", _CHILD, model], env=env, cwd=tree, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"loading with the tree at {tree} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--ref", default="main", help="the git ref whose loader is the baseline")
+    args = ap.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        model, old = os.path.join(tmp, "model"), os.path.join(tmp, "old")
+        os.makedirs(old)
+        size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab)
+        archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        rows = {args.ref: measure(old, model), "this tree": measure(here, model)}
+    print(f"checkpoint: {size / 1e9:.2f} GB of bfloat16 weights, {args.layers} layers, hidden {args.hidden}")
+    print(f"{'loader':<12} {'peak RSS GB':>12} {'kept RSS GB':>12} {'peak/kept':>10} {'peak/ckpt':>10} {'s':>7}")
+    for name, r in rows.items():
+        print(f"{name:<12} {r['peak_rss'] / 1e9:12.2f} {r['kept_rss'] / 1e9:12.2f} "
+              f"{r['peak_rss'] / r['kept_rss']:10.2f} {r['peak_rss'] / size:10.2f} {r['seconds']:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
