@@ -3,8 +3,9 @@
 the code rebuilds only the image's last layer, not its dependencies."""
 
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 

@@ -134,7 +134,8 @@ def chat(port: int) -> dict:
 
 def hf_chat_reference(hf_model, hf_tokenizer) -> tuple[int, str]:
     """The prompt's length and the greedy answer of transformers (float32) on the same GGUF and chat template."""
-    ids = hf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    rendered = hf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = list(rendered["input_ids"])
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
     return len(ids), hf_tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
