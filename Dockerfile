@@ -56,9 +56,15 @@ RUN python3 scripts/pyproject_requirements.py worker > /tmp/worker.txt \
 FROM server-deps AS server
 COPY . /app
 RUN pip install --no-deps --no-build-isolation /app && rm -rf /app/build /app/*.egg-info
+# What the image was built from (scripts/build_image.sh keeps an image whose inputs have not changed): an argument
+# of the last steps only, so a new value reuses every layer above (a --label of the build would be on all of them).
+ARG LLMSERVE_INPUTS=unknown
+LABEL io.llmserve.inputs=${LLMSERVE_INPUTS}
 ENTRYPOINT ["llmserve"]
 
 FROM worker-deps AS worker
 COPY . /app
 RUN pip install --no-deps --no-build-isolation /app && rm -rf /app/build /app/*.egg-info
+ARG LLMSERVE_INPUTS=unknown
+LABEL io.llmserve.inputs=${LLMSERVE_INPUTS}
 ENTRYPOINT ["llmserve"]

@@ -97,7 +97,7 @@ else
   for target in server worker; do
     name=$server; [ "$target" = worker ] && name=$worker
     echo "== building $name (target $target, torch $variant, base $base)"
-    "${podman[@]}" build --target "$target" --tag "$name" --label "io.llmserve.inputs=$inputs" "${build_args[@]}" .
+    "${podman[@]}" build --target "$target" --tag "$name" --build-arg "LLMSERVE_INPUTS=$inputs" "${build_args[@]}" .
   done
   # The images these replaced (and their build leftovers) keep no tag: drop them.
   "${podman[@]}" image prune -f >/dev/null
