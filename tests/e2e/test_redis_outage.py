@@ -33,7 +33,8 @@ from tests.support import cluster
 PROMPT = "Once upon a time, in a small village,"
 MAX_TOKENS = 24
 LONG_TOKENS = 96  # long enough to be stopped mid-generation
-# redis-py retries a timed-out call a few times with backoff: a call to the stopped server fails within ~20 s (2 s timeouts: a loaded box still starts).
+# redis-py retries a timed-out call a few times with backoff: a call to the stopped server fails within ~20 s.
+# 2 s, not less: a loaded box must still start the stack within the timeout.
 REDIS_QUERY = "?socket_timeout=2&socket_connect_timeout=2"
 LEASE_TTL_MS = 600_000  # the idle driver renews every 200 s: within a test it leads without touching Redis
 RPC_TIMEOUT_S = 60
