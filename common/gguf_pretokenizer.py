@@ -1,7 +1,7 @@
 """The pre-tokenizer a byte-level BPE GGUF names in `tokenizer.ggml.pre`: how text is cut into words before BPE.
 
 A vocabulary's merges were learned on words cut one way (Llama 3 keeps up to three digits together, Qwen2 one,
-SmolLM and StarCoder split every digit off first); cutting another way gives other token ids. The names are
+StarCoder splits every digit off first); cutting another way gives other token ids. The names are
 llama.cpp's; each maps to the regex of the model's own tokenizer.json. A name not known here is refused, naming the
 field and the value, instead of being read with GPT-2's split.
 """
@@ -21,8 +21,10 @@ _GPT2 = "gpt2"  # ByteLevel's own regex (GPT-2's)
 _DIGITS_THEN_GPT2 = "digits+gpt2"  # each digit split off, then GPT-2's regex
 
 _SPLITS: dict[str, str] = {
-    **dict.fromkeys(("default", "gpt-2", "gpt2", "mpt", "olmo", "jais"), _GPT2),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), _DIGITS_THEN_GPT2),
+    # smollm: llama.cpp splits digits first, but transformers' GGUF tokenizer (the reference the served model's
+    # outputs are checked against) reads SmolLM GGUFs with GPT-2's split; the two differ on a space run before a digit.
+    **dict.fromkeys(("default", "gpt-2", "gpt2", "mpt", "olmo", "jais", "smollm"), _GPT2),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "codeshell", "exaone"), _DIGITS_THEN_GPT2),
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3"), _LLAMA3),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), _QWEN2),
 }

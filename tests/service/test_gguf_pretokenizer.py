@@ -57,12 +57,12 @@ def test_ids_equal_transformers_per_pre_value(tmp_path, vocabulary, pre):
 
 
 def test_splits_differ_where_the_models_do(tmp_path, vocabulary):
-    """The same vocabulary cut three ways: Llama 3 keeps 3 digits together, Qwen2 and SmolLM one."""
-    toks = {pre: Tokenizer.from_gguf(_write(tmp_path, vocabulary, pre)) for pre in ("llama-bpe", "qwen2", "smollm")}
+    """The same vocabulary cut three ways: Llama 3 keeps 3 digits together, Qwen2 and StarCoder one."""
+    toks = {pre: Tokenizer.from_gguf(_write(tmp_path, vocabulary, pre)) for pre in ("llama-bpe", "qwen2", "starcoder")}
     words = {pre: [t.decode([i]) for i in t.encode("x 12345", add_special_tokens=False)] for pre, t in toks.items()}
     assert "".join(words["llama-bpe"]) == "x 12345"
     assert all(len(w.strip()) <= 1 for w in words["qwen2"][1:])  # one digit per token
-    assert words["smollm"] == words["qwen2"]
+    assert words["starcoder"] == words["qwen2"]
 
 
 def test_unknown_pre_value_refused(tmp_path, vocabulary):
