@@ -9,7 +9,7 @@ sums may put the other ahead). Everything after a tie is a different continuatio
 
 from __future__ import annotations
 
-import os
+import copy
 
 import pytest
 import torch
@@ -27,11 +27,15 @@ NUM_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(bundled_model_path):
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(bundled_model_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16).eval()
+def hf_bf16(hf_model):
+    """Hugging Face's model in bfloat16: what `from_pretrained(..., dtype=torch.bfloat16)` gives (the same parameters,
+    cast from the float32 dequantized weights; the rotary tables kept in float32), built from the session's float32
+    model instead of loading the GGUF a second time (the load is most of this module's time on a CPU)."""
+    model = copy.deepcopy(hf_model)
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    return model.eval()
 
 
 def test_auto_dtype_is_bf16_where_native():

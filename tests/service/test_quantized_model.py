@@ -5,6 +5,7 @@ combinations refused at start naming the flag."""
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import numpy as np
@@ -35,14 +36,20 @@ LOGIT_TOL = {torch.bfloat16: 2.0, torch.float32: 1e-3}
 SAME_TOKENS = 8
 
 
+@functools.cache
+def bundled(quantization: str | None) -> tuple:
+    """The bundled file's config and weights, kept quantized (`"gguf"`) or dequantized (None), loaded once: no model
+    changes the weights it is built from."""
+    return load_model_weights(default_model_path(), quantization=quantization)
+
+
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=str)
 def models(request, hf_tokenizer):
-    path = default_model_path()
-    config, weights = load_model_weights(path, quantization="gguf")
+    config, weights = bundled("gguf")
     kinds = {(w.bits, w.source) for w in weights.values() if isinstance(w, quant.QuantizedWeight)}
     assert kinds == {(4, "Q4_1"), (8, "Q8_0")}, kinds  # the bundled file's matmul weights, none dequantized
     quantized = LlamaModel(config, weights, request.param, "cpu")
-    dense = LlamaModel(*load_model_weights(path), request.param, "cpu")
+    dense = LlamaModel(*bundled(None), request.param, "cpu")
     return quantized, dense
 
 
@@ -80,7 +87,7 @@ def test_the_worker_serves_the_quantized_model_in_its_auto_dtype(hf_tokenizer):
         temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=2 * i) for i, p in enumerate(PROMPTS[:3])]
     run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
                  block_size=runner.block_size)
-    alone = LlamaModel(*load_model_weights(default_model_path(), quantization="gguf"), runner.dtype, "cpu")
+    alone = LlamaModel(*bundled("gguf"), runner.dtype, "cpu")
     for r in reqs:
         assert r.output == greedy(alone, r.prompt_ids, 6)[0], r.request_id
 
@@ -96,7 +103,7 @@ INTEGER_SAME_TOKENS = {16: SAME_TOKENS, 8: 1}
 
 @pytest.mark.parametrize("bits", [16, 8])
 def test_integer_activations_track_float_activations(bits, hf_tokenizer):
-    config, weights = load_model_weights(default_model_path(), quantization="gguf")
+    config, weights = bundled("gguf")
     integer = LlamaModel(config, quant.with_integer_activations(weights, bits, torch.device("cpu")), torch.float32,
                          "cpu")
     floating = LlamaModel(config, weights, torch.float32, "cpu")
@@ -124,7 +131,7 @@ def test_the_worker_serves_integer_activations_batch_invariantly(hf_tokenizer):
         temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=2 * i) for i, p in enumerate(PROMPTS[:3])]
     run_requests(partial(execute_step, runner), reqs, chunk=5, num_blocks=runner.num_blocks,
                  block_size=runner.block_size)
-    config, weights = load_model_weights(default_model_path(), quantization="gguf")
+    config, weights = bundled("gguf")
     alone = LlamaModel(config, quant.with_integer_activations(weights, 16, torch.device("cpu")), torch.float32,
                        "cpu")
     for r in reqs:
@@ -132,9 +139,9 @@ def test_the_worker_serves_integer_activations_batch_invariantly(hf_tokenizer):
 
 
 def test_quantized_weights_are_smaller():
-    config, weights = load_model_weights(default_model_path(), quantization="gguf")
+    config, weights = bundled("gguf")
     held = sum(w.nbytes for w in weights.values())
-    dense = sum(w.nbytes for w in load_model_weights(default_model_path())[1].values())
+    dense = sum(w.nbytes for w in bundled(None)[1].values())
     assert held * 4 < dense, (held, dense)  # int4 codes + scales against float32
 
 
