@@ -115,17 +115,17 @@ def test_server_deltas_from_the_schedulers_own_metrics():
     m.c_queue.observe(30.0)  # before the run: must not count
     m.preempted(5)
     before = metrics.parse_metrics(generate_latest(m.registry).decode())
-    for q in (0.003, 0.003, 0.015, 0.015, 0.015, 0.03, 0.03, 0.03, 0.07, 0.2):
+    for q in (0.1, 0.1, 0.4, 0.4, 0.4, 0.6, 0.6, 0.6, 0.9, 1.2):  # vLLM's queue-time buckets: 0.3, 0.5, 0.8, 1, 1.5
         m.c_queue.observe(q)
     m.preempted(2)
     m.c_kv.set(0.4)
     after = metrics.parse_metrics(generate_latest(m.registry).decode())
     d = metrics.server_deltas(before, after)
     assert d["preemptions"] == 2
-    # 10 observations; rank 9.5 falls in the (0.1, 0.25] bucket holding 1 of them: 0.1 + 0.15 * 0.5.
-    assert d["queue_time_ms"]["p95"] == pytest.approx(175.0)
-    # rank 5 in (0.01, 0.02] holding observations 3-5: 0.01 + 0.01 * (5 - 2) / 3.
-    assert d["queue_time_ms"]["p50"] == pytest.approx(20.0)
+    # 10 observations; rank 9.5 falls in the (1.0, 1.5] bucket holding 1 of them: 1.0 + 0.5 * 0.5.
+    assert d["queue_time_ms"]["p95"] == pytest.approx(1250.0)
+    # rank 5 in (0.3, 0.5] holding observations 3-5: 0.3 + 0.2 * (5 - 2) / 3.
+    assert d["queue_time_ms"]["p50"] == pytest.approx(500.0)
     assert metrics.metric_sum(after, "vllm:kv_cache_usage_perc") == pytest.approx(0.4)
 
 
