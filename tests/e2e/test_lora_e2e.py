@@ -45,14 +45,14 @@ class Pool:
                                       modules=("q_proj",))
         self.bad_shape = write_adapter(f"{root}/wide", SimpleNamespace(**{**vars(BUNDLED), "hidden_size": 640}),
                                        rank=4, alpha=4, seed=5, layers=[3], modules=("v_proj",))
-        self.modules = f"a={self.adapters['a']} b={self.adapters['b']}"
+        self.modules = [f"a={self.adapters['a']}", f"b={self.adapters['b']}"]  # vLLM's form: one word per adapter
         self.worker = cluster.start_worker(["--device", "cpu", "--num-gpu-blocks-override", 512, "--max-model-len", 512,
                                             "--enable-lora", "--max-loras", 4, "--max-lora-rank", 16,
-                                            "--lora-modules", self.modules])
+                                            "--lora-modules", *self.modules])
         self.procs = [self.worker]
 
     def scheduler(self, namespace: str, *flags, port: int | None = None) -> cluster.Proc:
-        extra = ["--enable-lora", "--max-loras", 4, "--lora-modules", self.modules, *flags]
+        extra = ["--enable-lora", "--max-loras", 4, "--lora-modules", *self.modules, *flags]
         proc = cluster.start_scheduler(self.redis_url, self.worker.address,
                                        extra + (["--port", port] if port else []), namespace=namespace)
         self.procs.append(proc)
