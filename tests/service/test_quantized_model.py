@@ -150,6 +150,8 @@ def test_quantization_refusals(tmp_path):
     with pytest.raises(ValueError, match="--quantization gguf needs a .gguf"):
         load_model_weights(str(tmp_path), quantization="gguf")
     with pytest.raises(ValueError, match="--quantization must be gguf"):
+        load_model_weights(default_model_path(), quantization="bitsandbytes")
+    with pytest.raises(ValueError, match="--quantization awq reads a Hugging Face checkpoint directory"):
         load_model_weights(default_model_path(), quantization="awq")
     # (on a CPU without native float16 the plain --dtype check refuses first: test_model_bf16.py)
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--quantization", "gguf", "--dtype", "float16"),
