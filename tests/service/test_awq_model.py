@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.service.test_model import PagedRunner
-from tests.service.test_model_families import make_checkpoint, prompts
+from tests.service.test_model_families import make_checkpoint
+from tests.support.dequantized_reference import assert_matches_dequantized
 from worker_svc.model import families as models
 from worker_svc.model import quant
 from worker_svc.model.hf_awq import awq_weight, unpack_awq
@@ -25,9 +25,6 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # The int4 kernels hold the checkpoint's values (scale * q - zero * scale in float32 against (q - zero) * scale):
 # in float32 the logits differ from transformers' by summation order and that rounding (measured max 1.3e-4 over the
 # three group sizes, every top-2 margin above 0.11).
-LOGIT_TOL = 1e-3
-MARGIN = 1e-2
-STEPS = 8
 
 
 def pack_awq(codes: torch.Tensor) -> torch.Tensor:
@@ -90,24 +87,7 @@ def test_weights_are_int4(pair):
 
 
 def test_logits_and_greedy_tokens_match_the_dequantized_model(pair):
-    hf, ours = pair
-    for prompt in prompts(hf.config.vocab_size, lengths=(40, 23)):
-        runner = PagedRunner(ours, 64)
-        got = runner.step({0: prompt}, all_logits=True)
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0]
-        assert (got - want).abs().max().item() < LOGIT_TOL
-        ids = list(prompt)
-        for _ in range(STEPS):
-            with torch.no_grad():
-                ref = hf(torch.tensor([ids])).logits[0, -1]
-            top2 = ref.topk(2).values
-            if top2[0] - top2[1] <= MARGIN:
-                break  # past an unclear choice the paths may part
-            token = int(got[-1].argmax())
-            assert token == int(ref.argmax()), (prompt, ids[len(prompt):])
-            ids.append(token)
-            got = runner.step({0: [token]})
+    assert_matches_dequantized(*pair)
 
 
 def test_unpacking_inverts_the_packing_and_dequantizes_exactly():

@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from common.config import parse
 from protos import worker_pb2 as pb
-from tests.service.test_awq_model import LOGIT_TOL, MARGIN, PROJECTIONS, SHAPE, STEPS
+from tests.service.test_awq_model import PROJECTIONS, SHAPE
 from tests.service.test_gptq_model import pack_columns, pack_rows
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
+from tests.support.dequantized_reference import assert_matches_dequantized
 from tests.support.driver import DriverRequest, run_requests
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
@@ -139,23 +140,7 @@ def test_logits_and_greedy_tokens_match_the_dequantized_model(pair):
 
 
 def assert_matches(hf, ours) -> None:
-    for prompt in prompts(hf.config.vocab_size, lengths=(40, 23)):
-        runner = PagedRunner(ours, 64)
-        got = runner.step({0: prompt}, all_logits=True)
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0]
-        assert (got - want).abs().max().item() < LOGIT_TOL
-        ids = list(prompt)
-        for _ in range(STEPS):
-            with torch.no_grad():
-                ref = hf(torch.tensor([ids])).logits[0, -1]
-            top2 = ref.topk(2).values
-            if top2[0] - top2[1] <= MARGIN:
-                break  # past an unclear choice the paths may part
-            token = int(got[-1].argmax())
-            assert token == int(ref.argmax()), (prompt, ids[len(prompt):])
-            ids.append(token)
-            got = runner.step({0: [token]})
+    assert_matches_dequantized(hf, ours)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, None])

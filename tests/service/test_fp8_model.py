@@ -18,6 +18,7 @@ from protos import worker_pb2 as pb
 from tests.e2e.test_startup_validation import assert_fails, run_cli
 from tests.service.test_model import PagedRunner
 from tests.service.test_model_families import make_checkpoint, prompts
+from tests.support.dequantized_reference import assert_matches_dequantized
 from tests.support.driver import DriverRequest, run_requests
 from worker_svc.config import WorkerConfig
 from worker_svc.core.runner import ModelRunner
@@ -33,9 +34,6 @@ SHAPE = dict(hidden_size=256, intermediate_size=320, num_attention_heads=4, num_
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model holds the checkpoint's dequantized values exactly, so in float32 only the summation order differs
 # from transformers (measured max |logit difference| 1.3e-4 over the five formats, every top-2 margin above 0.16).
-LOGIT_TOL = 1e-3
-MARGIN = 1e-2
-STEPS = 8
 
 
 def fp8_quantize(w: torch.Tensor, strategy: str, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,25 +115,7 @@ def test_weights_stay_fp8(pair):
 
 
 def test_logits_and_greedy_tokens_match_the_dequantized_model(pair):
-    hf, ours = pair
-    for prompt in prompts(hf.config.vocab_size, lengths=(40, 23)):
-        runner = PagedRunner(ours, 64)
-        got = runner.step({0: prompt}, all_logits=True)
-        with torch.no_grad():
-            want = hf(torch.tensor([prompt])).logits[0]
-        assert (got - want).abs().max().item() < LOGIT_TOL
-        ids = list(prompt)
-        for _ in range(STEPS):
-            with torch.no_grad():
-                ref = hf(torch.tensor([ids])).logits[0, -1]
-            top2 = ref.topk(2).values
-            token = int(got[-1].argmax())
-            if top2[0] - top2[1] > MARGIN:
-                assert token == int(ref.argmax()), (prompt, ids[len(prompt):])
-            else:
-                break  # past an unclear choice the paths may part
-            ids.append(token)
-            got = runner.step({0: [token]})
+    assert_matches_dequantized(*pair)
 
 
 @pytest.mark.parametrize("strategy", ["block", "tensor", "channel"])
