@@ -21,7 +21,14 @@ from scheduler_svc.core.step_records import SchedulerOutput, StepRecord
 from scheduler_svc.driver.frontend import AbortRequest, AddRequest, Frontend
 from scheduler_svc.driver.observers import MetricsObserver, Observer, StepLogObserver, StepTimes, TracingObserver
 from scheduler_svc.driver.outbox import Published
-from scheduler_svc.driver.worker_client import PlanRejected, WorkerClient, WorkerError, WorkerFenced, encode_plan
+from scheduler_svc.driver.worker_client import (
+    PlanRejected,
+    StaleStep,
+    WorkerClient,
+    WorkerError,
+    WorkerFenced,
+    encode_plan,
+)
 from scheduler_svc.ledger import failover, leadership, redis_ha
 from scheduler_svc.ledger.store import LeaseLost, LedgerBehind, RedisLedger
 from scheduler_svc.metrics import Metrics
@@ -122,6 +129,10 @@ class Driver(Frontend):
                 if redis_ha.redis_unavailable(e):
                     log.warning("Redis cannot take writes (%s: %s); standing by, then taking the pool again from "
                                 "the primary", type(e).__name__, e)
+                elif isinstance(e, StaleStep) and self.core is None:
+                    # Expected when two schedulers race for the pool: the other one's step reached the worker
+                    # between our read of its state and our fence. Nothing was lost; the next attempt sees it.
+                    log.info("take-over lost the race at the worker's fence (%s); standing by and retrying", e)
                 else:
                     log.exception("scheduler iteration failed; standing by and retrying")
                 self._step_down()

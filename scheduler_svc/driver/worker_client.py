@@ -70,6 +70,11 @@ class WorkerLost(WorkerError):
     """The call failed (unreachable, restarted, timed out, stale step or epoch): what the worker did is unknown."""
 
 
+class StaleStep(WorkerLost):
+    """The worker already ran a step with this id or a newer one: another scheduler drove it since we read its
+    state (two schedulers racing for the pool after a fail-over or a kill; the loser retries)."""
+
+
 def _typed_error(err: grpc.RpcError, owners: list[str | None] | None = None) -> WorkerError:
     """`owners`: the slot table as the plan saw it, to name the request at fault by the slot the worker names."""
     trailing = dict(err.trailing_metadata() or ())
@@ -82,6 +87,8 @@ def _typed_error(err: grpc.RpcError, owners: list[str | None] | None = None) -> 
         if not request_id and owners and slot.isdigit() and int(slot) < len(owners):
             request_id = owners[int(slot)] or ""
         return PlanRejected(code, message, request_id)
+    if reason == plan_errors.STALE_STEP:
+        return StaleStep(code, message)
     return WorkerLost(code, message)
 
 

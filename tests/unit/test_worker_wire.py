@@ -17,6 +17,7 @@ from scheduler_svc.core.slot_table import SlotTable
 from scheduler_svc.core.step_records import SchedulerOutput
 from scheduler_svc.driver.worker_client import (
     PlanRejected,
+    StaleStep,
     WorkerClient,
     WorkerLost,
     _typed_error,
@@ -168,6 +169,12 @@ def test_a_refusal_names_the_request_in_the_slot_the_worker_names():
     assert _typed_error(_Refusal(grpc.StatusCode.INVALID_ARGUMENT, nowhere), owners).request_id == ""
     behind = ((plan_errors.REASON_KEY, plan_errors.PREDECESSOR_REFUSED),)
     assert isinstance(_typed_error(_Refusal(grpc.StatusCode.FAILED_PRECONDITION, behind), owners), WorkerLost)
+    # A step id the worker already ran (another scheduler's step won a take-over race): still a lost call, told
+    # apart so that the driver logs the race as the routine retry it is.
+    stale = _typed_error(_Refusal(grpc.StatusCode.FAILED_PRECONDITION, ((plan_errors.REASON_KEY,
+                                                                           plan_errors.STALE_STEP),)), owners)
+    assert isinstance(stale, StaleStep) and isinstance(stale, WorkerLost)
+    assert not isinstance(_typed_error(_Refusal(grpc.StatusCode.FAILED_PRECONDITION, behind), owners), StaleStep)
 
 
 def test_a_worker_of_another_protocol_version_is_refused_with_a_clear_error():
