@@ -7,7 +7,8 @@ SERVING; the HTTP API. The load (chaos_kit/load.py): `--concurrency` slots runni
 (HTTP), seeded HTTP SSE and cancelled streams. The faults, in an order drawn from `--seed`: kill -9 of the Redis
 primary (Sentinel fail-over), SIGSTOP/SIGCONT of the primary for 3 s (a partition), kill -9 of the leading scheduler
 (the standby takes over; the killed one comes back as standby), kill -9 of the worker (restarted on its port), and
-with `--tensor-parallel-size 2` kill -9 of rank 1. Each fault waits until the stack serves again.
+with `--tensor-parallel-size N` (N >= 2; the bundled SmolLM2's 9 heads need 3) kill -9 of a rank other than 0 (the
+group ends; the worker is restarted). Each fault waits until the stack serves again.
 
 Checked at the end, per durability mode (`--redis-durability` none / local / replica, each on a fresh stack):
   lost      streams that ended with an error (UNKNOWN, a timeout, ...) instead of their tokens;
@@ -170,7 +171,8 @@ def main() -> None:
     p.add_argument("--primary-stops", type=int, default=1, help="SIGSTOP/SIGCONT of the primary (a partition)")
     p.add_argument("--scheduler-kills", type=int, default=5, help="kill -9 of the leading scheduler")
     p.add_argument("--worker-kills", type=int, default=3, help="kill -9 of the worker")
-    p.add_argument("--tp-rank-kills", type=int, default=0, help="kill -9 of rank 1 (needs --tensor-parallel-size 2)")
+    p.add_argument("--tp-rank-kills", type=int, default=0,
+                   help="kill -9 of a rank other than 0 (--tensor-parallel-size 2 or more; the bundled SmolLM2: 3)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=16, help="streams kept running at once")
     p.add_argument("--seed", type=int, default=0, help="draws the request mix and the order of the faults")

@@ -129,7 +129,7 @@ class Stack:
         """SIGKILL of a tensor-parallel rank other than rank 0: the group ends (the worker exits), it is restarted."""
         ranks = [c for c in psutil.Process(self.worker.pid).children(recursive=True) if "python" in c.name()]
         if not ranks:
-            raise RuntimeError("the worker has no rank processes: --tensor-parallel-size 2 is needed")
+            raise RuntimeError("the worker has no rank processes: --tensor-parallel-size 2 or more is needed")
         ranks[-1].kill()
         try:
             self.worker.popen.wait(timeout=RECOVER_TIMEOUT_S)
