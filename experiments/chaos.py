@@ -101,9 +101,10 @@ def run_mode(mode: str, args, root: str) -> dict:
         ledger_after_run = checks.ledger_state(primary, stack.namespace)
         replay: list[Result] = []
         if not args.skip_replay:
+            # The same work as the run without its outages: a long run's replay may take longer than the default.
             specs = [r.spec for r in results if r.spec.kind != "cancel"]
             replay = Load(stack.forwarder.address, http_url, args.concurrency, args.seed, args.max_tokens,
-                          specs=specs, tag=f"{mode}-replay").join()
+                          specs=specs, tag=f"{mode}-replay").join(timeout=max(1800.0, 2 * run_s))
         ledger_end = checks.ledger_state(stack.group.wait_settled(), stack.namespace)
         logs = {f"scheduler-{i}": s.log_path for i, s in enumerate(stack.schedulers)}
         logs.update(worker=stack.worker.log_path, api=stack.api.log_path)
