@@ -33,6 +33,25 @@ REATTACH_S = 300.0  # longer than any recovery: a stream that gives up is lost
 RETRY_503_S = 0.5
 
 
+class Progress:
+    """When any stream of the load last received a message (monotonic clock): a fault has passed only once a token
+    reaches a client again, not when health says SERVING (a restarted worker still recomputes every stream)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self.last = 0.0
+
+    def mark(self) -> None:
+        with self._cond:
+            self.last = time.monotonic()
+            self._cond.notify_all()
+
+    def wait_after(self, since: float, timeout: float) -> bool:
+        """Until a message arrives later than `since` (True), or `timeout` seconds pass (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.last > since, timeout)
+
+
 @dataclass
 class Spec:
     index: int
@@ -77,6 +96,7 @@ class Load:
         self.concurrency, self.seed, self.max_tokens = concurrency, seed, max_tokens
         self.specs = specs
         self.results: list[Result] = []
+        self.progress = Progress()
         self._stopping = threading.Event()
         self._next = 0
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name=f"load-{tag}", daemon=True)
@@ -139,6 +159,7 @@ class Load:
         stream = client.generate(req)
         try:
             async for msg in stream:
+                self.progress.mark()
                 now = time.monotonic()
                 res.max_gap_s, last = max(res.max_gap_s, now - last), now
                 res.tokens[msg.index] += msg.token_ids
@@ -175,8 +196,7 @@ class Load:
         if spec.kind == "json" and res.finish[0] == "stop":
             json.loads(text)  # structured output must parse (ValueError: reported as lost)
 
-    @staticmethod
-    async def _read_sse(resp: httpx.Response, res: Result, last: float) -> tuple[str, float]:
+    async def _read_sse(self, resp: httpx.Response, res: Result, last: float) -> tuple[str, float]:
         text = ""
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -184,6 +204,7 @@ class Load:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
+            self.progress.mark()
             now = time.monotonic()
             res.max_gap_s, last = max(res.max_gap_s, now - last), now
             for choice in chunk.get("choices", []):

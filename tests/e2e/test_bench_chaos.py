@@ -25,6 +25,9 @@ def test_chaos_smoke(tmp_path):
     assert mode["mode"] == "none" and "| none |" in stdout
     assert mode["fault_counts"] == {"primary-kill": 1, "primary-stop": 1, "scheduler-kill": 1, "worker-kill": 1}
     assert mode["fault_errors"] == 0, mode["faults"]
+    # The next fault came only after tokens reached a client again (not merely health SERVING).
+    assert all(f["progress_s"] is not None and f["progress_s"] >= f["recovered_s"] for f in mode["faults"]), \
+        mode["faults"]
     assert [f["kind"] for f in mode["faults"]] == [f["kind"] for f in sorted(mode["faults"], key=lambda f: f["n"])]
     # Every check ran: each stream was compared (or cancelled, or counted lost), the ledger read, health sampled.
     assert mode["streams"] >= 4 and mode["replayed"] >= 1
