@@ -8,7 +8,7 @@ SERVING; the HTTP API. The load (chaos_kit/load.py): `--concurrency` slots runni
 primary (Sentinel fail-over), SIGSTOP/SIGCONT of the primary for 3 s (a partition), kill -9 of the leading scheduler
 (the standby takes over; the killed one comes back as standby), kill -9 of the worker (restarted on its port), and
 with `--tensor-parallel-size N` (N >= 2; the bundled SmolLM2's 9 heads need 3) kill -9 of a rank other than 0 (the
-group ends; the worker is restarted). Each fault waits until the stack serves again.
+group ends; the worker is restarted). Each fault waits until the stack serves again and a token reaches a client.
 
 Checked at the end, per durability mode (`--redis-durability` none / local / replica, each on a fresh stack):
   lost      streams that ended with an error (UNKNOWN, a timeout, ...) instead of their tokens;
