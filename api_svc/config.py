@@ -65,7 +65,8 @@ class APIConfig:
         check=c.at_least(0))
     scheduler_metrics_url: str | None = setting(
         None, "the scheduler's Prometheus endpoint (its --metrics-port), re-served on this API's /metrics")
-    log_level: str = setting("warning", "uvicorn's log level (access logs at info)")
+    log_level: str = setting("warning", "uvicorn's log level (access logs at info); vLLM's upper-case names too",
+                             parse=str.lower, choices=("critical", "error", "warning", "info", "debug", "trace"))
     max_request_body_bytes: int = setting(
         limits.DEFAULT_MAX_BODY_BYTES, "largest request body accepted; a larger one is answered 413 before parsing",
         check=c.at_least(1))
