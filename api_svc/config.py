@@ -26,6 +26,24 @@ def responses_store_ttl() -> Any:
                    "previous_response_id", check=c.at_least(1))
 
 
+# HTTPS of the API (vLLM's names, uvicorn's options): `llmserve api` and `llmserve serve`, which passes them on.
+def ssl_keyfile() -> Any:
+    return setting(None, "serve HTTPS with this private key (PEM); needs --ssl-certfile")
+
+
+def ssl_certfile() -> Any:
+    return setting(None, "certificate chain (PEM) of --ssl-keyfile")
+
+
+def ssl_ca_certs() -> Any:
+    return setting(None, "CA bundle (PEM) that client certificates are checked against")
+
+
+def ssl_cert_reqs() -> Any:
+    return setting(0, "client certificates, as Python's ssl module numbers it: 0 none, 1 optional, 2 required "
+                   "(with --ssl-ca-certs)", choices=(0, 1, 2))
+
+
 def check_tool_flags(enable: bool, parser: str | None) -> None:
     """vLLM's start-up rule: auto tool choice needs a parser."""
     if enable and parser is None:
@@ -47,7 +65,8 @@ class APIConfig:
         check=c.at_least(0))
     scheduler_metrics_url: str | None = setting(
         None, "the scheduler's Prometheus endpoint (its --metrics-port), re-served on this API's /metrics")
-    log_level: str = setting("warning", "uvicorn's log level (access logs at info)")
+    log_level: str = setting("warning", "uvicorn's log level (access logs at info); vLLM's upper-case names too",
+                             parse=str.lower, choices=("critical", "error", "warning", "info", "debug", "trace"))
     max_request_body_bytes: int = setting(
         limits.DEFAULT_MAX_BODY_BYTES, "largest request body accepted; a larger one is answered 413 before parsing",
         check=c.at_least(1))
@@ -60,11 +79,10 @@ class APIConfig:
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
     # HTTPS (vLLM's names, uvicorn's options).
-    ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key (PEM); needs --ssl-certfile")
-    ssl_certfile: str | None = setting(None, "certificate chain (PEM) of --ssl-keyfile")
-    ssl_ca_certs: str | None = setting(None, "CA bundle (PEM) that client certificates are checked against")
-    ssl_cert_reqs: int = setting(0, "client certificates, as Python's ssl module numbers it: 0 none, 1 optional, "
-                                 "2 required (with --ssl-ca-certs)", choices=(0, 1, 2))
+    ssl_keyfile: str | None = ssl_keyfile()
+    ssl_certfile: str | None = ssl_certfile()
+    ssl_ca_certs: str | None = ssl_ca_certs()
+    ssl_cert_reqs: int = ssl_cert_reqs()
     # The gRPC channel to the scheduler (its --tls-cert / --tls-client-ca), as the scheduler's --worker-tls-*.
     scheduler_tls_ca: str | None = setting(
         None, "connect to the scheduler over TLS, trusting this CA bundle (PEM) (default: plaintext)")

@@ -39,7 +39,8 @@ forwarding, compose.yaml's variables and this page are derived from those fields
   `--port` are each process's own listening address.
 - `llmserve serve` takes its own settings, every scheduler setting and every worker setting. It passes the worker
   settings it was given to its worker, except {serve_only}, which secure its public server; and
-  `--api-key`, `--tokenizer` and `--served-model-name` to its HTTP API process.
+  `--api-key`, `--tokenizer`, `--served-model-name` and `--ssl-*` (HTTPS) to its HTTP API process, which reaches
+  the scheduler on a plaintext loopback listener when `--tls-cert` secures the public gRPC server.
 """
 
 

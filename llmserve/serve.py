@@ -28,6 +28,10 @@ from api_svc.config import (
     check_tool_flags,
     enable_auto_tool_choice,
     responses_store_ttl,
+    ssl_ca_certs,
+    ssl_cert_reqs,
+    ssl_certfile,
+    ssl_keyfile,
     tool_call_parser,
 )
 from common import config as c
@@ -68,6 +72,11 @@ class ServeConfig:
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
     responses_store_ttl: float = responses_store_ttl()
+    # HTTPS of its HTTP API (vLLM's flags), passed on to the API process.
+    ssl_keyfile: str | None = ssl_keyfile()
+    ssl_certfile: str | None = ssl_certfile()
+    ssl_ca_certs: str | None = ssl_ca_certs()
+    ssl_cert_reqs: int = ssl_cert_reqs()
 
     def __post_init__(self):
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
@@ -85,12 +94,14 @@ def worker_argv(cfg: WorkerConfig, port: int) -> list[str]:
 
 
 def api_argv(args: argparse.Namespace, own: ServeConfig, scheduler_port: int, redis_url: str | None = None,
-             metrics_port: int | None = None) -> list[str]:
+             metrics_port: int | None = None, loopback_port: int | None = None) -> list[str]:
     """The `llmserve api` command line of `serve`: on --host and --http-port, in front of its scheduler, with every
     API setting `serve` shares (the scheduler's --api-key: clients use one key for both; --tokenizer;
-    --served-model-name; the scheduler's Redis and --namespace, for stored responses)."""
+    --served-model-name; --ssl-*; the scheduler's Redis and --namespace, for stored responses). `loopback_port`:
+    the scheduler's plaintext loopback listener, used instead of its public (TLS) port."""
     host = "127.0.0.1" if own.host in ("0.0.0.0", "::") else own.host
-    where = {"host": own.host, "port": own.http_port, "scheduler": f"{host}:{scheduler_port}"}
+    scheduler = f"127.0.0.1:{loopback_port}" if loopback_port else f"{host}:{scheduler_port}"
+    where = {"host": own.host, "port": own.http_port, "scheduler": scheduler}
     if redis_url:
         where["redis_url"] = redis_url
     if metrics_port:  # the API's /metrics re-serves the scheduler's vllm:* series, as vLLM's :8000/metrics does
@@ -208,6 +219,11 @@ def serve(args: argparse.Namespace) -> None:
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     check_ports(own)
+    if own.http_port:  # the API's HTTPS files, checked before any child starts (the API would only log them)
+        try:
+            from_namespace(APIConfig, args).validate()
+        except ConfigError as e:
+            raise SystemExit(str(e)) from None
     tracing.setup("llmserve-scheduler", sched_cfg.otlp_traces_endpoint)
     workdir = tempfile.mkdtemp(prefix="llmserve-")
     log_dir = own.log_dir or workdir
@@ -245,13 +261,15 @@ def serve(args: argparse.Namespace) -> None:
                     raise SystemExit(trouble())
         if sup.stopping.is_set():
             return
-        sched = Scheduler(sched_cfg).start()
+        # With --tls-cert its own API connects to a plaintext loopback listener of the scheduler: the certificate
+        # may name a public host, be signed by any CA, or (--tls-client-ca) need a client certificate `serve` lacks.
+        sched = Scheduler(sched_cfg).start(loopback_listener=bool(own.http_port and sched_cfg.tls_cert))
         if own.http_port:  # the OpenAI-compatible HTTP API, a process of its own in front of this scheduler
             metrics_port = sched_cfg.metrics_port
             if metrics_port is None:  # on loopback only, for the API to read
                 metrics_port = free_port()
                 sched.driver.metrics.serve(metrics_port, host="127.0.0.1")
-            api_cmd = api_argv(args, own, sched.port, redis_url, metrics_port)
+            api_cmd = api_argv(args, own, sched.port, redis_url, metrics_port, sched.loopback_port)
             api_log = os.path.join(log_dir, "api.log")
             api = sup.add("api", lambda: spawn("api", api_cmd, log_path=api_log, die_with_parent=True))
         deadline = time.monotonic() + 120
@@ -267,7 +285,8 @@ def serve(args: argparse.Namespace) -> None:
             while not api.ready.wait(0.2) and not sup.stopping.is_set():
                 if trouble():
                     raise SystemExit(trouble())
-            http = f"; OpenAI API on http://{own.host}:{own.http_port}/v1"
+            scheme = "https" if own.ssl_certfile else "http"
+            http = f"; OpenAI API on {scheme}://{own.host}:{own.http_port}/v1"
         if sup.stopping.is_set():
             return
         info = sched.driver.worker_info

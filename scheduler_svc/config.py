@@ -49,7 +49,7 @@ class SchedulerConfig:
     speculative_config: str | None = setting(
         None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; the only method)",
-        metavar="JSON")
+        metavar="JSON", aliases=("-sc",))
     enable_lora: bool = c.enable_lora()
     lora_modules: list[str] | None = c.lora_modules()
     max_loras: int = c.max_loras()

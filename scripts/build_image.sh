@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-variant=cpu wheels="" ca_bundle="${PIP_CERT:-}" base="" tag=latest force=0
+variant=cpu wheels="" wheel_list="" ca_bundle="${PIP_CERT:-}" base="" tag=latest force=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch-variant) variant="$2"; shift 2 ;;
@@ -35,6 +35,14 @@ while [ $# -gt 0 ]; do
 done
 [[ "$variant" =~ ^(cpu|cu[0-9]+|rocm[0-9.]+|xpu)$ ]] \
   || { echo "--torch-variant: '$variant' is not a PyTorch build (cpu, cu128, rocm6.4, xpu)" >&2; exit 2; }
+# The files the arguments name, checked before anything is built (the Debian base alone takes minutes).
+[ -z "$ca_bundle" ] || [ -f "$ca_bundle" ] || { echo "--ca-bundle: no file $ca_bundle" >&2; exit 2; }
+if [ -n "$wheels" ]; then
+  [ -d "$wheels" ] || { echo "--torch-wheels: no directory $wheels" >&2; exit 2; }
+  wheels=$(cd "$wheels" && pwd)
+  wheel_list=$(cd "$wheels" && ls torch-*+"$variant"-*.whl 2>/dev/null || true)
+  [ -n "$wheel_list" ] || { echo "--torch-wheels: no torch-*+$variant-*.whl in $wheels" >&2; exit 2; }
+fi
 read -r -a podman <<< "${PODMAN:-podman}"
 export BUILDAH_ISOLATION="${BUILDAH_ISOLATION:-chroot}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -67,15 +75,10 @@ fi
 
 # torch from a local directory: a one-project PEP 503 index of it, mounted into the build.
 build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "TORCH_VARIANT=$variant")
-wheel_list=""
 if [ -n "$ca_bundle" ]; then
-  [ -f "$ca_bundle" ] || { echo "--ca-bundle: no file $ca_bundle" >&2; exit 2; }
   build_args+=(--build-arg "PIP_CERT=/run/build-ca-bundle.pem" -v "$(realpath "$ca_bundle"):/run/build-ca-bundle.pem:ro")
 fi
 if [ -n "$wheels" ]; then
-  wheels=$(cd "$wheels" && pwd)
-  wheel_list=$(cd "$wheels" && ls torch-*+"$variant"-*.whl 2>/dev/null || true)
-  [ -n "$wheel_list" ] || { echo "--torch-wheels: no torch-*+$variant-*.whl in $wheels" >&2; exit 2; }
   mkdir -p "$work/index/torch"
   for w in $wheel_list; do echo "<a href=\"file:///torch-wheels/${w//+/%2B}\">$w</a>"; done > "$work/index/torch/index.html"
   build_args+=(--build-arg "TORCH_INDEX_URL=file:///torch-index" -v "$work/index:/torch-index:ro"

@@ -60,6 +60,14 @@ def _json_flag_problem(parse: Callable[[str | None], object]) -> Callable[[str |
     return check
 
 
+# vLLM's other names of two dtypes (its --dtype also takes them).
+_VLLM_DTYPE_NAMES = {"half": "float16", "float": "float32"}
+
+
+def vllm_dtype(text: str) -> str:
+    return _VLLM_DTYPE_NAMES.get(text, text)
+
+
 def _check_optimization_level(level: int | None) -> str | None:
     return None if level is None or 0 <= level <= 3 else f"must be 0, 1, 2 or 3, got {level}"
 
@@ -72,13 +80,14 @@ class WorkerConfig:
     port: int = setting(50061, "port of the worker's gRPC server (0 picks a free one)")
     model: str | None = setting(None, "GGUF file or Hugging Face directory (default: bundled SmolLM2-135M)")
     dtype: str = setting("auto", "weights and KV cache dtype (auto: bfloat16 on CUDA and on a CPU with AVX512-BF16 "
-                         "or AMX, float32 elsewhere)",
-                         choices=("auto", "float32", "bfloat16", "float16"))
+                         "or AMX, float32 elsewhere; vLLM's half and float name float16 and float32)",
+                         choices=("auto", "float32", "bfloat16", "float16"), parse=vllm_dtype)
     device: str = setting("auto", "auto, cpu, cuda, cuda:N")
     block_size: int = setting(16, "tokens per KV block", check=c.is_power_of_two)
     kv_cache_memory: int = setting(2 << 30, "KV pool bytes on CPU", check=c.at_least(1))
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory this process may use (weights, "
-                                            "activations, KV pool)", check=c.between(0, 1))
+                                            "activations, KV pool)", aliases=("--device-memory-utilization",),
+                                            check=c.between(0, 1))
     num_gpu_blocks_override: int | None = setting(None, "KV pool size in blocks (skips the memory-based sizing)",
                                                   check=c.at_least(1))
     max_model_len: int | None = setting(None, "longest sequence (prompt + output) in tokens, 4096 or 4k / 4K as "
@@ -108,13 +117,15 @@ class WorkerConfig:
         1, "shard the model over this many rank processes (torch.distributed: nccl on CUDA, gloo on CPU); on one "
         "host the worker starts them itself, across hosts see --nnodes", aliases=("-tp",), check=c.at_least(1))
     nnodes: int = setting(1, "hosts the tensor-parallel ranks are spread over (each runs this command with its "
-                          "--node-rank; or start every rank with torchrun)", check=c.at_least(1))
-    node_rank: int = setting(0, "this host's index in [0, --nnodes); host 0 serves gRPC", check=c.at_least(0))
+                          "--node-rank; or start every rank with torchrun)", aliases=("-n",), check=c.at_least(1))
+    node_rank: int = setting(0, "this host's index in [0, --nnodes); host 0 serves gRPC", aliases=("-r",),
+                             check=c.at_least(0))
     master_addr: str = setting("127.0.0.1", "rendezvous address of the tensor-parallel group (the host of "
                                "--node-rank 0)")
     master_port: int | None = setting(None, "rendezvous port (default: a free one; needed with --nnodes > 1)")
     distributed_timeout: float = setting(
-        120.0, "seconds a rank waits for the others (joining, or inside a step) before the group ends")
+        120.0, "seconds a rank waits for the others (joining, or inside a step) before the group ends",
+        aliases=("--distributed-timeout-seconds",))
     structured_outputs_config: str | None = setting(
         None, 'structured outputs (vLLM\'s flag): {"backend": "xgrammar"} (the only one; "auto" means it), '
         '"disable_any_whitespace": true for JSON without optional whitespace', metavar="JSON",
@@ -143,7 +154,7 @@ class WorkerConfig:
         None, 'compiled forward (vLLM\'s flag): {"cudagraph_capture_sizes": [1, 2, 4, 8]} (the step sizes compiled; '
         'default 1, 2, 4, then multiples of 8 up to "max_cudagraph_capture_size", default 64; larger steps run '
         'eager), "cache_dir" (inductor\'s cache, default ~/.cache/llmserve/inductor)', metavar="JSON",
-        check=_json_flag_problem(CompilationConfig.parse))
+        aliases=("-cc",), check=_json_flag_problem(CompilationConfig.parse))
     num_state_slots: int = setting(
         0, "hybrid models (Gated DeltaNet / Mamba2 layers): recurrent-state slots, one per running sequence or "
         "prefix-cache snapshot (0 = auto: --max-num-seqs slots for the running sequences plus room for the "

@@ -103,16 +103,20 @@ class Scheduler:
         self.server: PublicServer | None = None
         self.health = None
         self.host, self.port = cfg.host, 0
+        self.loopback_port: int | None = None  # the plaintext loopback listener's port, when start() added one
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> Scheduler:
+    def start(self, loopback_listener: bool = False) -> Scheduler:
+        """Listen and drive; `loopback_listener`: also serve plaintext on a free 127.0.0.1 port (loopback_port)."""
         cfg = self.cfg
         self.server, self.port, self.health = build_server(
             self.driver, f"{cfg.host}:{cfg.port}", cfg.api_key, cfg.tokenizer,
             tls.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca), self.loras)
+        if loopback_listener:
+            self.loopback_port = self.server.add_loopback_listener()
         if cfg.metrics_port is not None:
             self.driver.metrics.serve(cfg.metrics_port)
         self.server.start()

@@ -70,6 +70,18 @@ class PublicServer:
         except RuntimeError:  # the address is taken or invalid
             return 0
 
+    def add_loopback_listener(self) -> int:
+        """A second, plaintext port on 127.0.0.1 for the same services (before start()): where `llmserve serve` has
+        its own HTTP API connect when the public port serves TLS, so that API needs no CA or client certificate.
+        It is as private as serve's loopback worker, which is plaintext already."""
+        async def add() -> int:
+            return self.server.add_insecure_port("127.0.0.1:0")
+
+        port = self._run(add())
+        if not port:
+            raise SystemExit("cannot listen on a loopback port for the HTTP API")
+        return port
+
     def _run(self, coro, timeout: float | None = None):
         """Run `coro` on the loop from another thread and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -456,3 +456,39 @@ def test_api_tls_flags_that_cannot_work_fail_at_start(pki):
     assert_fails(run_cli("api", "--port", 0, "--scheduler-tls-cert", pki["client_cert"], "--scheduler-tls-key",
                          pki["client_key"]), "--scheduler-tls-cert", "--scheduler-tls-ca")
     assert_fails(run_cli("api", "--port", 0, "--scheduler-tls-ca", "/nonexistent/ca.pem"), "--scheduler-tls-ca")
+
+
+# ---- `llmserve serve` with TLS: its own HTTP API behind it ----------------------------------------------------
+
+def test_serve_with_mutual_tls_answers_a_chat_completion_over_https(pki):
+    """`serve --tls-cert/--tls-key/--tls-client-ca` (gRPC) and `--ssl-certfile/--ssl-keyfile` (HTTPS): its own API
+    reaches the scheduler (a loopback listener: it has no client certificate) and answers an `openai` client that
+    trusts the CA, while the public gRPC port still wants TLS and a client certificate."""
+    import httpx
+    import openai
+
+    s = cluster.start_serve(["--device", "cpu", "--num-gpu-blocks-override", 32, "--max-model-len", 256,
+                             "--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"],
+                             "--tls-client-ca", pki["ca"], "--ssl-certfile", pki["server_cert"],
+                             "--ssl-keyfile", pki["server_key"]])
+    try:
+        base = f"https://localhost:{s.extra['http_port']}/v1"
+        assert f"OpenAI API on https://127.0.0.1:{s.extra['http_port']}/v1" in s.log_text()
+        client = openai.OpenAI(base_url=base, api_key="none", http_client=httpx.Client(verify=trusting(pki["ca"])))
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               messages=[{"role": "user", "content": "Hello"}])
+        assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", 4)
+        with pytest.raises(httpx.HTTPError):  # HTTPS only, for clients trusting the CA
+            httpx.get(f"{base}/models", verify=trusting(pki["other_ca"]), timeout=5)
+        assert health(s.address) == "UNAVAILABLE"
+        assert health(s.address, tls.channel_credentials(pki["ca"])) == "UNAVAILABLE"
+        with_cert = tls.channel_credentials(pki["ca"], pki["client_cert"], pki["client_key"])
+        assert health(s.address, with_cert) == "SERVING"
+    finally:
+        assert cluster.stop(s, timeout=30) == 0, s.log_tail()
+
+
+def test_serve_checks_its_https_files_at_start(pki):
+    assert_fails(run_cli("serve", "--redis-url", "redis://127.0.0.1:1/0", "--ssl-certfile", pki["server_cert"]),
+                 "--ssl-keyfile", "--ssl-certfile")

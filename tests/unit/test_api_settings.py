@@ -28,3 +28,18 @@ def test_auto_tool_choice_needs_a_parser():
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice"])
     with pytest.raises(ConfigError, match="--tool-call-parser"):
         from_namespace(serve.ServeConfig, args)
+
+
+def test_serve_passes_https_to_the_api_and_points_it_at_the_loopback_listener():
+    """With --tls-cert, serve's own API connects to the scheduler's plaintext loopback listener (any certificate,
+    mutual TLS included, needs nothing more); --ssl-* (vLLM's HTTPS flags) reach the API process."""
+    args = build_parser().parse_args(["serve", "--host", "10.1.2.3", "--tls-cert", "c.pem", "--tls-key", "k.pem",
+                                      "--ssl-certfile", "h.pem", "--ssl-keyfile", "h.key", "--ssl-cert-reqs", "0"])
+    own = from_namespace(serve.ServeConfig, args)
+    argv = serve.api_argv(args, own, 50051, loopback_port=40123)
+    back = from_namespace(APIConfig, build_parser().parse_args(argv[3:]))
+    assert (back.scheduler, back.host) == ("127.0.0.1:40123", "10.1.2.3")
+    assert (back.ssl_certfile, back.ssl_keyfile, back.scheduler_tls_ca) == ("h.pem", "h.key", None)
+    assert not any(a.startswith("--tls") for a in argv)
+    plain = serve.api_argv(args, own, 50051)
+    assert from_namespace(APIConfig, build_parser().parse_args(plain[3:])).scheduler == "10.1.2.3:50051"

@@ -1,10 +1,11 @@
-"""The flags llmserve shares with vLLM, in vLLM's spelling and value syntax (vLLM's `vllm serve` reference and
-vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py), parsed by llmserve's own parsers: each vLLM form must
-give the same setting. docs/configuration.md "vLLM's flags" lists every flag compared and what differs on purpose."""
+"""The flags llmserve shares with vLLM, in vLLM's spelling and value syntax (`vllm serve --help=all` of vLLM 0.32.0,
+compared by scripts/vllm_flags.py), parsed by llmserve's own parsers: each vLLM form must give the same setting.
+docs/vllm-flags.md lists every flag compared and what differs on purpose."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -75,6 +76,26 @@ SERVE_FORMS = [
     (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4]}'], "compilation_config",
      '{"cudagraph_capture_sizes": [1, 2, 4]}'),
     (["--pooler-config", '{"pooling_type": "MEAN"}'], "pooler_config", '{"pooling_type": "MEAN"}'),
+    (["--dtype", "half"], "dtype", "float16"),
+    (["--dtype", "float"], "dtype", "float32"),
+    (["--model", "/m/model.gguf"], "model", "/m/model.gguf"),
+    (["--port", "50052"], "port", 50052),  # serve's gRPC port (docs/vllm-flags.md: different on purpose)
+    (["--shutdown-timeout", "30"], "shutdown_timeout", 30),
+    (["--optimization-level", "2"], "optimization_level", 2),
+    (["-q", "awq"], "quantization", "awq"),
+    (["-cc", '{"cache_dir": "/c"}'], "compilation_config", '{"cache_dir": "/c"}'),
+    (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}'], "speculative_config",
+     '{"method": "ngram", "num_speculative_tokens": 2}'),
+    (["-n", "2", "-r", "1", "--master-addr", "h"], "node_rank", 1),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h"], "nnodes", 2),
+    (["--device-memory-utilization", "0.7"], "gpu_memory_utilization", 0.7),
+    (["--distributed-timeout-seconds", "300"], "distributed_timeout", 300),
+    (["--no-enable-lora"], "enable_lora", False),
+    (["--no-enforce-eager"], "enforce_eager", False),
+    (["--no-async-scheduling"], "async_scheduling", False),
+    (["--no-enable-auto-tool-choice"], "enable_auto_tool_choice", False),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2"],
+     "ssl_cert_reqs", 2),
 ]
 # On `llmserve api` (the HTTP server: vLLM's --port, --ssl-*).
 API_FORMS = [
@@ -86,8 +107,28 @@ API_FORMS = [
     (["--served-model-name", "m"], "served_model_name", ["m"]),
     (["--api-key", "k"], "api_key", "k"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"], "enable_auto_tool_choice", True),
+    (["--tokenizer", "/t"], "tokenizer", "/t"),
+    (["--log-level", "WARNING"], "log_level", "warning"),  # vLLM's upper-case names, uvicorn's levels
+    (["--no-enable-auto-tool-choice"], "enable_auto_tool_choice", False),
 ]
-# vLLM flags llmserve does not take (docs/configuration.md says why): they must be refused, not silently ignored.
+# Every flag `vllm serve --help=all` (vLLM 0.32.0) and llmserve spell alike, from `python scripts/vllm_flags.py
+# --vllm-python VLLM_VENV/bin/python`; each has a form above and a line in docs/vllm-flags.md. (-O is vLLM's too: its
+# parser turns -O3 into --optimization-level 3.)
+VLLM_SHARED = {
+    "--api-key", "--async-scheduling", "--attention-backend", "--block-size", "--compilation-config",
+    "--device-memory-utilization", "--distributed-timeout-seconds", "--dtype", "--enable-auto-tool-choice",
+    "--enable-chunked-prefill", "--enable-lora", "--enable-prefix-caching", "--enforce-eager",
+    "--gpu-memory-utilization", "--host", "--log-level", "--long-prefill-token-threshold", "--lora-modules",
+    "--mamba-ssm-cache-dtype", "--master-addr", "--master-port", "--max-cpu-loras", "--max-lora-rank", "--max-loras",
+    "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--model", "--nnodes", "--no-async-scheduling",
+    "--no-enable-auto-tool-choice", "--no-enable-chunked-prefill", "--no-enable-lora", "--no-enable-prefix-caching",
+    "--no-enforce-eager", "--node-rank", "--num-gpu-blocks-override", "--optimization-level",
+    "--otlp-traces-endpoint", "--pooler-config", "--port", "--quantization", "--scheduling-policy",
+    "--served-model-name", "--shutdown-timeout", "--speculative-config", "--ssl-ca-certs", "--ssl-cert-reqs",
+    "--ssl-certfile", "--ssl-keyfile", "--structured-outputs-config", "--tensor-parallel-size", "--tokenizer",
+    "--tool-call-parser", "-cc", "-n", "-q", "-r", "-sc", "-tp", "-O",
+}
+# vLLM flags llmserve does not take (docs/vllm-flags.md says why): they must be refused, not silently ignored.
 ABSENT = ["--seed", "--kv-cache-dtype", "--chat-template", "--generation-config", "--max-logprobs",
           "--disable-log-requests", "--kv-cache-memory-bytes", "--uvicorn-log-level"]
 
@@ -153,3 +194,21 @@ def test_serve_forwards_nargs_flags_to_the_worker():
     argv = worker_argv(from_namespace(WorkerConfig, args), 50061)
     i = argv.index("--lora-modules")
     assert argv[i + 1:i + 3] == ["a=/p/a", JSON_LORA]
+
+
+def test_every_flag_shared_with_vllm_has_a_checked_form_and_a_line_in_the_note():
+    checked = {w for words, _, _ in SERVE_FORMS + API_FORMS for w in words if w.startswith("-")}
+    assert VLLM_SHARED - checked == set()
+    note = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                             "vllm-flags.md")).read()
+    assert {f for f in VLLM_SHARED if f"`{f}`" not in note} == set()
+
+
+def test_vllm_value_names_reach_the_process_that_reads_them():
+    """vLLM's aliases of values parse to llmserve's own (the worker and the API see only those)."""
+    assert from_namespace(WorkerConfig, serve_parser().parse_args(["--dtype", "half"])).dtype == "float16"
+    from api_svc.config import APIConfig
+
+    assert from_namespace(APIConfig, api_parser().parse_args(["--log-level", "INFO"])).log_level == "info"
+    with pytest.raises(argparse.ArgumentError):
+        api_parser().parse_args(["--log-level", "loud"])
