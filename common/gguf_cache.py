@@ -23,7 +23,7 @@ from collections.abc import Callable
 log = logging.getLogger("llmserve.gguf_cache")
 
 ENV = "LLMSERVE_GGUF_CACHE_DIR"
-FORMAT = 2  # 2: GGUF tokenizers cut words by their tokenizer.ggml.pre
+FORMAT = 3  # 2: GGUF tokenizers cut words by their tokenizer.ggml.pre; 3: more pre values, SentencePiece GGUFs
 
 
 def entry(path: str, kind: str) -> str | None:

@@ -1,8 +1,9 @@
 """Text <-> token ids for the scheduler and the HTTP API, built on the HF `tokenizers` library.
 
 Two sources:
-- a GGUF file: the BPE vocabulary, merges and special tokens live in the metadata (llama.cpp key names),
-  so we assemble the `tokenizers.Tokenizer` ourselves, the same way transformers' GGUF converter does;
+- a GGUF file: the vocabulary, merges and special tokens live in the metadata (llama.cpp key names). A byte-level
+  BPE one (`tokenizer.ggml.model` = gpt2) is assembled here, the same way transformers' GGUF converter does; a
+  SentencePiece one (llama) is built by that converter (gguf_sentencepiece.py); any other model is refused;
 - a HF model directory: `tokenizer.json` plus `tokenizer_config.json` for the chat template and BOS/EOS.
 
 Chat templates are rendered with a sandboxed jinja2 environment configured like transformers'.
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from common import gguf_cache
 from common.gguf_pretokenizer import byte_level_pre_tokenizer
+from common.gguf_sentencepiece import sentencepiece_tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a chat message may have, in every API
 
@@ -66,6 +68,19 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # jinja's own tojson HTML-escapes; chat templates expect plain JSON
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _bos_eos_processor(tokens: list[str], bos_id: int | None, eos_id: int | None, add_bos: bool,
+                       add_eos: bool) -> processors.TemplateProcessing:
+    """The model's own policy on BOS/EOS: what add_special_tokens=True adds around the text."""
+    single, specials = "$A", []
+    if add_bos and bos_id is not None:
+        single = f"{tokens[bos_id]} {single}"
+        specials.append((tokens[bos_id], bos_id))
+    if add_eos and eos_id is not None:
+        single = f"{single} {tokens[eos_id]}"
+        specials.append((tokens[eos_id], eos_id))
+    return processors.TemplateProcessing(single=single, special_tokens=list(dict.fromkeys(specials)))
 
 
 @lru_cache(maxsize=8)
@@ -118,8 +133,11 @@ class Tokenizer:
     def _read_gguf(cls, path: str) -> Tokenizer:
         reader = gguf.GGUFReader(path)
         model = _gguf_field(reader, "tokenizer.ggml.model")
+        if model == "llama":
+            return cls._read_sentencepiece_gguf(path, reader)
         if model != "gpt2":
-            raise ValueError(f"{path}: only byte-level BPE (tokenizer.ggml.model = gpt2) is supported, got {model!r}")
+            raise ValueError(f"{path}: tokenizer.ggml.model = {model!r} is not a tokenizer llmserve reads (known: "
+                             "gpt2, byte-level BPE; llama, SentencePiece)")
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         token_types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type", [])
         merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges", [])
@@ -154,16 +172,20 @@ class Tokenizer:
         tok.add_special_tokens(control)
         tok.add_tokens(user_defined)
 
-        # The model's own policy on BOS/EOS decides what add_special_tokens=True means.
-        single, specials = "$A", []
-        if add_bos and bos_id is not None:
-            single = f"{tokens[bos_id]} {single}"
-            specials.append((tokens[bos_id], bos_id))
-        if add_eos and eos_id is not None:
-            single = f"{single} {tokens[eos_id]}"
-            specials.append((tokens[eos_id], eos_id))
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(dict.fromkeys(specials)))
+        tok.post_processor = _bos_eos_processor(tokens, bos_id, eos_id, add_bos, add_eos)
+        return cls(tok, bos_token_id=bos_id, eos_token_id=eos_id,
+                   chat_template=_gguf_field(reader, "tokenizer.chat_template"))
 
+    @classmethod
+    def _read_sentencepiece_gguf(cls, path: str, reader: gguf.GGUFReader) -> Tokenizer:
+        tok, _ = sentencepiece_tokenizer(path)
+        tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
+        bos_id = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+        eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        add_bos = bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", True))
+        add_eos = bool(_gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
+        tok.post_processor = _bos_eos_processor(tokens, bos_id, eos_id, add_bos, add_eos)
         return cls(tok, bos_token_id=bos_id, eos_token_id=eos_id,
                    chat_template=_gguf_field(reader, "tokenizer.chat_template"))
 

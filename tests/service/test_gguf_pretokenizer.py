@@ -3,6 +3,7 @@ for the same file, per value; an unknown value is refused naming the field."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import gguf
@@ -69,3 +70,63 @@ def test_unknown_pre_value_refused(tmp_path, vocabulary):
     path = _write(tmp_path, vocabulary, "no-such-split")
     with pytest.raises(ValueError, match=r"tokenizer\.ggml\.pre = 'no-such-split'"):
         Tokenizer.from_gguf(path)
+
+
+# Names transformers' GGUF converter also maps: its tokenizer for the same file is the reference.
+@pytest.mark.parametrize("pre", ["tekken", "gpt-4o", "llama4", "qwen35", "falcon-h1", "lfm2", "kormo", "megrez",
+                                 "minimax-m2"])
+def test_ids_equal_transformers_for_its_other_names(tmp_path, vocabulary, pre):
+    test_ids_equal_transformers_per_pre_value(tmp_path, vocabulary, pre)
+
+
+def _split(regex: str) -> dict:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+
+_BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+_CJK = "[一-龥ࠀ-一가-퟿]+"
+# The pre-tokenizer steps of each model's own tokenizer.json (tokenizers' JSON form), for the names transformers'
+# converter does not map.
+MODEL_PRE_TOKENIZERS = {
+    "deepseek-llm": [
+        _split("[\r\n]"),
+        _split("\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-"
+               "\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇ"
+               "Ꞌ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+"),
+        _split("\\s?[!-/:-~！-／：-～‘-‟　-。]+"), _split("\\s+$"), _split(_CJK),
+        {"type": "Digits", "individual_digits": False}, _BYTES],
+    "deepseek-coder": [_split("[\r\n]"), _split("\\s?\\p{L}+"), _split("\\s?\\p{P}+"), _split(_CJK),
+                       {"type": "Digits", "individual_digits": True}, _BYTES],
+    "deepseek-v3": [
+        _split("\\p{N}{1,3}"), _split("[一-龥぀-ゟ゠-ヿ]+"),
+        _split("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+               "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
+        _BYTES],
+    "falcon": [{"type": "Punctuation", "behavior": "Contiguous"},
+               {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+               {"type": "Digits", "individual_digits": False}, _split("[0-9][0-9][0-9]")],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(MODEL_PRE_TOKENIZERS))
+def test_ids_equal_the_models_own_pre_tokenizer(tmp_path, vocabulary, pre):
+    """The same vocabulary and merges with the model's tokenizer.json pre-tokenizer give the same ids."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ours = Tokenizer.from_gguf(_write(tmp_path, vocabulary, pre))
+    spec = json.loads(ours.backend.to_str())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": MODEL_PRE_TOKENIZERS[pre]}
+    theirs = HFTokenizer.from_str(json.dumps(spec))
+    for text in TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False).ids, text
+
+
+def test_deepseek_splits_cut_where_their_tokenizers_do(tmp_path, vocabulary):
+    """DeepSeek Coder: one digit per word; DeepSeek V3: up to three; DeepSeek LLM: a digit run whole."""
+    def words(pre: str, text: str) -> list[str]:
+        tok = Tokenizer.from_gguf(_write(tmp_path, vocabulary, pre))
+        return tok.backend.pre_tokenizer.pre_tokenize_str(text)
+
+    assert [w for w, _ in words("deepseek-coder", "12345")] == list("12345")
+    assert [w for w, _ in words("deepseek-v3", "12345")] == ["123", "45"]
+    assert [w for w, _ in words("deepseek-llm", "12345")] == ["12345"]
