@@ -1,7 +1,8 @@
 """One model in several checkpoint formats (experiments/realistic_checkpoints.py: bfloat16, FP8 128x128 blocks, AWQ
-and GPTQ int4, compressed-tensors W8A8 int8), each loaded in a fresh subprocess as the worker loads it, with
-bfloat16 activations: the resident memory it keeps, the peak while loading, the load time, and decode tokens/s at
-a few batch sizes (one step = one token for each of B sequences with C cached tokens; median of the repeats).
+and GPTQ int4, compressed-tensors W8A8 int8), each loaded in a fresh subprocess as the worker loads it, activations
+in --dtype (bfloat16 by default; float32 where the CPU has no native bf16): the resident memory it keeps, the peak
+while loading, the load time, and decode tokens/s at a few batch sizes (one step = one token for each of B
+sequences with C cached tokens; median of the repeats).
 
     python -m experiments.quantized_formats /tmp/llama1b                        # every format found under the folder
     python -m experiments.quantized_formats /tmp/llama1b --formats fp8 --ref main   # FP8 with main's code beside
@@ -29,10 +30,10 @@ from worker_svc.model.loader import load_model_weights
 from worker_svc.model.safetensors_stream import Placement
 
 path, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
-context, repeats = int(sys.argv[3]), int(sys.argv[4])
+context, repeats, dtype = int(sys.argv[3]), int(sys.argv[4]), getattr(torch, sys.argv[5])
 start = time.perf_counter()
-config, weights = load_model_weights(path, placement=Placement(torch.bfloat16))
-model = families.by_name(config.architecture)(config, weights, torch.bfloat16, "cpu")
+config, weights = load_model_weights(path, placement=Placement(dtype))
+model = families.by_name(config.architecture)(config, weights, dtype, "cpu")
 del weights
 gc.collect()
 load_s = time.perf_counter() - start
@@ -54,9 +55,9 @@ print(json.dumps({"kept_rss": kept, "peak_rss": peak, "load_s": load_s, "step_s"
 """
 
 
-def measure(tree: str, model: str, batches: str, context: int, repeats: int) -> dict:
+def measure(tree: str, model: str, batches: str, context: int, repeats: int, dtype: str) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
-    run = subprocess.run([sys.executable, "-c", _CHILD, model, batches, str(context), str(repeats)], env=env,
+    run = subprocess.run([sys.executable, "-c", _CHILD, model, batches, str(context), str(repeats), dtype], env=env,
                          cwd=tree, capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"{model} with the tree at {tree} failed:\n{run.stderr[-3000:]}")
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--ref", default=None, help="also measure with this git ref's tree")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -83,7 +85,8 @@ def main() -> None:
             trees.append((args.ref, old))
         for fmt in args.formats.split(","):
             for tree_name, tree in trees:
-                r = measure(tree, os.path.join(args.root, fmt), args.batch_sizes, args.context, args.repeats)
+                r = measure(tree, os.path.join(args.root, fmt), args.batch_sizes, args.context, args.repeats,
+                            args.dtype)
                 rows.append({"format": fmt, "tree": tree_name, **r})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:

@@ -103,6 +103,11 @@ def resolve(args: argparse.Namespace) -> tuple[list[peer_plan.ServerRun], peer_p
                                     minimum=args.min_prompts, fixed=fixed)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if getattr(args, "hf_model", None) is not None:
+        if any(r.peer == "llamacpp" for r in plan):
+            raise SystemExit("--hf-model: llama.cpp serves a GGUF only; drop llamacpp from --peers")
+        if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
+            raise SystemExit(f"--hf-model {args.hf_model}: no config.json there")
     for name, value in (("--input-len", workload.input_len), ("--output-len", workload.output_len),
                         ("--threads", args.threads)):
         if value < 1:
@@ -215,12 +220,7 @@ def main(args: argparse.Namespace) -> None:
     os.makedirs(peers_dir, exist_ok=True)
     os.makedirs(args.result_dir, exist_ok=True)
     gguf = args.model
-    if args.hf_model is not None:
-        if any(r.peer == "llamacpp" for r in plan):
-            raise SystemExit("--hf-model: llama.cpp serves a GGUF only; drop llamacpp from --peers")
-        if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
-            raise SystemExit(f"--hf-model {args.hf_model}: no config.json there")
-    elif gguf is None:
+    if args.hf_model is None and gguf is None:
         from worker_svc.model.loader import default_model_path
 
         gguf = default_model_path()
