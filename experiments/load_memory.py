@@ -5,6 +5,7 @@ way the worker does (`load_model_weights`, then `LlamaModel` in bfloat16 on the 
 peak resident set (ru_maxrss), the resident set once the load is done (what the process keeps), and the time.
 
     python -m experiments.load_memory --layers 16 --ref main     # ~1.2B parameters, 2.5 GB of safetensors
+    python -m experiments.load_memory --layers 28 --hidden 3072 --checkpoint /tmp/llama3b   # ~3.2B, 6.4 GB, kept
 """
 
 from __future__ import annotations
@@ -81,12 +82,18 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--ref", default="main", help="the git ref whose loader is the baseline")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="keep the checkpoint here and reuse it when present (default: a temporary one)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
-        model, old = os.path.join(tmp, "model"), os.path.join(tmp, "old")
+        model, old = args.checkpoint or os.path.join(tmp, "model"), os.path.join(tmp, "old")
         os.makedirs(old)
-        size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab)
+        weights = os.path.join(model, "model.safetensors")
+        if os.path.isfile(weights):
+            size = os.path.getsize(weights)  # the header's few KB aside
+        else:
+            size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab)
         archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         rows = {args.ref: measure(old, model), "this tree": measure(here, model)}

@@ -5,6 +5,7 @@ the other, each measured by vLLM's own client (`vllm bench serve`) with the same
     llmserve bench peers --quick                            # a smoke run: short requests, concurrency 1 and 4
     llmserve bench peers --dtypes bfloat16 --concurrency 1,16 --peers llmserve,vllm --num-prompts 32
     llmserve bench peers --install-only                     # the venvs and the model directory, nothing served
+    llmserve bench peers --hf-model DIR --peers llmserve,vllm --dtypes bfloat16   # both serve one HF checkpoint
 
 The peers are installed in their own venvs under --peers-dir (hundreds of MB; a source build of llama.cpp) on first
 use (llmserve/bench/peer_env.py). The numbers depend on what else runs on the machine: compare within one run.
@@ -59,6 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("servers")
     s.add_argument("--model", default=None, help="the GGUF (default: the bundled SmolLM2-135M-Instruct)")
+    s.add_argument("--hf-model", default=None, metavar="DIR",
+                   help="an HF checkpoint directory (with its tokenizer) that llmserve and vLLM both serve, instead "
+                   "of the GGUF converted; llama.cpp needs a GGUF and is not run with it")
     s.add_argument("--llmserve-model", default=None,
                    help="what llmserve serves: the GGUF (default), 'hf' for the HF directory vLLM serves, or a path")
     s.add_argument("--served-model-name", default="peer-model", help="the name every server answers to")
@@ -99,6 +103,11 @@ def resolve(args: argparse.Namespace) -> tuple[list[peer_plan.ServerRun], peer_p
                                     minimum=args.min_prompts, fixed=fixed)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if getattr(args, "hf_model", None) is not None:
+        if any(r.peer == "llamacpp" for r in plan):
+            raise SystemExit("--hf-model: llama.cpp serves a GGUF only; drop llamacpp from --peers")
+        if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
+            raise SystemExit(f"--hf-model {args.hf_model}: no config.json there")
     for name, value in (("--input-len", workload.input_len), ("--output-len", workload.output_len),
                         ("--threads", args.threads)):
         if value < 1:
@@ -211,7 +220,7 @@ def main(args: argparse.Namespace) -> None:
     os.makedirs(peers_dir, exist_ok=True)
     os.makedirs(args.result_dir, exist_ok=True)
     gguf = args.model
-    if gguf is None:
+    if args.hf_model is None and gguf is None:
         from worker_svc.model.loader import default_model_path
 
         gguf = default_model_path()
@@ -219,11 +228,11 @@ def main(args: argparse.Namespace) -> None:
     # Installs first, so a broken install ends the run before any server starts. vLLM's client runs every load.
     vllm_cli = peer_env.install_vllm(peers_dir)
     llamacpp_cli = peer_env.install_llamacpp(peers_dir) if any(r.peer == "llamacpp" for r in plan) else None
-    args.tokenizer_dir = hf_dir = peer_env.make_hf_model_dir(peers_dir, gguf)
+    args.tokenizer_dir = hf_dir = args.hf_model or peer_env.make_hf_model_dir(peers_dir, gguf)
     if args.install_only:
         print(f"[peers] installed under {peers_dir}; model directory {hf_dir}", file=sys.stderr)
         return
-    llmserve_model = {None: gguf, "hf": hf_dir}.get(args.llmserve_model, args.llmserve_model)
+    llmserve_model = {None: gguf or hf_dir, "hf": hf_dir}.get(args.llmserve_model, args.llmserve_model)
 
     prog = "llmserve" if sys.argv[0].endswith(("llmserve", "cli.py")) else "python -m llmserve.bench.peers"
     meta = {"command": shlex.join([prog, *sys.argv[1:]]),

@@ -50,6 +50,11 @@ def awq_quantize(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], 
     return tensors, dequantized.contiguous()
 
 
+def awq_config(group: int) -> dict:
+    """AutoAWQ's quantization_config for the GEMM layout."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+
+
 def write_awq_checkpoint(path, group: int) -> torch.nn.Module:
     hf = make_checkpoint("llama", path, **SHAPE)
     (file,) = path.glob("*.safetensors")
@@ -61,8 +66,7 @@ def write_awq_checkpoint(path, group: int) -> torch.nn.Module:
             tensors |= {name.removesuffix("weight") + k: v for k, v in packed.items()}
     save_file(tensors, file)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                     "version": "gemm"}
+    config["quantization_config"] = awq_config(group)
     (path / "config.json").write_text(json.dumps(config))
     with torch.no_grad():
         for name, p in hf.named_parameters():

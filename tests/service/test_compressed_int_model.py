@@ -64,6 +64,21 @@ def int8_quantize(w: torch.Tensor, strategy: str) -> tuple[dict[str, torch.Tenso
     return {"weight": q.to(torch.int8), "weight_scale": scale}, q * scale.float()
 
 
+def compressed_config(group: int | None, sym: bool, int8: str | None = None) -> dict:
+    """compressed-tensors' quantization_config: pack-quantized W4A16 (int8 None; group None: strategy channel), or
+    int-quantized W8A8 with weight strategy `int8` and dynamic per-token int8 activations."""
+    if int8 is None:
+        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax",
+                   **({"strategy": "group", "group_size": group} if group else {"strategy": "channel"})}
+        acts = None
+    else:
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": int8}
+        acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized" if int8 is None else "int-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+
+
 def write_checkpoint(path, group: int | None, sym: bool, int8: str | None = None) -> torch.nn.Module:
     """A pack-quantized checkpoint (int8 None), or an int-quantized one with weight strategy `int8`."""
     hf = make_checkpoint("llama", path, **SHAPE)
@@ -77,18 +92,7 @@ def write_checkpoint(path, group: int | None, sym: bool, int8: str | None = None
             tensors |= {name.removesuffix("weight") + k: v for k, v in packed.items()}
     save_file(tensors, file)
     config = json.loads((path / "config.json").read_text())
-    if int8 is None:
-        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax",
-                   **({"strategy": "group", "group_size": group} if group else {"strategy": "channel"})}
-        acts = None
-    else:
-        weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": int8}
-        acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
-    config["quantization_config"] = {"quant_method": "compressed-tensors",
-                                     "format": "pack-quantized" if int8 is None else "int-quantized",
-                                     "quantization_status": "compressed", "ignore": ["lm_head"],
-                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                   "input_activations": acts}}}
+    config["quantization_config"] = compressed_config(group, sym, int8)
     (path / "config.json").write_text(json.dumps(config))
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -73,6 +73,12 @@ def gptq_quantize(w: torch.Tensor, group: int, sym: bool, v2: bool, act_order: b
     return tensors, dequantized
 
 
+def gptq_config(group: int, sym: bool, v2: bool, act_order: bool) -> dict:
+    """GPTQ's quantization_config (AutoGPTQ's fields; gptq_v2 stores the zeros as they are)."""
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
+            "damp_percent": 0.01, "true_sequential": True, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+
+
 def write_gptq_checkpoint(path, group: int, sym: bool, v2: bool, act_order: bool) -> torch.nn.Module:
     hf = make_checkpoint("llama", path, **SHAPE)
     (file,) = path.glob("*.safetensors")
@@ -85,9 +91,7 @@ def write_gptq_checkpoint(path, group: int, sym: bool, v2: bool, act_order: bool
             tensors |= {name.removesuffix("weight") + k: v for k, v in packed.items()}
     save_file(tensors, file)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
-                                     "desc_act": act_order, "damp_percent": 0.01, "true_sequential": True,
-                                     "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    config["quantization_config"] = gptq_config(group, sym, v2, act_order)
     (path / "config.json").write_text(json.dumps(config))
     with torch.no_grad():
         for name, p in hf.named_parameters():

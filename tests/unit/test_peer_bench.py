@@ -59,6 +59,16 @@ def test_bad_flags_are_refused_naming_the_flag(argv, flag):
         peers.resolve(_args(*argv))
 
 
+def test_an_hf_directory_is_served_by_llmserve_and_vllm_only(tmp_path):
+    with pytest.raises(SystemExit, match="--hf-model .*no config.json"):
+        peers.resolve(_args("--hf-model", str(tmp_path), "--peers", "llmserve,vllm"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--hf-model: llama.cpp serves a GGUF only"):
+        peers.resolve(_args("--hf-model", str(tmp_path)))
+    plan, _ = peers.resolve(_args("--hf-model", str(tmp_path), "--peers", "llmserve,vllm", "--dtypes", "bfloat16"))
+    assert [r.peer for r in plan] == ["llmserve", "vllm"]
+
+
 def test_concurrency_must_be_integers():
     with pytest.raises(SystemExit):
         _args("--concurrency", "1,x")

@@ -2,10 +2,13 @@
 naming the field), and its FP8 tensors turned into the project's weights.
 
 FP8 (vLLM's `fp8`, and compressed-tensors' `float-quantized`): `float8_e4m3fn` weights with a scale per block
-(`weight_scale_inv`, `weight_block_size` [128, 128]), per tensor or per output channel (`weight_scale`). They stay
-FP8 in memory (one byte a value, the scales beside) and are dequantized to the activations' dtype in each matmul
-(quant.QuantLinear): the same values as the checkpoint dequantized, as torch has no fast FP8 GEMM on CPU. Activations
-are not quantized ("dynamic" activation schemes are a kernel's choice; static scales are refused).
+(`weight_scale_inv`, `weight_block_size` [128, 128]), per tensor or per output channel (`weight_scale`). They load as
+FP8 (one byte a value, the scales beside). On the CPU, where torch has no FP8 GEMM, the model dequantizes each
+projection once when it is built, into the activations' dtype, and runs the dense matmul (decoder.py's `mat`: two
+bytes a value in bfloat16; dequantizing the whole matrix in every matmul had made a step several times slower). On
+CUDA they stay FP8 and are dequantized in each matmul (quant.QuantLinear). Either way the values are the checkpoint's
+dequantized ones, rounded to the dtype. Activations are not quantized ("dynamic" activation schemes are a kernel's
+choice; static scales are refused).
 """
 
 from __future__ import annotations

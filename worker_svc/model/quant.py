@@ -196,7 +196,7 @@ class QuantLinear:
         self.on_cuda = device.type == "cuda"
         self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
         self.fp8: QuantizedWeight | None = None
-        if weight.is_fp8:  # no FP8 GEMM on CPU: dequantized per call, so memory stays one byte a value
+        if weight.is_fp8:  # dequantized per call, memory one byte a value (the CPU model dequantizes at build)
             self.ops = None  # (and the C++ layer loop, which runs `ops` kernels only, leaves it to Python)
             self.fp8 = weight.map_rows(lambda t: t.to(device))
         elif weight.bits == 8 and self.ops is not None:
