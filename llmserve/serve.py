@@ -27,6 +27,7 @@ from api_svc.config import (
     APIConfig,
     check_tool_flags,
     enable_auto_tool_choice,
+    reasoning_parser,
     responses_store_ttl,
     tool_call_parser,
 )
@@ -67,6 +68,7 @@ class ServeConfig:
                                   "removed at exit)")
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
+    reasoning_parser: str | None = reasoning_parser()
     responses_store_ttl: float = responses_store_ttl()
 
     def __post_init__(self):
