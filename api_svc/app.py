@@ -216,7 +216,7 @@ def create_app(cfg: APIConfig) -> FastAPI:
         if not body.messages:
             raise errors.bad_request("messages is empty", "messages")
         rid = request_id(request)
-        tool_plan = tools.plan(body, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+        tool_plan = tools.plan(body, cfg.enable_auto_tool_choice, cfg.tool_call_parser, cfg.reasoning_parser)
         strings = TokenStrings(await bridge.get_tokenizer() if body.logprobs or body.prompt_logprobs is not None
                                else None)
         reply = Reply(f"chatcmpl-{rid}", name, body.n, strings, chat=True, include_usage=body.include_usage,

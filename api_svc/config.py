@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api_svc import limits
+from api_svc.reasoning_parsers import REASONING_PARSERS
 from api_svc.tool_parsers import PARSERS
 from common import config as c
 from common.config import ConfigError, setting
@@ -19,6 +20,12 @@ def enable_auto_tool_choice() -> Any:
 def tool_call_parser() -> Any:
     return setting(None, "how --enable-auto-tool-choice finds tool calls in the text (api_svc/tool_parsers.py)",
                    choices=tuple(PARSERS))
+
+
+def reasoning_parser() -> Any:
+    return setting(None, "split each chat reply's reasoning from its content, answered as the message's "
+                   "reasoning_content (api_svc/reasoning_parsers.py; openai_gptoss: gpt-oss's harmony channels)",
+                   choices=tuple(REASONING_PARSERS))
 
 
 def responses_store_ttl() -> Any:
@@ -78,6 +85,7 @@ class APIConfig:
     responses_store_ttl: float = responses_store_ttl()
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
+    reasoning_parser: str | None = reasoning_parser()
     # HTTPS (vLLM's names, uvicorn's options).
     ssl_keyfile: str | None = ssl_keyfile()
     ssl_certfile: str | None = ssl_certfile()

@@ -19,6 +19,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from api_svc import harmony
+
 
 @dataclass
 class Call:
@@ -31,6 +33,7 @@ class Call:
 class Parsed:
     content: str
     calls: list[Call] = field(default_factory=list)
+    reasoning: str = ""  # a reasoning parser's part of the text (vLLM's reasoning_content)
 
 
 # ---- a scanner for JSON that may stop anywhere -------------------------------------------------------------------
@@ -276,11 +279,25 @@ def pythonic(text: str, final: bool) -> Parsed:
     return Parsed("", calls)
 
 
+def openai(text: str, final: bool) -> Parsed:
+    """gpt-oss (harmony, api_svc/harmony.py): content from the `final` channel, calls from the messages addressed
+    `to=functions.NAME` (their bodies are the arguments' JSON), the `analysis` channel as reasoning. A reply with no
+    harmony message at all is content."""
+    messages = harmony.read(text, final)
+    if messages is None:
+        return Parsed(text)
+    content = "".join(m.body for m in messages if m.channel in ("final", None) and m.recipient is None)
+    reasoning = "".join(m.body for m in messages if m.channel == "analysis" and m.recipient is None)
+    calls = [Call(name, m.body, m.done) for m in messages if (name := harmony.function_name(m.recipient))]
+    return Parsed(content, calls, reasoning)
+
+
 @dataclass(frozen=True)
 class ToolParser:
     parse: Callable[[str, bool], Parsed]
     keep_special_tokens: bool = False  # its markers are special tokens: keep them in the text
     short_ids: bool = False  # Mistral's templates want 9-character alphanumeric call ids
+    reads_reasoning: bool = False  # it also fills Parsed.reasoning (the format marks reasoning itself: harmony)
 
 
 # The registry: `--tool-call-parser` names.
@@ -289,6 +306,7 @@ PARSERS: dict[str, ToolParser] = {
     "llama3_json": ToolParser(llama3_json, keep_special_tokens=True),
     "mistral": ToolParser(mistral, keep_special_tokens=True, short_ids=True),
     "pythonic": ToolParser(pythonic),
+    "openai": ToolParser(openai, keep_special_tokens=True, reads_reasoning=True),  # vLLM's name for gpt-oss's
 }
 
 _ALNUM = string.ascii_letters + string.digits

@@ -8,12 +8,16 @@
 - `auto` parses the model's free text with `--tool-call-parser` (api_svc/tool_parsers.py), which
   `--enable-auto-tool-choice` must switch on, as in vLLM.
 - `none` renders the tools but parses nothing.
+- `--reasoning-parser` (api_svc/reasoning_parsers.py) splits every chat reply's reasoning from its content (the
+  message's `reasoning_content`); a tool parser then reads the content, or both at once where one format marks both
+  (harmony: `--tool-call-parser openai` with `--reasoning-parser openai_gptoss`).
 
 `ToolPlan` is what a request decided; `ChoiceTools` turns one choice's text into content and tool-call deltas.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from api_svc.errors import bad_request
+from api_svc.reasoning_parsers import REASONING_PARSERS
 from api_svc.tool_parsers import (
     PARSERS,
     Call,
@@ -110,6 +115,7 @@ class ToolPlan:
     short_ids: bool = False
     keep_special_tokens: bool = False
     schema: dict | None = None  # the enforced JSON, for required and named
+    reasoning: bool = False  # a reasoning parser runs: Parsed.reasoning is answered as reasoning_content
 
     def apply(self, req: pb.GenerateRequest) -> None:
         if self.schema is not None:
@@ -126,11 +132,12 @@ class ToolPlan:
         """A whole choice's `message` and its finish_reason ("tool_calls" when it called)."""
         state = self.choice()
         delta = state.feed(text, True)
+        reasoning = {"reasoning_content": state.reasoning or None} if self.reasoning else {}
         if not state.ids:  # the content a stream sends: all the text, unless it was held back as a call's
-            return {"role": "assistant", "content": state.content}, finish_reason
+            return {"role": "assistant", "content": state.content, **reasoning}, finish_reason
         calls = [{"id": i, "type": "function", "function": {"name": c["function"]["name"], "arguments": a}}
                  for i, c, a in zip(state.ids, delta["tool_calls"], state.arguments, strict=True)]
-        return ({"role": "assistant", "content": delta.get("content") or None, "tool_calls": calls},
+        return ({"role": "assistant", "content": delta.get("content") or None, **reasoning, "tool_calls": calls},
                 state.finish_reason(finish_reason))
 
 
@@ -142,6 +149,7 @@ class ChoiceTools:
     plan: ToolPlan
     text: str = ""
     content: str = ""  # sent so far
+    reasoning: str = ""  # sent so far, as reasoning_content
     ids: list[str] = field(default_factory=list)
     arguments: list[str] = field(default_factory=list)
 
@@ -152,6 +160,10 @@ class ChoiceTools:
         if len(parsed.content) > len(self.content) and parsed.content.startswith(self.content):
             delta["content"] = parsed.content[len(self.content):]
             self.content = parsed.content
+        if self.plan.reasoning and len(parsed.reasoning) > len(self.reasoning) \
+                and parsed.reasoning.startswith(self.reasoning):
+            delta["reasoning_content"] = parsed.reasoning[len(self.reasoning):]
+            self.reasoning = parsed.reasoning
         calls: list[Call] = []
         for c in parsed.calls:
             if c.name is None:
@@ -195,8 +207,31 @@ def _required(parallel: bool) -> Callable[[str, bool], Parsed]:
     return extract
 
 
-def plan(body, enable_auto_tool_choice: bool, tool_call_parser: str | None) -> ToolPlan | None:
-    """The request's ToolPlan (None: no tool handling), or a 400 naming the field (or the flags, for auto)."""
+def plan(body, enable_auto_tool_choice: bool, tool_call_parser: str | None,
+         reasoning_parser: str | None = None) -> ToolPlan | None:
+    """The request's ToolPlan (None: neither tool handling nor a reasoning parser), or a 400 naming the field (or
+    the flags, for auto)."""
+    tool_plan = _tool_plan(body, enable_auto_tool_choice, tool_call_parser)
+    if reasoning_parser is None:
+        return tool_plan
+    reasoner = REASONING_PARSERS[reasoning_parser]
+    if tool_plan is None:
+        return ToolPlan(reasoner.parse, True, keep_special_tokens=reasoner.keep_special_tokens, reasoning=True)
+    if tool_plan.schema is not None:  # a grammar shapes the reply from its first token: there is no reasoning
+        return tool_plan
+    keep = tool_plan.keep_special_tokens or reasoner.keep_special_tokens
+    if PARSERS[tool_call_parser].reads_reasoning:  # one format marks both (harmony)
+        return dataclasses.replace(tool_plan, keep_special_tokens=keep, reasoning=True)
+    extract = tool_plan.extract
+
+    def reason_then_call(text: str, final: bool) -> Parsed:
+        split = reasoner.parse(text, final)
+        parsed = extract(split.content, final)
+        return Parsed(parsed.content, parsed.calls, split.reasoning)
+    return dataclasses.replace(tool_plan, extract=reason_then_call, keep_special_tokens=keep, reasoning=True)
+
+
+def _tool_plan(body, enable_auto_tool_choice: bool, tool_call_parser: str | None) -> ToolPlan | None:
     tools: list[Tool] | None = body.tools
     choice = body.tool_choice
     if choice is not None and not tools:

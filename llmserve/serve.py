@@ -27,6 +27,7 @@ from api_svc.config import (
     APIConfig,
     check_tool_flags,
     enable_auto_tool_choice,
+    reasoning_parser,
     responses_store_ttl,
     ssl_ca_certs,
     ssl_cert_reqs,
@@ -71,6 +72,7 @@ class ServeConfig:
                                   "removed at exit)")
     enable_auto_tool_choice: bool = enable_auto_tool_choice()
     tool_call_parser: str | None = tool_call_parser()
+    reasoning_parser: str | None = reasoning_parser()
     responses_store_ttl: float = responses_store_ttl()
     # HTTPS of its HTTP API (vLLM's flags), passed on to the API process.
     ssl_keyfile: str | None = ssl_keyfile()

@@ -13,7 +13,7 @@ from api_svc.tool_parsers import PARSERS, Call, Parsed, hermes, llama3_json, mis
 from api_svc.tools import NamedToolChoice, Tool, ToolPlan, plan, required_schema
 
 # Outputs in each model family's own format (Hermes 2 Pro / Qwen2.5, Llama 3.1, Mistral 7B v0.3, Mistral v11
-# tokenizer, Llama 3.2 pythonic), each with the calls it holds and its content.
+# tokenizer, Llama 3.2 pythonic, gpt-oss harmony), each with the calls it holds and its content.
 RECORDED = {
     "hermes": [
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
@@ -46,6 +46,12 @@ RECORDED = {
          [("search", {"query": "llm serving", "limit": 3, "exact": False, "tags": ["a", "b"]})]),
         ("I cannot call a tool for that.", "I cannot call a tool for that.", []),
         ("[1, 2, 3]", "[1, 2, 3]", []),
+    ],
+    "openai": [  # gpt-oss's harmony channels (more in test_harmony_parser.py)
+        ('<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary '
+         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "",
+         [("get_weather", {"city": "Paris"})]),
+        ("<|channel|>final<|message|>Hello there.<|return|>", "Hello there.", []),
     ],
 }
 CASES = [pytest.param(name, *case, id=f"{name}-{k}") for name, cases in RECORDED.items()

@@ -39,6 +39,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[int] | None = None
+    # gpt-oss's experts: the clamped SwiGLU's sigmoid gain and clamp (families/gpt_oss.py); 0: not that block.
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # Hybrid models (worker_svc/model/families/hybrid.py): layer_types also names recurrent layers ("linear_attention":
     # Gated DeltaNet); their head counts, head sizes and conv kernel; rope on the first partial_rotary_factor of each
     # attention head; a shared expert beside the routed ones (Qwen3-Next; 0: none).

@@ -23,7 +23,7 @@ from worker_svc.model.hf_gptq import check_gptq
 from worker_svc.model.quant import QuantizedWeight
 
 # --quantization's names (vLLM's) that an HF checkpoint can carry and llmserve applies.
-HF_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
+HF_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 
 # The matmul weights a dense family packs through quant.QuantLinear; any other FP8 tensor is dequantized at load.
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -35,6 +35,9 @@ def packed_by_the_model(name: str) -> bool:
     return _PROJECTION.fullmatch(name) is not None
 
 
+# mxfp4 (gpt-oss): the experts' `*_blocks` / `*_scales` are read as stored (worker_svc/model/mxfp4.py); the modules
+# it does not convert are stored dense and read as such. transformers' `dequantize` is its own load-time choice.
+_MXFP4_FIELDS = {"quant_method", "modules_to_not_convert", "dequantize"}
 _FP8_FIELDS = {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers", "modules_to_not_convert",
                "fmt"}
 
@@ -62,6 +65,10 @@ def check_quantization_config(cfg: dict, requested: str | None) -> str | None:
         check_awq(qc, _refuse)
     elif method == "gptq":
         check_gptq(qc, _refuse)
+    elif method == "mxfp4":
+        for key in qc:
+            if key not in _MXFP4_FIELDS:
+                raise _refuse(key, qc[key], f"mxfp4 fields it reads: {', '.join(sorted(_MXFP4_FIELDS))}")
     else:
         (_check_fp8 if method == "fp8" else _check_compressed_tensors)(qc)
     return method

@@ -21,7 +21,7 @@ from common import gguf_cache
 from worker_svc.model import families as models
 from worker_svc.model import hf_awq, hf_compressed_int, hf_gptq, hf_quant
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.families.hf import hf_rope
+from worker_svc.model.families.hf import ROPE_TYPES, hf_rope
 from worker_svc.model.safetensors_stream import HOST_FLOAT32, Placement, iter_tensors, tensor_names
 from worker_svc.parallel.sharding import (
     FULL,
@@ -350,7 +350,7 @@ def load_hf_dir(path: str, shard: Shard = FULL,
         cfg = json.load(f)
     try:
         family = models.model_class(cfg.get("architectures") or [])
-        rope_theta, rope_scaling = hf_rope(cfg)
+        rope_theta, rope_scaling = hf_rope(cfg, getattr(family, "rope_types", ROPE_TYPES))  # YaRN: gpt-oss only
         extra = family.hf_config(cfg)
         quant_method = hf_quant.check_quantization_config(cfg, quantization)
     except ValueError as e:
@@ -389,6 +389,14 @@ def load_hf_dir(path: str, shard: Shard = FULL,
         name=model_name(path),
     ), **extra})
     check_shardable(config, shard.size)
+    if shard.size > 1 and not getattr(family, "tensor_parallel", True):
+        raise ValueError(f"--tensor-parallel-size {shard.size}: {family.name} is not sharded yet; run it with "
+                         "--tensor-parallel-size 1")
+    if quant_method == "mxfp4":  # packed experts read as stored, the rest as any checkpoint (the family reads them)
+        if not getattr(family, "reads_mxfp4", False):
+            raise ValueError(f"{path}/config.json: quantization_config.quant_method='mxfp4' is applied to gpt-oss's "
+                             f"experts only, not to {family.name}")
+        return config, dict(iter_tensors(files, config, shard, placement))
     if quant_method is not None:
         return config, _load_hf_quantized(files, cfg["quantization_config"], shard,
                                           hybrid=getattr(family, "hybrid", False))

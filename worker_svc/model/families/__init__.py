@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.families.gemma import Gemma2, Gemma3
+from worker_svc.model.families.gpt_oss import GptOss
 from worker_svc.model.families.granite_hybrid import GraniteMoeHybrid
 from worker_svc.model.families.llama import Llama, Mistral, Qwen2
 from worker_svc.model.families.mixtral import Mixtral
@@ -30,6 +31,7 @@ MODELS: dict[str, type[LlamaModel]] = {
     "Qwen3_5ForCausalLM": Qwen3_5,
     "NemotronHForCausalLM": NemotronH,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybrid,
+    "GptOssForCausalLM": GptOss,
 }
 
 

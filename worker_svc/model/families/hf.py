@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what worker_svc.model.rope_inv_freq implements
+ROPE_TYPES = ("default", "linear", "llama3")  # what worker_svc.model.rope_inv_freq implements for every family
+# YaRN (rope_inv_freq and its cos/sin scale, rope_tables) is read only by the families that list it (gpt-oss): the
+# fused C++ layer loop and the hybrid families' partial rope have not been checked against it.
 
 
 def require(cfg: dict, field: str, allowed: tuple, default: Any = None) -> Any:
@@ -20,23 +22,25 @@ def require(cfg: dict, field: str, allowed: tuple, default: Any = None) -> Any:
     return value
 
 
-def rope(params: dict | None, field: str, default_theta: float = 10000.0) -> tuple[float, dict | None]:
+def rope(params: dict | None, field: str, default_theta: float = 10000.0,
+         rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, dict | None]:
     """(theta, scaling) from one rope dict (5.x's `rope_parameters`, or 4.x's `rope_scaling` with the theta
-    given as default); scaling None for plain rope. Refuses a rope type that rope_inv_freq does not implement."""
+    given as default); scaling None for plain rope. Refuses a rope type outside `rope_types` (the family's)."""
     scaling = dict(params or {})
     theta = float(scaling.pop("rope_theta", default_theta))
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in rope_types:
         raise ValueError(f"config.json field {field}.rope_type={rope_type!r} is not supported; "
-                         f"supported: {', '.join(ROPE_TYPES)}")
+                         f"supported: {', '.join(rope_types)}")
     return theta, (None if rope_type == "default" else {"rope_type": rope_type, **scaling})
 
 
-def hf_rope(cfg: dict) -> tuple[float, dict | None]:
-    """rope theta and scaling from either the 4.x keys (`rope_theta`, `rope_scaling`) or 5.x's `rope_parameters`."""
+def hf_rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, dict | None]:
+    """rope theta and scaling from either the 4.x keys (`rope_theta`, `rope_scaling`) or 5.x's `rope_parameters`;
+    `rope_types`: what the family's rope implements."""
     if cfg.get("rope_parameters"):
-        return rope(cfg["rope_parameters"], "rope_parameters", cfg.get("rope_theta", 10000.0))
-    return rope(cfg.get("rope_scaling"), "rope_scaling", cfg.get("rope_theta", 10000.0))
+        return rope(cfg["rope_parameters"], "rope_parameters", cfg.get("rope_theta", 10000.0), rope_types)
+    return rope(cfg.get("rope_scaling"), "rope_scaling", cfg.get("rope_theta", 10000.0), rope_types)
 
 
 def windowed_layer_types(cfg: dict, sliding_window: int | None, first_sliding: int = 0) -> list[str] | None:

@@ -26,10 +26,12 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool 
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, config, scaling)
     if rope_type == "freq_factors":
         # llama.cpp's form of llama3 scaling: a per-frequency divisor stored in the GGUF.
         return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected linear, llama3 or none")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: expected linear, llama3, yarn or none")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -46,14 +48,52 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, config: ModelConfig, scaling: dict) -> torch.Tensor:
+    # YaRN: frequencies turning more than beta_fast times over the original context are kept (extrapolated), those
+    # turning fewer than beta_slow times are divided by `factor` (interpolated), a linear ramp over the dims between.
+    dim, theta = config.head_dim, config.rope_theta
+    factor = scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    old_len = scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp  # the extrapolated share of each frequency
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The scale YaRN puts on cos and sin (its `attention_factor`, else 0.1 ln(factor) + 1 from its mscales); 1.0
+    for every other rope."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
+
+
 def rope_tables(config: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
                 theta: float | None = None, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-flipped sin [max_position, head_dim] for rope as x * cos + swap_halves(x) * sin_signed,
     computed in float32 then cast (as HF does per step)."""
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(config, theta, scaled))
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(device=device, dtype=dtype)
-    sin = emb.sin().to(device=device, dtype=dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaled and (factor := rope_attention_factor(config)) != 1.0:  # YaRN: in float32, before the cast (as HF)
+        cos, sin = cos * factor, sin * factor
+    cos, sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
     half = config.head_dim // 2
     return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
