@@ -25,6 +25,7 @@ from worker_svc.core import kv_cache, ngram_drafts
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
+from worker_svc.core.state_ops import StateOps
 from worker_svc.core.step_inputs import ModelInputs, build_model_inputs
 from worker_svc.core.step_output import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
 from worker_svc.cpu import layer_loop
@@ -129,7 +130,7 @@ class ModelRunner:
                               "holds quantized weights (its quantization_config): use -O0")
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         if getattr(family, "hybrid", False):
-            refuse_uncomposed(opts, self.config.architecture, max(tp_size, opts.tensor_parallel_size), compiled)
+            refuse_uncomposed(opts, self.config.architecture, compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
         del weights
@@ -260,12 +261,14 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
-        if self.state is not None:
-            self._restore_states(plan)
+        state_ops = StateOps.of_plan(plan) if self.state is not None else None
+        if state_ops is not None:
+            state_ops.restore(self.state, self.device)
         if not len(sched):
-            if len(copies[0]):
-                self._run(copies, None)
-            self._save_states(plan)
+            if len(copies[0]) or (state_ops and self.group is not None):  # the other ranks' pools too
+                self._run(copies, None, state_ops)
+            if state_ops is not None:
+                state_ops.save(self.state, self.device)
             return StepOutput(plan.step_id, previous)
         num_drafts = None
         if sched.draft_slots is not None:
@@ -290,8 +293,9 @@ class ModelRunner:
             inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64),
                                      RecurrentSplit.of_lengths(chunk_rows, self.device))  # host data: no read back
         t1 = time.perf_counter()
-        logits = self._run(copies, inputs)
-        self._save_states(plan)
+        logits = self._run(copies, inputs, state_ops)
+        if state_ops is not None:
+            state_ops.save(self.state, self.device)
         t2 = time.perf_counter()
         out = StepOutput(plan.step_id, previous, sched.num_tokens)
         if pooling is not None:
@@ -309,21 +313,10 @@ class ModelRunner:
             _trace_phases(plan, sched, len(inputs.sample_rows), t0, t1, t2, t3)
         return out
 
-    def _restore_states(self, plan: StepPlan) -> None:
-        """Before the forward: snapshots copied into slots, then every fresh sequence's slot zeroed."""
-        self.state.copy(*(torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)
-                          for a in (plan.state_copy_src, plan.state_copy_dst)))
-        fresh = [r.state_slot for r in (*plan.new_requests, *plan.resumed_requests) if r.num_computed_tokens == 0]
-        self.state.zero(torch.tensor(fresh, dtype=torch.int64, device=self.device))
-
-    def _save_states(self, plan: StepPlan) -> None:
-        """After the forward: snapshots of the state after this step's tokens (the scheduler's prefix cache)."""
-        if self.state is not None:
-            self.state.copy(*(torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)
-                              for a in (plan.state_save_src, plan.state_save_dst)))
-
-    def _run(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None) -> torch.Tensor | None:
-        """Copy-on-write, then the forward; in a group, on every rank (the step's inputs sent to them first)."""
+    def _run(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None,
+             state_ops: StateOps | None = None) -> torch.Tensor | None:
+        """Copy-on-write, then the forward; in a group, on every rank (the step's inputs sent to them first, with
+        the state pool's slot operations, which rank 0 applies around this call)."""
         if self.group is None:
             return self._forward(copies, inputs)
         from worker_svc.parallel.rank_group import step_inputs
@@ -332,7 +325,8 @@ class ModelRunner:
             try:
                 # The other ranks' adapters and token slots come with the step (lora.LoraPool.follow).
                 lora_sync = self.lora.sync_message() if self.lora is not None else ()
-                self.group.send_step(step_inputs(copies, inputs, *lora_sync))
+                ops = state_ops.pack() if state_ops is not None else np.zeros(0, dtype=np.int64)
+                self.group.send_step(step_inputs(copies, inputs, *lora_sync, state_ops=ops))
                 return self._forward(copies, inputs)
             except RuntimeError as e:  # a rank died or timed out mid-step: the group cannot go on
                 self.group.fail(f"step failed on rank 0: {e}")
@@ -366,17 +360,25 @@ class ModelRunner:
         while (step := self.group.receive()) is not None:
             if self.lora is not None:
                 self.lora.follow(step.lora_slots, step.lora_written)
+            ops = StateOps.unpack(step.state_ops) if self.state is not None else None
+            if ops is not None:
+                ops.restore(self.state, self.device)
             self._forward((step.copy_src, step.copy_dst), self._inputs_of(step) if len(step.input_ids) else None)
+            if ops is not None:
+                ops.save(self.state, self.device)
 
     def _inputs_of(self, step: StepInputs) -> ModelInputs:
         meta = kernels.attention_metadata_from_arrays(step.query_lens, step.seq_lens, step.block_tables,
                                                       self.block_size, self.device,
                                                       build_plan=self.attention_backend == "torch")
         dev = self.device
+        state = None if self.state is None else StateStep(self.state, torch.from_numpy(step.state_slots).to(dev),
+                                                          meta.cu_seqlens_q.to(torch.int64),
+                                                          RecurrentSplit.of_lengths(step.query_lens, dev))
         return ModelInputs(input_ids=torch.from_numpy(step.input_ids).to(dev),
                            positions=torch.from_numpy(step.positions).to(dev), attn_metadata=meta,
                            logits_indices=torch.from_numpy(step.logits_indices).to(dev),
-                           sample_rows=np.zeros(0, dtype=np.int64))
+                           sample_rows=np.zeros(0, dtype=np.int64), state=state)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, num_drafts: np.ndarray | None,
                 out: StepOutput) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 log = logging.getLogger("llmserve.worker.parallel")
 
 HEARTBEAT_S = 2.0
-_HEADER = 8  # int64 words: command, then the payload's part sizes
+_HEADER = 10  # int64 words: command, then the payload's part sizes
 _STEP, _HEARTBEAT, _STOP = 1, 2, 3
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -49,37 +49,43 @@ class StepInputs:
     logits_indices: np.ndarray
     lora_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # --enable-lora: each token's adapter slot
     lora_written: np.ndarray = field(default_factory=lambda: _EMPTY)  # LoraPool.sync_message
+    state_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # hybrid models: each sequence's state slot
+    state_ops: np.ndarray = field(default_factory=lambda: _EMPTY)  # worker_svc.core.state_ops.StateOps.pack
 
     def pack(self) -> tuple[np.ndarray, np.ndarray]:
         parts = (self.copy_src, self.copy_dst, self.input_ids, self.positions, self.query_lens, self.seq_lens,
-                 self.block_tables.reshape(-1), self.logits_indices, self.lora_slots, self.lora_written)
+                 self.block_tables.reshape(-1), self.logits_indices, self.lora_slots, self.lora_written,
+                 self.state_slots, self.state_ops)
         header = np.zeros(_HEADER, dtype=np.int64)
         header[0] = _STEP
         header[1:4] = len(self.copy_src), len(self.input_ids), len(self.query_lens)
         header[4] = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
         header[5:8] = len(self.logits_indices), len(self.lora_slots), len(self.lora_written)
+        header[8:10] = len(self.state_slots), len(self.state_ops)
         return header, np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
 
     @staticmethod
     def unpack(header: np.ndarray, payload: np.ndarray) -> StepInputs:
-        n_copy, n_tok, n_seq, width, n_logits, n_slots, n_written = (int(x) for x in header[1:8])
-        sizes = [n_copy, n_copy, n_tok, n_tok, n_seq, n_seq, n_seq * width, n_logits, n_slots, n_written]
-        a, b, c, d, e, f, g, h, i, j = np.split(payload, np.cumsum(sizes)[:-1])
-        return StepInputs(a, b, c, d, e, f, g.reshape(n_seq, width), h, i, j)
+        n_copy, n_tok, n_seq, width, n_logits, n_slots, n_written, n_state, n_ops = (int(x) for x in header[1:10])
+        sizes = [n_copy, n_copy, n_tok, n_tok, n_seq, n_seq, n_seq * width, n_logits, n_slots, n_written, n_state,
+                 n_ops]
+        a, b, c, d, e, f, g, h, i, j, k, m = np.split(payload, np.cumsum(sizes)[:-1])
+        return StepInputs(a, b, c, d, e, f, g.reshape(n_seq, width), h, i, j, k, m)
 
     @staticmethod
     def payload_len(header: np.ndarray) -> int:
-        n_copy, n_tok, n_seq, width, n_logits, n_slots, n_written = (int(x) for x in header[1:8])
-        return 2 * n_copy + 2 * n_tok + 2 * n_seq + n_seq * width + n_logits + n_slots + n_written
+        n_copy, n_tok, n_seq, width, n_logits, n_slots, n_written, n_state, n_ops = (int(x) for x in header[1:10])
+        return 2 * n_copy + 2 * n_tok + 2 * n_seq + n_seq * width + n_logits + n_slots + n_written + n_state + n_ops
 
 
 def step_inputs(copies: tuple[np.ndarray, np.ndarray], inputs, lora_slots: np.ndarray = _EMPTY,
-                lora_written: np.ndarray = _EMPTY) -> StepInputs:
+                lora_written: np.ndarray = _EMPTY, state_ops: np.ndarray = _EMPTY) -> StepInputs:
     """The message for the other ranks from rank 0's built model inputs (worker_svc.core.step_inputs.ModelInputs, or
-    None for a step that only copies blocks): whatever the plan's encoding, this is what the forward reads."""
+    None for a step that only copies blocks or state slots): whatever the plan's encoding, this is what the forward
+    reads."""
     if inputs is None:
         return StepInputs(copies[0], copies[1], _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros((0, 0), np.int64), _EMPTY,
-                          lora_slots, lora_written)
+                          lora_slots, lora_written, _EMPTY, state_ops)
     meta = inputs.attn_metadata
 
     def host(t: torch.Tensor) -> np.ndarray:
@@ -87,7 +93,8 @@ def step_inputs(copies: tuple[np.ndarray, np.ndarray], inputs, lora_slots: np.nd
 
     return StepInputs(copies[0], copies[1], host(inputs.input_ids), host(inputs.positions),
                       np.diff(host(meta.cu_seqlens_q)), host(meta.seq_lens), host(meta.block_tables),
-                      host(inputs.logits_indices), lora_slots, lora_written)
+                      host(inputs.logits_indices), lora_slots, lora_written,
+                      _EMPTY if inputs.state is None else host(inputs.state.slots), state_ops)
 
 
 class RankGroup:

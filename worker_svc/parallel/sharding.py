@@ -18,6 +18,7 @@ import torch
 
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.layers.moe import expert_slice
+from worker_svc.parallel.hybrid_sharding import WHOLE, check_hybrid_shardable, hybrid_cut, is_hybrid
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Shard:
 
 
 FULL = Shard(0, 1)
+VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight", "backbone.embeddings.weight")
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
@@ -44,6 +46,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
                          f"{cfg.intermediate_size}")
     if cfg.num_experts:
         expert_slice(cfg.moe_intermediate_size, 0, size)
+    if is_hybrid(cfg):
+        check_hybrid_shardable(cfg, size)
 
 
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
@@ -52,7 +56,12 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
         return cfg
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
                                intermediate_size=cfg.intermediate_size // size,
-                               moe_intermediate_size=cfg.moe_intermediate_size // size)
+                               moe_intermediate_size=cfg.moe_intermediate_size // size,
+                               # hybrid models (hybrid_sharding.py): a rank's recurrent heads and groups
+                               linear_num_key_heads=cfg.linear_num_key_heads // size,
+                               linear_num_value_heads=cfg.linear_num_value_heads // size,
+                               mamba_num_heads=cfg.mamba_num_heads // size, mamba_n_groups=cfg.mamba_n_groups // size,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size)
 
 
 def vocab_rows(cfg: ModelConfig, size: int) -> int:
@@ -103,6 +112,13 @@ def param_slice(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, in
 def shard_tensor(name: str, tensor, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
     """This rank's part of `tensor`: a torch tensor, or a safetensors slice (`safe_open(...).get_slice`), which
     reads only those bytes. Vocabulary shards are padded with zero rows to `vocab_rows`."""
+    if shard.size > 1 and is_hybrid(cfg) and (cut := hybrid_cut(name, cfg, shard.rank, shard.size)) is not None:
+        if cut == WHOLE:
+            return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        lead = (slice(None),) * cut.dim
+        parts = [tensor[(*lead, slice(a, b))] for a, b in cut.ranges]
+        part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim)
+        return pad_vocab_rows(name, part, cfg, shard).contiguous()
     s = param_slice(name, cfg, shard)
     if s is None:
         return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
@@ -114,7 +130,7 @@ def shard_tensor(name: str, tensor, cfg: ModelConfig, shard: Shard) -> torch.Ten
 def pad_vocab_rows(name: str, part: torch.Tensor, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
     """A vocabulary shard with zero rows added up to `vocab_rows` (the last rank's, when the vocabulary does not
     divide); any other tensor as it is."""
-    if shard.size == 1 or name not in ("model.embed_tokens.weight", "lm_head.weight"):
+    if shard.size == 1 or name not in VOCAB_NAMES:
         return part
     missing = vocab_rows(cfg, shard.size) - part.shape[0]
     return torch.cat([part, part.new_zeros(missing, *part.shape[1:])]) if missing else part

@@ -111,6 +111,8 @@ class GraniteMoeHybrid(HybridModel):
 
     def head(self, h: torch.Tensor, logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
         out = super().head(h, logits_indices, pool_indices)
+        if out is None:  # a tensor-parallel rank other than 0: the logits are gathered on rank 0
+            return None
         if pool_indices is None:
             return out / self.logits_scaling
         return out[0] / self.logits_scaling, out[1]
@@ -128,13 +130,13 @@ class GraniteMoeHybrid(HybridModel):
                                    state.split)
             else:
                 out = self._attention(x, *layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta)
-            h = h + out * m
+            h = h + self.reduce(out) * m  # each rank's heads' part of the out-projection, summed
             x = ops.rms_norm(h, layer.post_norm)
             gate, up = ops.linear(x, layer.shared_in).chunk(2, dim=-1)
             out = ops.linear(ops.silu_mul(gate, up), layer.shared_out)
             if layer.moe is not None:
                 out = moe.moe_forward(x, layer.moe, self.experts_fn) + out
-            h = h + out * m
+            h = h + self.reduce(out) * m
         return h
 
     def _attention(self, x, qkv, o, rope, kv, attn_meta) -> torch.Tensor:

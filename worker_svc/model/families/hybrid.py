@@ -32,11 +32,9 @@ from worker_svc.model.layers.rotary import PartialRotary
 from worker_svc.model.layers.ssd_scan import SSDScan
 
 
-def refuse_uncomposed(opts: WorkerConfig, architecture: str, tp_size: int, compiled: bool) -> None:
-    """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet."""
-    if tp_size > 1:
-        raise ConfigError(f"--tensor-parallel-size {tp_size}: {architecture}'s recurrent layers are not sharded "
-                          "yet; run it with --tensor-parallel-size 1")
+def refuse_uncomposed(opts: WorkerConfig, architecture: str, compiled: bool) -> None:
+    """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet (tensor parallelism
+    does: parallel/hybrid_sharding.py splits the recurrent layers by heads)."""
     if compiled:
         raise ConfigError(f"-O {opts.optimization_level}: the compiled forward runs Llama-shaped decoders only, not "
                           f"{architecture}'s recurrent layers; run with -O0 (or --enforce-eager)")
@@ -71,18 +69,16 @@ class HybridModel(LlamaModel):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: Any = None, max_position: int | None = None,
                  prepack: bool | None = None, tp: Collectives | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"--tensor-parallel-size {tp.size}: {config.architecture}'s recurrent layers are not "
-                             "sharded yet; run it with --tensor-parallel-size 1")
+        # With `tp`: one rank of a group, `config` its local heads (sharding.local_config), `weights` its shard.
         self.config = config
-        self.tp = None
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.first_rank = self.tp is None or self.tp.rank == 0
         self.dtype = dtype
         self.device = torch.device(device)
         self.prepacked = prepack_supported(self.device, dtype) if prepack is None else prepack
         self.lora: Any = None
         self.attention = attention if attention is not None else kernels
         self.max_position = max_position or config.max_position_embeddings
-        self.vocab_start = 0
         self.cpu_ops = None
         self.cpu_layers = None  # the C++ layer loop runs Llama-shaped layers only
         types = config.layer_types or []
@@ -99,6 +95,7 @@ class HybridModel(LlamaModel):
             return pack_linear_weight(t.contiguous()) if self.prepacked else t
 
         self.embed = w(self.embed_name)
+        self.vocab_start = self.tp.rank * self.embed.shape[0] if self.tp else 0  # a vocabulary-parallel shard
         self._build_layers(weights, w, mat)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = mat(self.embed if tied else w("lm_head.weight"))
@@ -112,6 +109,12 @@ class HybridModel(LlamaModel):
 
     def _build_layers(self, weights: dict, w, mat) -> None:
         raise NotImplementedError
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T, the product summed over the ranks (each holds some of weight's input columns)."""
+        if self.tp is None:
+            return self.ops.linear_add(x, weight, None, residual)
+        return residual.add_(self.reduce(self.ops.linear(x, weight)))
 
     def state_shape(self) -> StateShape:
         raise NotImplementedError

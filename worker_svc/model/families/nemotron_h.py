@@ -112,14 +112,14 @@ class NemotronH(HybridModel):
             x = ops.rms_norm(h, block.norm)
             if block.kind == "mamba":
                 j = self.state_index[i]
-                h = h.add_(mamba2_mixer(x, block.w, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
-                                        state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan,
-                                        state.split))
+                h = h.add_(self.reduce(mamba2_mixer(x, block.w, self.dims, state.cache.conv[j], state.cache.ssm[j],
+                                                    state.slots, state.cu_seqlens, c.rms_norm_eps, ops.linear,
+                                                    ops.conv, ops.ssd_scan, state.split)))
             elif block.kind == "full_attention":
                 h = self._attention(x, *block.w, kv_cache[self.kv_index[i]], attn_meta, h)
             else:
                 up, down = block.w
-                h = ops.linear_add(F.relu(ops.linear(x, up)).square(), down, None, h)
+                h = self.row_parallel(F.relu(ops.linear(x, up)).square(), down, h)
         return h
 
     def _attention(self, x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, kv: torch.Tensor, attn_meta: Any,
@@ -132,4 +132,4 @@ class NemotronH(HybridModel):
         out = self.attention.paged_attention(q.reshape(t, c.num_heads, d), kv[0], kv[1], attn_meta.block_tables,
                                              attn_meta.cu_seqlens_q, attn_meta.seq_lens, d ** -0.5,
                                              plan=attn_meta.plan)
-        return self.ops.linear_add(out.reshape(t, c.num_heads * d), o, None, residual)
+        return self.row_parallel(out.reshape(t, c.num_heads * d), o, residual)

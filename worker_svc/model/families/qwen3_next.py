@@ -175,7 +175,7 @@ class Qwen3Next(HybridModel):
                 out = deltanet_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
                                      state.cu_seqlens, self.config.rms_norm_eps, ops.linear, ops.conv, ops.delta_rule,
                                      state.split)
-                h = h.add_(out)
+                h = h.add_(self.reduce(out))  # the out-projection's partial products, summed over the ranks
             h = self._mlp(ops.rms_norm(h, layer.post_norm), layer.ffn, h)
         return h
 
@@ -193,7 +193,7 @@ class Qwen3Next(HybridModel):
                                            attn_meta.cu_seqlens_q, attn_meta.seq_lens, d ** -0.5,
                                            plan=attn_meta.plan)
         o = o.reshape(t, heads * d) * torch.sigmoid(gate.reshape(t, heads * d))
-        return ops.linear_add(o, w.o, None, residual)
+        return self.row_parallel(o, w.o, residual)
 
     def _mlp(self, x: torch.Tensor, w: FeedForwardWeights, residual: torch.Tensor) -> torch.Tensor:
         out = None if w.moe is None else moe.moe_forward(x, w.moe, self.experts_fn)
@@ -203,7 +203,7 @@ class Qwen3Next(HybridModel):
             if w.shared_gate is not None:
                 dense = torch.sigmoid(ops.linear(x, w.shared_gate)) * dense
             out = dense if out is None else out + dense
-        return residual.add_(out)
+        return residual.add_(self.reduce(out))
 
 
 class Qwen3_5(Qwen3Next):
