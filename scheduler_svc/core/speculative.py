@@ -14,8 +14,10 @@ the same way for both methods. Both processes read the flag (`llmserve serve` pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from common.json_flag import key_error, missing_key, parse_json_object
+from common.config import setting
+from common.json_flag import JsonFlagError, key_error, missing_key, parse_json_object
 
 FLAG = "--speculative-config"
 METHODS = ("ngram", "draft_model")
@@ -61,3 +63,20 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         raise key_error(FLAG, "prompt_lookup_max", f"an integer >= prompt_lookup_min ({low})", high)
     return SpeculativeConfig(num_speculative_tokens=n, prompt_lookup_min=low, prompt_lookup_max=high, method=method,
                               model=model)
+
+
+def _problem(text: str | None) -> str | None:
+    try:
+        parse_speculative_config(text)
+    except JsonFlagError as e:
+        return e.problem
+    return None
+
+
+def speculative_config_setting() -> Any:
+    """The flag, shared by the scheduler (grants draft positions) and the worker (loads a draft model)."""
+    return setting(
+        None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup) or '{\"method\": "
+        "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' (a smaller model with the same tokenizer, "
+        "run by the worker)", metavar="JSON", check=_problem)
