@@ -259,3 +259,20 @@ def test_diagnose_flags_speculation_that_costs_more_than_it_gains():
     good = diagnose(obs(32, 300))
     assert good.limiter == "none"
     assert any("75% of 400 draft tokens accepted, 3.00 accepted per draft run" in n for n in good.numbers)
+
+
+def test_diagnose_weighs_accepted_tokens_against_the_step_time_increase_at_the_load():
+    from llmserve.diagnose import diagnose, spec_speedup
+    from llmserve.observation import Observation
+
+    def obs(running):  # 2 of 4 drafts accepted per run: 3 tokens per request-step for 5 query rows
+        return Observation(source="x", running=running, waiting=0, kv_usage=0.3, steps=100,
+                           config={"num_speculative_tokens": 4}, spec_drafts=100, spec_draft_tokens=400,
+                           spec_accepted_tokens=200)
+
+    assert spec_speedup(obs(64))[0] == pytest.approx(3 / 5)  # compute-bound: every draft row costs a token
+    assert spec_speedup(obs(4))[0] == pytest.approx(3 / (1 + 4 * 4 / 64))
+    busy = diagnose(obs(64))
+    assert busy.limiter == "speculative-decoding" and "about 0.60x" in busy.evidence[0]
+    assert diagnose(obs(4)).limiter == "none"
+    assert any("speculation estimate at this load: 2.40x" in n for n in diagnose(obs(4)).numbers)
