@@ -29,6 +29,8 @@ def test_config_parses_vllm_keys():
     assert cfg == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=3)
     assert parse_speculative_config(None) is None
     assert parse_speculative_config('{"num_speculative_tokens": 2}').prompt_lookup_max == 4
+    draft = parse_speculative_config('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m", 3)
 
 
 @pytest.mark.parametrize(("text", "words"), [
@@ -36,6 +38,8 @@ def test_config_parses_vllm_keys():
     ('{"method": "eagle", "num_speculative_tokens": 2}', ["method", "eagle", "ngram"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', ["unknown key", "draft_model"]),
     ('{"method": "ngram"}', ["num_speculative_tokens", "required"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', ["'model'", "required"]),
+    ('{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}', ["'model'", "absent", "ngram"]),
     ('{"num_speculative_tokens": 0}', ["num_speculative_tokens", ">= 1"]),
     ('{"num_speculative_tokens": 99}', ["num_speculative_tokens", "<= 16"]),
     ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
