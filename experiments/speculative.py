@@ -1,8 +1,11 @@
-"""Speculative decoding (n-gram prompt lookup): speculation on versus off in the same run, batch 1 and 16.
+"""Speculative decoding: no speculation, n-gram prompt lookup and a draft model in the same run, batch 1 and 16.
 
-The stack: a private redis-server and one worker process (bundled SmolLM2-135M GGUF unless --model); per run a
-fresh in-process scheduler in its own Redis namespace (`--speculative-config` or none; one scheduler drives the
-worker at a time). Runs alternate off/on `--repeats` times; each run sends one unmeasured warm-up request first.
+The stack: a private redis-server and worker processes (bundled SmolLM2-135M GGUF unless --model): one plain
+worker for `none` and `ngram`, one more per draft model (a draft runs over every token its worker computes, so it
+gets its own worker); per run a fresh in-process scheduler in its own Redis namespace (`--speculative-config` or
+none; one scheduler drives a worker at a time). The methods (--methods) alternate `--repeats` times; each run sends
+one unmeasured warm-up request first. `draft_model` drafts with --draft-model (default: the model itself, the
+upper bound of acceptance; its cost is a second copy of the model's forwards).
 
 Workloads (temperature 0, so both sides compute the same tokens):
 - repetitive: chat requests "rename this function, reply with the complete code" over small Python modules
@@ -14,11 +17,12 @@ Workloads (temperature 0, so both sides compute the same tokens):
 Batch 1 sends the requests one after another; batch 16 sends 16 at once. Reported per run: output tokens/s (all
 output tokens / wall time of the wave), TPOT (per request: (last token - first token) / (tokens - 1), median),
 acceptance rate (vllm:spec_decode_num_accepted_tokens_total / ..._num_draft_tokens_total) and accepted tokens per
-draft run; the speed-up is the median on/off throughput ratio over the repeats. Greedy outputs with speculation on
-must equal off (reported as "identical k/N").
+draft run; the speed-up is the median method/none throughput ratio over the repeats. Greedy outputs with
+speculation must equal none's (reported as "identical k/N").
 
     .venv/bin/python -m experiments.speculative                        # both workloads, batch 1 and 16
     .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
+    .venv/bin/python -m experiments.speculative --methods none,draft_model --draft-model DIR
     .venv/bin/python -m experiments.speculative --json out.json
 
 Results and commands: experiments/RESULTS.md (speculative decoding).
@@ -38,6 +42,7 @@ from llmserve import client, processes
 from llmserve.bench.workloads import WorkloadParams, generate
 from protos import llmserve_pb2 as pb
 from tests.support.stack import start_scheduler_in_process
+from worker_svc.model.loader import default_model_path
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
 _MODULE = '''import os
@@ -154,10 +159,21 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
             "draft_tokens": draft_tokens, "accepted_tokens": accepted, "outputs": [s["tokens"] for s in streams]}
 
 
+def _spec_of(method: str, a: argparse.Namespace, draft: str) -> str | None:
+    if method == "none":
+        return None
+    if method == "ngram":
+        return a.speculative_config
+    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": a.num_speculative_tokens})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--speculative-config", default=DEFAULT_SPEC)
+    ap.add_argument("--speculative-config", default=DEFAULT_SPEC, help="the ngram method's flag")
+    ap.add_argument("--methods", default="none,ngram,draft_model", help="comma-separated: none, ngram, draft_model")
+    ap.add_argument("--draft-model", default=None, help="draft_model's model (default: --model itself)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="draft_model's k")
     ap.add_argument("--only", choices=["repetitive", "chat"], default=None)
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--batch1-requests", type=int, default=4, help="requests of a batch-1 wave (sent one by one)")
@@ -168,14 +184,22 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the full results here")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
+    methods = a.methods.split(",")
     workloads = [a.only] if a.only else ["repetitive", "chat"]
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)
-    worker = processes.start_worker(worker_args, log_dir=workdir, wait=False)
+    draft = a.draft_model or a.model or default_model_path()
+    workers = {"none": processes.start_worker(worker_args, log_dir=workdir, wait=False)}
+    workers["ngram"] = workers["none"]
+    if "draft_model" in methods:
+        workers["draft_model"] = processes.start_worker(
+            [*worker_args, "--speculative-config", _spec_of("draft_model", a, draft)], log_dir=f"{workdir}/draft",
+            wait=False)
     processes.wait_ready(redis)
-    processes.wait_ready(worker, timeout=300)
-    report: dict = {"speculative_config": a.speculative_config, "runs": []}
+    for w in set(workers.values()):
+        processes.wait_ready(w, timeout=600)
+    report: dict = {"methods": {m: _spec_of(m, a, draft) for m in methods}, "runs": []}
     try:
         for workload in workloads:
             for batch in batches:
@@ -184,30 +208,36 @@ def main() -> None:
                     items = [(p, a.repetitive_tokens) for p in repetitive_prompts(n)]
                 else:
                     items = chat_prompts(n, a.seed)
-                ratios, same, total = [], 0, 0
+                ratios: dict[str, list[float]] = {m: [] for m in methods if m != "none"}
+                same: dict[str, int] = dict.fromkeys(ratios, 0)
                 for rep in range(a.repeats):
-                    off = run_once(redis.url, worker, items, batch, None, a.max_num_batched_tokens)
-                    on = run_once(redis.url, worker, items, batch, a.speculative_config, a.max_num_batched_tokens)
-                    ratios.append(on["tokens_per_s"] / off["tokens_per_s"])
-                    same += sum(x == y for x, y in zip(off["outputs"], on["outputs"], strict=True))
-                    total += len(items)
-                    for r in (off, on):
-                        r.update(workload=workload, repeat=rep)
-                        report["runs"].append({k: v for k, v in r.items() if k != "outputs"})
-                    acc = on["acceptance_rate"]
-                    print(f"{workload:10s} batch {batch:2d} rep {rep}: off {off['tokens_per_s']:6.1f} tok/s "
-                          f"TPOT {off['tpot_ms_median']:6.1f} ms | on {on['tokens_per_s']:6.1f} tok/s TPOT "
-                          f"{on['tpot_ms_median']:6.1f} ms, acceptance "
-                          f"{'-' if acc is None else f'{100 * acc:.0f}%'}, "
-                          f"{on['accepted_per_draft_run'] or 0:.2f} accepted/run | ratio {ratios[-1]:.2f}x",
+                    runs = {m: run_once(redis.url, workers[m], items, batch, _spec_of(m, a, draft),
+                                        a.max_num_batched_tokens) for m in ["none", *ratios]}
+                    off = runs["none"]
+                    line = f"{workload:10s} batch {batch:2d} rep {rep}: none {off['tokens_per_s']:6.1f} tok/s"
+                    for m, on in runs.items():
+                        on.update(workload=workload, repeat=rep, method=m)
+                        report["runs"].append({k: v for k, v in on.items() if k != "outputs"})
+                        if m == "none":
+                            continue
+                        ratios[m].append(on["tokens_per_s"] / off["tokens_per_s"])
+                        same[m] += sum(x == y for x, y in zip(off["outputs"], on["outputs"], strict=True))
+                        acc = on["acceptance_rate"]
+                        line += (f" | {m} {on['tokens_per_s']:6.1f} tok/s, acceptance "
+                                 f"{'-' if acc is None else f'{100 * acc:.0f}%'}, "
+                                 f"{on['accepted_per_draft_run'] or 0:.2f}/run, {ratios[m][-1]:.2f}x")
+                    print(line, flush=True)
+                for m in ratios:
+                    summary = {"workload": workload, "batch": batch, "method": m,
+                               "speedup_median": statistics.median(ratios[m]), "ratios": ratios[m],
+                               "identical": f"{same[m]}/{a.repeats * len(items)}"}
+                    report.setdefault("summary", []).append(summary)
+                    print(f"== {workload} batch {batch} {m}: throughput vs none {summary['speedup_median']:.2f}x "
+                          f"(median of {len(ratios[m])}), greedy outputs identical {summary['identical']}",
                           flush=True)
-                summary = {"workload": workload, "batch": batch, "speedup_median": statistics.median(ratios),
-                           "ratios": ratios, "identical": f"{same}/{total}"}
-                report.setdefault("summary", []).append(summary)
-                print(f"== {workload} batch {batch}: on/off throughput {summary['speedup_median']:.2f}x (median of "
-                      f"{len(ratios)}), greedy outputs identical {same}/{total}", flush=True)
     finally:
-        processes.stop(worker)
+        for w in set(workers.values()):
+            processes.stop(w)
         processes.stop(redis)
     if a.json:
         with open(a.json, "w") as f:

@@ -5,8 +5,9 @@
   the KV pool still has room.
 - prefill-interference: inter-token latency spikes when long prompts arrive, because chunking is off or the
   budget lets one step carry far more prefill than a decode step computes.
-- speculative-decoding: with --speculative-config, few drafts are accepted while the batch is busy, so the draft
-  rows the forward verifies cost more compute than the tokens they save (at low load they are nearly free).
+- speculative-decoding: with --speculative-config, the tokens accepted drafts add per step are worth less than
+  the step-time increase their verification rows cost at the current load (nearly free at low load, their full
+  share of compute once many sequences fill the step).
 
 The inputs (metrics, saved scrapes, a benchmark JSON) are read into one Observation by llmserve/observation.py.
 """
@@ -39,10 +40,13 @@ ITL_TAIL_RATIO = 5.0
 # Step sizes (tokens) whose p99 is this many times the p50 mean some steps carry much more than the usual decode
 # batch: that is where the ITL tail comes from. It is also the step size, in decode batches, we suggest capping at.
 STEP_TAIL_RATIO = 4.0
-# Speculative decoding costs more than it gains when under this share of draft tokens is accepted while the batch is
-# busy: every draft is one more query row of the forward, which is nearly free while a step is bound by reading the
-# weights (few sequences) and costs its share of compute once many sequences fill the step.
-SPEC_LOW_ACCEPTANCE = 0.3
+# Speculative decoding: a request that verifies d drafts per step and has a accepted emits 1 + a tokens for a step
+# that computes 1 + d query rows. Extra rows are nearly free while a step is bound by reading the weights (few
+# sequences) and cost their full share of compute once the step is compute-bound; the share in between grows with the
+# running sequences up to SPEC_COMPUTE_BOUND_SEQS (a decode batch that fills a GPU's compute; vLLM measured up to
+# 1.8x slowdowns at high QPS). Estimated speedup = (1 + a) / (1 + load * d); below 1 it costs more than it gains.
+# A draft model's own forwards come on top of that (the estimate is the best case for it).
+SPEC_COMPUTE_BOUND_SEQS = 64
 SPEC_BUSY_SEQS = 16  # running sequences from which a step counts as busy
 
 LIMITS = ("kv-capacity", "batch-admission", "prefill-interference", "speculative-decoding", "none")
@@ -214,19 +218,35 @@ def _spec_acceptance(obs: Observation) -> float | None:
     return obs.spec_accepted_tokens / obs.spec_draft_tokens
 
 
-def _speculation(obs: Observation) -> Finding | None:
-    """Low draft acceptance while many sequences run: the verification rows cost more than they save."""
-    rate = _spec_acceptance(obs)
-    if rate is None or rate >= SPEC_LOW_ACCEPTANCE:
+def spec_speedup(obs: Observation) -> tuple[float, float, float] | None:
+    """(estimated speedup, step-time increase, load share) of speculation at the observed load; None without
+    drafts. See SPEC_COMPUTE_BOUND_SEQS."""
+    if not obs.spec_draft_tokens or obs.spec_accepted_tokens is None or not obs.spec_drafts:
         return None
+    per_run_drafts = obs.spec_draft_tokens / obs.spec_drafts
+    per_run_accepted = obs.spec_accepted_tokens / obs.spec_drafts
+    load = min(1.0, (obs.running or 1) / SPEC_COMPUTE_BOUND_SEQS)
+    budget = obs.config.get("max_num_batched_tokens")
+    if budget and obs.step_tokens.get("p50", 0) >= budget / 2:
+        load = 1.0  # steps full of tokens: drafts take budget (and compute) from other requests
+    increase = load * per_run_drafts
+    return (1 + per_run_accepted) / (1 + increase), increase, load
+
+
+def _speculation(obs: Observation) -> Finding | None:
+    """Speculation that costs more than it gains: the accepted tokens per step against the step-time increase the
+    verification rows cost at this load."""
+    rate, estimate = _spec_acceptance(obs), spec_speedup(obs)
+    if rate is None or estimate is None or estimate[0] >= 1.0:
+        return None
+    speedup, increase, load = estimate
     busy = obs.running is not None and obs.running >= SPEC_BUSY_SEQS
     budget = obs.config.get("max_num_batched_tokens")
     full_steps = bool(budget and obs.step_tokens.get("p50", 0) >= budget / 2)
-    if not (busy or full_steps):
-        return None
     k = obs.config.get("num_speculative_tokens")
-    evidence = [f"{_pct(rate)} of {obs.spec_draft_tokens:.0f} draft tokens accepted (below "
-                f"{_pct(SPEC_LOW_ACCEPTANCE)})"]
+    evidence = [f"{_pct(rate)} of {obs.spec_draft_tokens:.0f} draft tokens accepted: "
+                f"{1 + obs.spec_accepted_tokens / obs.spec_drafts:.2f} tokens per request-step for an estimated "
+                f"{_pct(increase)} longer step at this load ({_pct(load)} compute-bound): about {speedup:.2f}x"]
     if busy:
         evidence.append(f"{obs.running:.0f} sequences running: each draft is a query row the busy forward computes")
     if full_steps:
@@ -234,8 +254,8 @@ def _speculation(obs: Observation) -> Finding | None:
                         "budget from other requests")
     suggestions = [Suggestion("--speculative-config", "(drop it)", "plain decoding is cheaper for this load")]
     if k and k > 1:
-        suggestions.append(Suggestion("--speculative-config", f'\'{{"method": "ngram", "num_speculative_tokens": '
-                                      f'{max(1, k // 2)}}}\'', "fewer drafts per step waste less when most fail"))
+        fewer = f'\'{{..., "num_speculative_tokens": {max(1, k // 2)}}}\''
+        suggestions.append(Suggestion("--speculative-config", fewer, "fewer drafts per step waste less when most fail"))
     return Finding("speculative-decoding", evidence, suggestions)
 
 
@@ -267,6 +287,8 @@ def _numbers(obs: Observation) -> list[str]:
     if rate is not None:
         runs = f", {obs.spec_accepted_tokens / obs.spec_drafts:.2f} accepted per draft run" if obs.spec_drafts else ""
         out.append(f"speculative decoding: {_pct(rate)} of {obs.spec_draft_tokens:.0f} draft tokens accepted{runs}")
+        if (estimate := spec_speedup(obs)) is not None:
+            out.append(f"speculation estimate at this load: {estimate[0]:.2f}x (step time +{_pct(estimate[1])})")
     if obs.config:
         out.append("config: " + ", ".join(f"{k}={v}" for k, v in obs.config.items()))
     return out

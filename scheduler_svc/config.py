@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from common import config as c
 from common.config import setting
 from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
-from scheduler_svc.core.speculative import SpeculativeConfig, parse_speculative_config
+from scheduler_svc.core.speculative import SpeculativeConfig, parse_speculative_config, speculative_config_setting
 from scheduler_svc.ledger.redis_ha import check_sentinels
 
 SCHEDULING_MODES = ("continuous", "static", "naive")
@@ -46,10 +46,7 @@ class SchedulerConfig:
     async_scheduling: bool = setting(
         True, "commit and publish each step while the worker already runs the next one (the next plan is built "
         "from the previous step's result); --no-async-scheduling commits between the two")
-    speculative_config: str | None = setting(
-        None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; the only method)",
-        metavar="JSON", aliases=("-sc",))
+    speculative_config: str | None = speculative_config_setting()
     enable_lora: bool = c.enable_lora()
     lora_modules: list[str] | None = c.lora_modules()
     max_loras: int = c.max_loras()

@@ -10,6 +10,7 @@ from common import config as c
 from common.config import setting
 from common.json_flag import JsonFlagError, key_error, parse_json_object
 from common.structured_outputs import StructuredOutputsConfig
+from scheduler_svc.core.speculative import speculative_config_setting
 from worker_svc.cpu import binding as cpu_binding
 from worker_svc.sampling.pooler_config import PoolerConfig
 
@@ -134,6 +135,7 @@ class WorkerConfig:
         None, 'embeddings (vLLM\'s flag): {"pooling_type": "LAST"} (the last prompt token; or "MEAN", "CLS") of the '
         'final hidden state after the last norm, "normalize": true (L2; the default)', metavar="JSON",
         check=_json_flag_problem(PoolerConfig.parse))
+    speculative_config: str | None = speculative_config_setting()  # read for method draft_model
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")

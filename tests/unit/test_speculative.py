@@ -29,6 +29,8 @@ def test_config_parses_vllm_keys():
     assert cfg == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=3)
     assert parse_speculative_config(None) is None
     assert parse_speculative_config('{"num_speculative_tokens": 2}').prompt_lookup_max == 4
+    draft = parse_speculative_config('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m", 3)
 
 
 @pytest.mark.parametrize(("text", "words"), [
@@ -36,6 +38,8 @@ def test_config_parses_vllm_keys():
     ('{"method": "eagle", "num_speculative_tokens": 2}', ["method", "eagle", "ngram"]),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', ["unknown key", "draft_model"]),
     ('{"method": "ngram"}', ["num_speculative_tokens", "required"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', ["'model'", "required"]),
+    ('{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}', ["'model'", "absent", "ngram"]),
     ('{"num_speculative_tokens": 0}', ["num_speculative_tokens", ">= 1"]),
     ('{"num_speculative_tokens": 99}', ["num_speculative_tokens", "<= 16"]),
     ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
@@ -259,3 +263,20 @@ def test_diagnose_flags_speculation_that_costs_more_than_it_gains():
     good = diagnose(obs(32, 300))
     assert good.limiter == "none"
     assert any("75% of 400 draft tokens accepted, 3.00 accepted per draft run" in n for n in good.numbers)
+
+
+def test_diagnose_weighs_accepted_tokens_against_the_step_time_increase_at_the_load():
+    from llmserve.diagnose import diagnose, spec_speedup
+    from llmserve.observation import Observation
+
+    def obs(running):  # 2 of 4 drafts accepted per run: 3 tokens per request-step for 5 query rows
+        return Observation(source="x", running=running, waiting=0, kv_usage=0.3, steps=100,
+                           config={"num_speculative_tokens": 4}, spec_drafts=100, spec_draft_tokens=400,
+                           spec_accepted_tokens=200)
+
+    assert spec_speedup(obs(64))[0] == pytest.approx(3 / 5)  # compute-bound: every draft row costs a token
+    assert spec_speedup(obs(4))[0] == pytest.approx(3 / (1 + 4 * 4 / 64))
+    busy = diagnose(obs(64))
+    assert busy.limiter == "speculative-decoding" and "about 0.60x" in busy.evidence[0]
+    assert diagnose(obs(4)).limiter == "none"
+    assert any("speculation estimate at this load: 2.40x" in n for n in diagnose(obs(4)).numbers)

@@ -23,6 +23,8 @@ _COLUMNS: dict[str, tuple[type, object]] = {
     "num_tokens": (np.int64, 0),  # prompt + output so far
     "num_prompt_tokens": (np.int64, 0),
     "num_computed_tokens": (np.int64, 0),
+    # A draft model's KV covers positions below this (worker_svc/core/draft_model.py); it catches up from there.
+    "num_draft_computed": (np.int64, 0),
     "num_blocks": (np.int64, 0),
     "live": (np.bool_, False),  # the row holds a request
     "state_slot": (np.int64, -1),  # hybrid models: the row's recurrent-state slot (worker_svc/state_cache.py)
@@ -56,6 +58,7 @@ class InputBatch:
     num_tokens: np.ndarray
     num_prompt_tokens: np.ndarray
     num_computed_tokens: np.ndarray
+    num_draft_computed: np.ndarray
     num_blocks: np.ndarray
     live: np.ndarray
     state_slot: np.ndarray
@@ -108,7 +111,7 @@ class InputBatch:
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = num_prompt_tokens
-        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_computed_tokens[row] = self.num_draft_computed[row] = num_computed_tokens  # cached blocks hold both
         self.set_blocks(row, block_ids)
         self._set_sampling(row, params)
         self.matchers[row] = matcher

@@ -1,9 +1,7 @@
 """ModelRunner: plan in, one fused prefill+decode forward, sampled tokens out.
 
-Plain data both ways (worker_svc/core/plan.py in, worker_svc/core/step_output.py out): the gRPC edge
-(worker_svc/server.py with worker_svc/wire.py) converts the wire messages and maps refusals (worker_svc/core/errors.py)
-to status codes.
-"""
+Plain data both ways (core/plan.py in, core/step_output.py out): worker_svc/server.py with worker_svc/wire.py converts
+the wire messages and maps refusals (core/errors.py) to status codes."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
 from worker_svc.config import WorkerConfig
-from worker_svc.core import kv_cache, ngram_drafts
+from worker_svc.core import kv_cache, ngram_drafts, speculation
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
@@ -147,6 +145,7 @@ class ModelRunner:
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size
         self.state: StateCache | None = None  # hybrid models: the recurrent-state pool (_size_state_pool)
+        self.draft = speculation.load_draft(opts, cfg, self.dtype, self.device, self.attention_backend, tp_size)
         num_blocks = self._size_kv_pool()
         # Block tables are the same on every rank: every rank's pool holds as many blocks as the smallest.
         self.rank_num_blocks = group.all_gather_int(num_blocks) if group is not None else [num_blocks]
@@ -155,6 +154,8 @@ class ModelRunner:
             log.warning("KV pool holds %d tokens, below max_model_len %d", self.num_blocks * self.block_size,
                         self.max_model_len)
         self.kv = kv_cache.allocate(self.local_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.eos_token_ids = np.array(sorted(self.eos_ids), dtype=np.int64)
         self.epoch = secrets.token_hex(8)
@@ -182,7 +183,8 @@ class ModelRunner:
                               f"takes the whole KV memory budget ({budget} bytes): lower --num-state-slots, or raise "
                               "--kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA)")
         budget -= states
-        n = kv_cache.num_blocks_for_bytes(self.local_config, self.block_size, self.dtype, budget)
+        # A block holds the draft model's KV of its tokens too (one ledger entry for both pools).
+        n = budget // (self.rank_kv_bytes_per_block + (self.draft.bytes_per_block() if self.draft else 0))
         if n < 1:
             raise RuntimeError(f"no room for a single KV block of {self.block_size} tokens in {budget} bytes")
         return n
@@ -244,8 +246,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """One block of the whole model's KV (every rank's share together)."""
-        return kv_cache.bytes_per_block(self.config, self.block_size, self.dtype)
+        """One block of the whole model's KV (every rank's share together, and a draft model's)."""
+        return kv_cache.bytes_per_block(self.config, self.block_size, self.dtype) + \
+            (self.draft.bytes_per_block() if self.draft else 0)
 
     @property
     def rank_kv_bytes_per_block(self) -> int:
@@ -261,6 +264,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
+        if self.draft is not None:
+            self.draft.copy_blocks(*copies)
         state_ops = StateOps.of_plan(plan) if self.state is not None else None
         if state_ops is not None:
             state_ops.restore(self.state, self.device)
@@ -270,11 +275,8 @@ class ModelRunner:
             if state_ops is not None:
                 state_ops.save(self.state, self.device)
             return StepOutput(plan.step_id, previous)
-        num_drafts = None
-        if sched.draft_slots is not None:
-            num_drafts = ngram_drafts.propose(self.batch.inputs, sched.rows, sched.starts + sched.lengths,
-                                             sched.draft_slots, self.block_size, self.max_model_len,
-                                             plan.prompt_lookup_min, plan.prompt_lookup_max)
+        num_drafts, proposal = speculation.propose(self.draft, sched, plan, self.block_size, self.max_model_len,
+                                                   self.eos_token_ids)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         chunk_rows = sched.lengths if num_drafts is None else sched.lengths + num_drafts
@@ -306,7 +308,7 @@ class ModelRunner:
             logits = logits[:num_sampled]
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
-            self._sample(logits, inputs.sample_rows, inputs.num_drafts, out)
+            self._sample(logits, inputs.sample_rows, inputs.num_drafts, out, proposal)
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
@@ -380,8 +382,8 @@ class ModelRunner:
                            logits_indices=torch.from_numpy(step.logits_indices).to(dev),
                            sample_rows=np.zeros(0, dtype=np.int64), state=state)
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, num_drafts: np.ndarray | None,
-                out: StepOutput) -> None:
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, num_drafts: np.ndarray | None, out: StepOutput,
+                proposal: speculation.Proposal | None = None) -> None:
         """Sample for `rows` (for a row with drafts, at each of its 1 + num_drafts positions, as plain sampling
         would, and keep the accepted run), append the tokens, fill `out`; finished requests leave the batch."""
         b = self.batch.inputs
@@ -397,7 +399,8 @@ class ModelRunner:
         if b.plain[rows].all():
             sampled = greedy_batch(logits)
         else:
-            sampled = sample_batch(logits, b.sampling_batch(virtual, self.eos_token_ids, offsets))
+            sampled = sample_batch(logits, b.sampling_batch(virtual, self.eos_token_ids, offsets),
+                                   speculation.verifying_draw(proposal, rows, num_drafts))
         if num_drafts is None:
             emitted = ngram_drafts.emit_one_each(b, rows, sampled.token_ids, self.eos_token_ids)
         else:

@@ -14,7 +14,7 @@ verification alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,41 +230,61 @@ def greedy_batch(logits: torch.Tensor) -> BatchSample:
     return BatchSample(logits.float().numpy().argmax(axis=-1), [], [], [])
 
 
+def process_logits(logits: torch.Tensor, b: SamplingBatch) -> None:
+    """The request's own logit processing before any temperature, in place: bias, bad words, penalties, min_tokens."""
+    apply_logit_bias(logits, b)
+    apply_bad_words(logits, b)
+    apply_penalties(logits, b)
+    apply_min_tokens(logits, b)
+
+
+def scale_and_filter(logits: torch.Tensor, b: SamplingBatch, random_rows: np.ndarray) -> torch.Tensor:
+    """The random rows' processed logits after temperature, top-k, top-p and min-p (-inf where filtered out):
+    softmax of this is the distribution they sample from."""
+    # The random rows' copy and division only where they change something (x / 1 is x): together ~2 ms of a 64-row
+    # step at temperature 1, next to the draw's 4 ms.
+    scaled = logits if len(random_rows) == len(b) else logits[torch.from_numpy(random_rows)]
+    temperature = b.temperature[random_rows]
+    if (temperature != 1.0).any():
+        scaled = scaled / torch.from_numpy(temperature)[:, None]
+    top_k, top_p, min_p = b.top_k[random_rows], b.top_p[random_rows], b.min_p[random_rows]
+    # All random rows are filtered when any needs it, as always: the filter is not exactly a no-op for a row
+    # without top-k / top-p / min-p (its cumulative mass may round to >= 1 before the tail), so filtering only
+    # the rows that ask would change some draws.
+    if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
+        scaled = _filter(scaled, torch.from_numpy(top_k), torch.from_numpy(top_p), torch.from_numpy(min_p))
+    return scaled
+
+
+# Draws the random rows' tokens from their scaled logits (scale_and_filter); the default is plain sampling, a
+# speculative verifier passes its own (worker_svc/core/draft_model.py: rejection sampling).
+Draw = Callable[[torch.Tensor, np.ndarray, SamplingBatch], np.ndarray]
+
+
+def plain_draw(scaled: torch.Tensor, random_rows: np.ndarray, b: SamplingBatch) -> np.ndarray:
+    return draw_tokens(scaled, draw_keys(b.seed[random_rows], b.position[random_rows]))
+
+
 @torch.inference_mode()  # the model's logits are inference tensors: updating them in place needs this mode
-def sample_batch(logits: torch.Tensor, b: SamplingBatch) -> BatchSample:
+def sample_batch(logits: torch.Tensor, b: SamplingBatch, draw: Draw = plain_draw) -> BatchSample:
     """logits: [len(b), vocab] float32 on the CPU (modified in place)."""
     logits = logits.float()
     lp_rows = np.flatnonzero(b.logprobs >= 0)
     # Logprobs are of the raw distribution: taken before penalties and bans change the logits.
     raw_logprobs = torch.log_softmax(logits[torch.from_numpy(lp_rows)], dim=-1) if len(lp_rows) else None
-
-    apply_logit_bias(logits, b)
-    apply_bad_words(logits, b)
-    apply_penalties(logits, b)
-    apply_min_tokens(logits, b)
+    process_logits(logits, b)
 
     greedy = b.greedy
     random_rows = np.flatnonzero(~greedy)
     if not len(random_rows):
         tokens = greedy_batch(logits).token_ids
     else:
-        # The argmax only over the greedy rows; the random rows' copy and division only where they change something
-        # (x / 1 is x): together ~2 ms of a 64-row step at temperature 1, next to the draw's 4 ms.
+        # The argmax only over the greedy rows.
         tokens = np.empty(len(b), dtype=np.int64)
         if len(random_rows) < len(b):
             greedy_rows = np.flatnonzero(greedy)
             tokens[greedy_rows] = greedy_batch(logits[torch.from_numpy(greedy_rows)]).token_ids
-        scaled = logits if len(random_rows) == len(b) else logits[torch.from_numpy(random_rows)]
-        temperature = b.temperature[random_rows]
-        if (temperature != 1.0).any():
-            scaled = scaled / torch.from_numpy(temperature)[:, None]
-        top_k, top_p, min_p = b.top_k[random_rows], b.top_p[random_rows], b.min_p[random_rows]
-        # All random rows are filtered when any needs it, as always: the filter is not exactly a no-op for a row
-        # without top-k / top-p / min-p (its cumulative mass may round to >= 1 before the tail), so filtering only
-        # the rows that ask would change some draws.
-        if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
-            scaled = _filter(scaled, torch.from_numpy(top_k), torch.from_numpy(top_p), torch.from_numpy(min_p))
-        tokens[random_rows] = draw_tokens(scaled, draw_keys(b.seed[random_rows], b.position[random_rows]))
+        tokens[random_rows] = draw(scale_and_filter(logits, b, random_rows), random_rows, b)
 
     chosen: list[float] = []
     top: list[list[tuple[int, float]]] = []
