@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from common import config as c
 from common.config import setting
+from common.speculative_config import SpeculativeConfig, parse_speculative_config, speculative_config_setting
 from common.validation import ConfigError, check_channel_tls, check_limits, check_server_tls
-from scheduler_svc.core.speculative import SpeculativeConfig, parse_speculative_config, speculative_config_setting
 from scheduler_svc.ledger.redis_ha import check_sentinels
 
 SCHEDULING_MODES = ("continuous", "static", "naive")

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from common import config as c
 from common.config import setting
 from common.json_flag import JsonFlagError, key_error, parse_json_object
+from common.speculative_config import speculative_config_setting
 from common.structured_outputs import StructuredOutputsConfig
-from scheduler_svc.core.speculative import speculative_config_setting
 from worker_svc.cpu import binding as cpu_binding
 from worker_svc.sampling.pooler_config import PoolerConfig
 

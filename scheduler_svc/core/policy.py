@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from common.speculative_config import SpeculativeConfig
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import step_records
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prompt_results import skips_prefix_cache
 from scheduler_svc.core.request import Request, Status
-from scheduler_svc.core.speculative import SpeculativeConfig
 from scheduler_svc.core.state_pool import StateSlotPool
 from scheduler_svc.core.step_records import SchedulerOutput
 

@@ -18,13 +18,13 @@ from common.auth import with_worker_token
 from common.config import MAX_MESSAGE_BYTES
 from common.sampling_fields import SamplingParams
 from common.sampling_wire import record_to_wire
+from common.speculative_config import SpeculativeConfig
 from common.validation import ConfigError
 from common.worker_protocol import MAX_SLOTS, PACKAGE, SERVICE
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.core import prompt_results
 from scheduler_svc.core.slot_table import SlotTable
-from scheduler_svc.core.speculative import SpeculativeConfig
 from scheduler_svc.core.step_records import (
     WORKER_EOS,
     WORKER_MAX_TOKENS,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from common.json_flag import JsonFlagError, parse_json_object
+from common.speculative_config import parse_speculative_config
 from common.structured_outputs import StructuredOutputsConfig
-from scheduler_svc.core.speculative import parse_speculative_config
 from worker_svc.config import CompilationConfig
 from worker_svc.sampling.pooler_config import PoolerConfig
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from common.sampling_fields import SamplingParams
+from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.policy import PolicyConfig
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import SchedulerCore
-from scheduler_svc.core.speculative import SpeculativeConfig, parse_speculative_config
 from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
 from worker_svc.core.ngram_drafts import accepted_lengths, propose_ngram
 from worker_svc.sampling.sampler import SamplingBatch, sample_batch

@@ -177,8 +177,8 @@ def test_worker_loss_cancels_pending_snapshots_and_frees_every_slot():
 
 
 def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_num_seqs():
+    from common.speculative_config import parse_speculative_config
     from protos import worker_pb2 as wpb
-    from scheduler_svc.core.speculative import parse_speculative_config
     from scheduler_svc.ledger.leadership import sized_policy
 
     info = wpb.WorkerInfo(block_size=16, num_blocks=64, max_model_len=256, device="cpu", num_state_slots=6,

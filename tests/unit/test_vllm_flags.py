@@ -110,6 +110,7 @@ API_FORMS = [
     (["--tokenizer", "/t"], "tokenizer", "/t"),
     (["--log-level", "WARNING"], "log_level", "warning"),  # vLLM's upper-case names, uvicorn's levels
     (["--no-enable-auto-tool-choice"], "enable_auto_tool_choice", False),
+    (["--reasoning-parser", "openai_gptoss"], "reasoning_parser", "openai_gptoss"),
 ]
 # Every flag `vllm serve --help=all` (vLLM 0.32.0) and llmserve spell alike, from `python scripts/vllm_flags.py
 # --vllm-python VLLM_VENV/bin/python`; each has a form above and a line in docs/vllm-flags.md. (-O is vLLM's too: its
@@ -123,8 +124,9 @@ VLLM_SHARED = {
     "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--model", "--nnodes", "--no-async-scheduling",
     "--no-enable-auto-tool-choice", "--no-enable-chunked-prefill", "--no-enable-lora", "--no-enable-prefix-caching",
     "--no-enforce-eager", "--node-rank", "--num-gpu-blocks-override", "--optimization-level",
-    "--otlp-traces-endpoint", "--pooler-config", "--port", "--quantization", "--scheduling-policy",
-    "--served-model-name", "--shutdown-timeout", "--speculative-config", "--ssl-ca-certs", "--ssl-cert-reqs",
+    "--otlp-traces-endpoint", "--pooler-config", "--port", "--quantization", "--reasoning-parser",
+    "--scheduling-policy", "--served-model-name", "--shutdown-timeout", "--speculative-config", "--ssl-ca-certs",
+    "--ssl-cert-reqs",
     "--ssl-certfile", "--ssl-keyfile", "--structured-outputs-config", "--tensor-parallel-size", "--tokenizer",
     "--tool-call-parser", "-cc", "-n", "-q", "-r", "-sc", "-tp", "-O",
 }

@@ -28,8 +28,8 @@ import torch
 
 import kernels
 from common.config import ConfigError
+from common.speculative_config import SpeculativeConfig
 from common.tokenizer import load_tokenizer
-from scheduler_svc.core.speculative import SpeculativeConfig
 from worker_svc.core import kv_cache
 from worker_svc.core.input_batch import InputBatch
 from worker_svc.core.persistent_batch import Schedule

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
-from scheduler_svc.core.speculative import parse_speculative_config
+from common.speculative_config import parse_speculative_config
 from worker_svc.config import WorkerConfig
 from worker_svc.core import ngram_drafts
 from worker_svc.core.draft_model import DraftModel, Proposal, verifier

@@ -79,4 +79,4 @@ def speculative_config_setting() -> Any:
         None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup) or '{\"method\": "
         "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' (a smaller model with the same tokenizer, "
-        "run by the worker)", metavar="JSON", check=_problem)
+        "run by the worker)", metavar="JSON", aliases=("-sc",), check=_problem)
