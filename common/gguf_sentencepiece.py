@@ -19,11 +19,15 @@ _SPACE = "▁"
 def sentencepiece_tokenizer(path: str) -> tuple[HFTokenizer, dict]:
     """The tokenizer of the SentencePiece GGUF at `path` (BOS/EOS not yet added on encode) and the file's tokenizer
     fields as transformers reads them (`add_bos_token`, `bos_token`, ...)."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_SENTENCEPIECE_BUILDERS,
-        convert_gguf_tokenizer,
-        get_gguf_tokenizer,
-    )
+    try:  # lazy: only a SentencePiece GGUF needs it, and an API-only install may not have it
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_SENTENCEPIECE_BUILDERS,
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+    except ImportError as e:
+        raise RuntimeError(f"{path}: a SentencePiece GGUF's tokenizer is rebuilt by transformers, which is not "
+                           "installed here (it comes with the `worker` extra: pip install 'llmserve[worker]')") from e
 
     architecture, fields, tokenizer_config = get_gguf_tokenizer(path)
     tok, _ = convert_gguf_tokenizer(architecture, fields)

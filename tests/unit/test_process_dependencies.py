@@ -18,7 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OWN = {"common", "protos", "scheduler_svc", "api_svc", "worker_svc", "kernels", "llmserve", "__future__"}
 WORKER_ONLY = ("torch", "xgrammar", "safetensors", "ninja", "triton", "transformers")
 # Lazy imports in shared modules that only the worker's code paths reach.
-WORKER_PATHS = {("common/structured_outputs.py", "xgrammar")}  # build_grammar: the worker compiles grammars
+WORKER_PATHS = {
+    ("common/structured_outputs.py", "xgrammar"),  # build_grammar: the worker compiles grammars
+    ("common/gguf_sentencepiece.py", "transformers"),  # only a SentencePiece GGUF; refused with a clear error without
+}
 
 
 def _pyproject() -> dict:
