@@ -4,8 +4,8 @@ in --dtype (bfloat16 by default; float32 where the CPU has no native bf16): the 
 while loading, the load time, and decode tokens/s at a few batch sizes (one step = one token for each of B
 sequences with C cached tokens; median of the repeats).
 
-    python -m experiments.quantized_formats /tmp/llama1b                        # every format found under the folder
-    python -m experiments.quantized_formats /tmp/llama1b --formats fp8 --ref main   # FP8 with main's code beside
+    python -m experiments.quantized_formats --root /tmp/llama1b                       # every format found under the folder
+    python -m experiments.quantized_formats --root /tmp/llama1b --formats fp8 --ref main   # FP8 with main's code beside
 
 --ref REF adds a row per format measured with that git ref's tree (the code before a change), in the same run.
 """
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from experiments.realistic_checkpoints import FORMATS
+from experiments.realistic_checkpoints import FORMATS, write_formats
 
 _CHILD = r"""
 import gc, json, resource, statistics, sys, time
@@ -66,7 +66,11 @@ def measure(tree: str, model: str, batches: str, context: int, repeats: int, dty
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("root", help="the folder of realistic_checkpoints.py (one directory per format)")
+    ap.add_argument("--root", required=True, help="one directory per format, as realistic_checkpoints.py writes them;"
+                    " a format missing there is written first, at the shape below")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--context", type=int, default=32)
@@ -75,6 +79,9 @@ def main() -> None:
     ap.add_argument("--ref", default=None, help="also measure with this git ref's tree")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    missing = [f for f in args.formats.split(",") if not os.path.isfile(os.path.join(args.root, f, "config.json"))]
+    if missing:
+        write_formats(args.root, missing, args.layers, args.hidden, args.intermediate)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []
     with tempfile.TemporaryDirectory() as old:

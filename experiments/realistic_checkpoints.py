@@ -5,8 +5,8 @@ directory, and the same weights rewritten in the quantized formats llmserve read
 GPTQ int4, compressed-tensors W8A8 int8), each quantized by the rules of the test that checks the format against
 transformers (tests/service/test_*_model.py: one quantizer per format, reused here).
 
-    python -m experiments.realistic_checkpoints /tmp/llama1b                 # bf16/, then fp8/ awq/ gptq/ w8a8/
-    python -m experiments.realistic_checkpoints /tmp/llama1b --formats bf16  # the bfloat16 directory only
+    python -m experiments.realistic_checkpoints --root /tmp/llama1b                 # bf16/, then fp8/ awq/ gptq/ w8a8/
+    python -m experiments.realistic_checkpoints --root /tmp/llama1b --formats bf16  # the bfloat16 directory only
 """
 
 from __future__ import annotations
@@ -105,20 +105,25 @@ def write_quantized(src: str, dst: str, fmt: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("root", help="the folder that gets one directory per format")
+    ap.add_argument("--root", required=True, help="the folder that gets one directory per format")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=8192)
     args = ap.parse_args()
-    bf16 = os.path.join(args.root, "bf16")
-    for fmt in args.formats.split(","):
+    write_formats(args.root, args.formats.split(","), args.layers, args.hidden, args.intermediate)
+
+
+def write_formats(root: str, formats: list[str], layers: int, hidden: int, intermediate: int) -> None:
+    """One directory per format under `root`; the bfloat16 one is written first where it is missing."""
+    bf16 = os.path.join(root, "bf16")
+    for fmt in formats:
         if fmt == "bf16" or not os.path.isfile(os.path.join(bf16, "config.json")):
-            size = write_bf16(bf16, args.layers, args.hidden, args.intermediate)
+            size = write_bf16(bf16, layers, hidden, intermediate)
             print(f"{bf16}: {size / 1e9:.2f} GB of bfloat16 weights", flush=True)
         if fmt != "bf16":
-            write_quantized(bf16, os.path.join(args.root, fmt), fmt)
-            print(f"{os.path.join(args.root, fmt)} written", flush=True)
+            write_quantized(bf16, os.path.join(root, fmt), fmt)
+            print(f"{os.path.join(root, fmt)} written", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def _non_default(f: dataclasses.Field) -> list[str]:
         return [flag, next(str(c) for c in m.choices if c != f.default)]
     valid = {"optimization_level": "1", "compilation_config": '{"cache_dir": "/x"}',
              "pooler_config": '{"pooling_type": "MEAN"}', "structured_outputs_config": '{"backend": "xgrammar"}',
-             "cpu_omp_threads_bind": "0-1|2-3", "lora_modules": "a=/x/a"}  # value checks
+             "cpu_omp_threads_bind": "0-1|2-3", "lora_modules": "a=/x/a",
+             "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}  # value checks
     value = valid.get(f.name) or {int: "32", float: "0.5"}.get(kind, f"/x/{f.name}")
     return [flag, value]
 
