@@ -4,7 +4,9 @@
 #   ./scripts/test.sh            every tier, leaving out the tests marked `slow` (bench smoke runs, chaos loops)
 #   ./scripts/test.sh --fast     tests/unit and tests/service only: the run a developer repeats all day
 #   ./scripts/test.sh --all      the `slow` tests too (LLMSERVE_TEST_ALL=1)
-# Other arguments go to pytest.
+# Other arguments go to pytest. The tests run in LLMSERVE_TEST_PROCESSES pytest processes (default 2; 1: in this
+# one), each taking whole files (a module's shared servers stay with it): most of a test's time is spent waiting on
+# the processes it started, so two interleave on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=()
@@ -18,4 +20,7 @@ for a in "$@"; do
 done
 ./scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q ${paths[@]+"${paths[@]}"} ${args[@]+"${args[@]}"}
+processes="${LLMSERVE_TEST_PROCESSES:-2}"
+parallel=()
+if [ "$processes" -gt 1 ]; then parallel=(-n "$processes" --dist loadfile); fi
+.venv/bin/python -m pytest -q ${parallel[@]+"${parallel[@]}"} ${paths[@]+"${paths[@]}"} ${args[@]+"${args[@]}"}
