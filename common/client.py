@@ -123,8 +123,9 @@ class Stream:
     empty ones. Re-attaching needs `req.request_id`; without one UNAVAILABLE is raised like any other error.
 
     Raises grpc.aio.AioRpcError for a refusal, or for UNAVAILABLE that lasts `reattach_timeout` seconds without
-    the server accepting the request again or sending a message; IncompleteStream when the server ends the stream early. Leaving it early (`aclose()`, or `async
-    with`) cancels the call, which makes the server abort the request."""
+    the server accepting the request again or sending a message; IncompleteStream when the server ends the
+    stream early. Leaving it early (`aclose()`, or `async with`) cancels the call, which makes the server abort
+    the request."""
 
     def __init__(self, client: Client, req: pb.GenerateRequest, reattach_before_start: bool,
                  on_unavailable: Callable[[grpc.aio.AioRpcError], None] | None):
