@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import MAX_MESSAGE_BYTES
+from common.public_protocol import accepted
 from common.tls import open_channel
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
@@ -74,8 +75,9 @@ class Client:
 
     def generate(self, req: pb.GenerateRequest, *, reattach_before_start: bool = True,
                  on_unavailable: Callable[[grpc.aio.AioRpcError], None] | None = None) -> Stream:
-        """Stream `req` (see Stream). `reattach_before_start` False: UNAVAILABLE before the first message (no
-        worker yet, a draining scheduler) is raised at once for the caller to report rather than waited out."""
+        """Stream `req` (see Stream). `reattach_before_start` False: UNAVAILABLE before the scheduler accepted the
+        request (no worker yet, a draining scheduler) is raised at once for the caller to report rather than waited
+        out; once accepted (its headers say so, common/public_protocol.py), also a request still queued re-attaches."""
         return Stream(self, req, reattach_before_start, on_unavailable)
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
@@ -121,15 +123,16 @@ class Stream:
     empty ones. Re-attaching needs `req.request_id`; without one UNAVAILABLE is raised like any other error.
 
     Raises grpc.aio.AioRpcError for a refusal, or for UNAVAILABLE that lasts `reattach_timeout` seconds without
-    a message; IncompleteStream when the server ends the stream early. Leaving it early (`aclose()`, or `async
-    with`) cancels the call, which makes the server abort the request."""
+    the server accepting the request again or sending a message; IncompleteStream when the server ends the
+    stream early. Leaving it early (`aclose()`, or `async with`) cancels the call, which makes the server abort
+    the request."""
 
     def __init__(self, client: Client, req: pb.GenerateRequest, reattach_before_start: bool,
                  on_unavailable: Callable[[grpc.aio.AioRpcError], None] | None):
         self.client, self.req = client, req
         self.n = max(1, req.sampling.n)
         self.seen = [_Seen() for _ in range(self.n)]
-        self.started = False  # a message arrived: the server holds the request
+        self.started = False  # the server holds the request: its headers said so, or a message arrived
         self.reattaches = 0  # Generate calls re-opened after UNAVAILABLE
         self._reattach_before_start, self._on_unavailable = reattach_before_start, on_unavailable
         self._call: grpc.aio.UnaryStreamCall | None = None
@@ -167,6 +170,9 @@ class Stream:
             server_chars = [0] * self.n
             self._call = client.stub.Generate(req, metadata=client.metadata)
             try:
+                # Sent on admission, long before the first token of a queued request (empty if refused).
+                if accepted(await self._call.initial_metadata()):
+                    self.started, deadline = True, None
                 async for msg in self._call:
                     self.started, deadline = True, None
                     i, s = msg.index, seen[msg.index]

@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.policy import PolicyConfig
 from scheduler_svc.core.scheduler import FINISH_REJECTED, SchedulerCore
@@ -35,6 +37,8 @@ from scheduler_svc.metrics import Metrics
 
 log = logging.getLogger("llmserve.scheduler")
 _DEFAULTS = SchedulerConfig()
+IDLE_PROBE_TIMEOUT_S = 2.0  # the idle driver's Describe of its worker
+IDLE_PROBE_GRACE_S = 30.0  # late answers for this long (a busy host) before an idle worker counts as lost
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Driver(Frontend):
         self.in_flight: StepRecord | None = None  # pipelined: the step sent last, whose result is not applied yet
         self.last_committed: int | None = None  # the last step id this process committed (failover.py compares)
         self.ledger_holds: int | None = None  # the step id the ledger holds while we lead: each commit must follow it
+        self._worker_answered = time.monotonic()  # the worker's last answer (a step's result, an idle probe)
         self.timings = StepTimes()
         self.step_stats = self.timings.stats
         self.tracer = TracingObserver()
@@ -163,6 +168,7 @@ class Driver(Frontend):
         if led is None:
             return
         self.core, self.step_id, ledger_step = led
+        self._worker_answered = time.monotonic()
         self.ledger_holds = ledger_step
         failover.report_behind(self.last_committed, ledger_step, self.ledger.prefix, self.metrics)
         self.tracer.model_name = self.worker.info.model.name
@@ -250,6 +256,7 @@ class Driver(Frontend):
         """Wait for an executed step, apply it, commit it, publish it. `also_changed`: the step sent after it."""
         try:
             record.worker = record.wait()
+            self._worker_answered = time.monotonic()
         except WorkerError as e:
             record.worker_error = e.code.name
             self._notify("step_failed", record)
@@ -310,15 +317,24 @@ class Driver(Frontend):
         self._set_ready(False)
         self.step_id = leadership.reconnect_worker(self.ledger, self.lease, self.worker, self.core, self.step_id,
                                                    self.stopping)
+        self._worker_answered = time.monotonic()
         self._set_ready(True)
 
     def _check_worker(self) -> None:
         """While idle, notice a dead or restarted worker, so health says NOT_SERVING instead of queueing work."""
         try:
-            info = self.worker.describe(timeout=2)
+            info = self.worker.describe(timeout=IDLE_PROBE_TIMEOUT_S)
         except WorkerError as e:
+            silent = time.monotonic() - self._worker_answered
+            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and silent < IDLE_PROBE_GRACE_S:
+                # Late, not gone (an overloaded host): declaring it lost would refuse every request that arrives
+                # until it answers again; they queue instead.
+                log.info("the idle worker did not answer within %g s (silent for %.0f s); still serving",
+                         IDLE_PROBE_TIMEOUT_S, silent)
+                return
             self._worker_failed(e)
             return
+        self._worker_answered = time.monotonic()
         if info.epoch != self.worker.info.epoch:
             leadership.worker_restarted(self.ledger, self.lease, self.worker, self.core, info)
 

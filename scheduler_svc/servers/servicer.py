@@ -14,6 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from common import tracing
+from common.public_protocol import ACCEPTED_HEADER
 from common.structured_outputs import Constraint
 from common.tokenizer import Tokenizer, load_tokenizer
 from protos import llmserve_pb2 as pb
@@ -182,6 +183,9 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
     @retryable_store_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         rid, streams = await self.admit(request, context)
+        # Queued requests may wait long for a token: say now that we hold this one, so that a lost lease or a
+        # restart meanwhile makes the client re-attach instead of failing it (common/public_protocol.py).
+        await context.send_initial_metadata(((ACCEPTED_HEADER, "1"),))
         async for msg in self.stream(rid, streams, context):
             yield msg
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from common.client import Client, IncompleteStream
+from common.public_protocol import ACCEPTED_HEADER
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 
@@ -22,15 +23,20 @@ def text(ids) -> str:
 
 class FlakyServer(pb_grpc.LLMServeServicer):
     """Streams TOKENS to every sequence, `chunks[k]` tokens per message in call k (the last size for later calls);
-    call k breaks with `breaks[k]` (a status code) after `break_after` messages, or ends early with `end_early`."""
+    call k breaks with `breaks[k]` (a status code) after `break_after` messages, or ends early with `end_early`;
+    with `accept` each call first says in its headers that it holds the request, as the scheduler does."""
 
-    def __init__(self, chunks=(3, 2), breaks=(grpc.StatusCode.UNAVAILABLE,), break_after=2, end_early=False):
+    def __init__(self, chunks=(3, 2), breaks=(grpc.StatusCode.UNAVAILABLE,), break_after=2, end_early=False,
+                 accept=False):
         self.chunks, self.breaks, self.break_after, self.end_early = chunks, breaks, break_after, end_early
+        self.accept = accept
         self.resumes: list[int] = []
 
     async def Generate(self, request, context):
         call = len(self.resumes)
         self.resumes.append(request.resume_from_token)
+        if self.accept:
+            await context.send_initial_metadata(((ACCEPTED_HEADER, "1"),))
         size = self.chunks[min(call, len(self.chunks) - 1)]
         for k, pos in enumerate(range(request.resume_from_token, len(TOKENS), size)):
             if k == self.break_after and call < len(self.breaks):
@@ -96,6 +102,20 @@ def test_refusals_and_early_ends_are_raised():
         collect(FlakyServer(), request_id="")
     with pytest.raises(IncompleteStream):
         collect(FlakyServer(breaks=(), end_early=True))
+
+
+def test_an_accepted_request_re_attaches_before_its_first_token():
+    """A queued request (accepted, no token yet) whose scheduler steps down re-attaches, also for a caller that
+    reports UNAVAILABLE before acceptance at once (the HTTP API): the request lives on in Redis."""
+    server = FlakyServer(break_after=0, accept=True)
+    got, reattaches, _ = collect(server, reattach_before_start=False)
+    assert reattaches == 1 and server.resumes == [0, 0]
+    assert got[0] == {**got[0], "ids": TOKENS, "text": text(TOKENS), "finish": "length"}
+    # A refusal after acceptance is still the caller's.
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        collect(FlakyServer(breaks=(grpc.StatusCode.DEADLINE_EXCEEDED,), break_after=0, accept=True),
+                reattach_before_start=False)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_server_that_stays_unavailable_ends_the_stream():
