@@ -3,9 +3,12 @@
 Writes a random-weight bfloat16 Llama (safetensors, one file), then in a fresh subprocess per loader loads it the
 way the worker does (`load_model_weights`, then `LlamaModel` in bfloat16 on the CPU, prepack off) and reports the
 peak resident set (ru_maxrss), the resident set once the load is done (what the process keeps), and the time.
+With `--quantization fp8` the projections are written as block-scaled FP8 (`weight_scale_inv` per 128x128 block,
+Qwen3-FP8's layout) and the checkpoint carries its `quantization_config`.
 
     python -m experiments.load_memory --layers 16 --ref main     # ~1.2B parameters, 2.5 GB of safetensors
     python -m experiments.load_memory --layers 28 --hidden 3072 --checkpoint /tmp/llama3b   # ~3.2B, 6.4 GB, kept
+    python -m experiments.load_memory --layers 8 --hidden 1024 --intermediate 4096 --vocab 32000 --quantization fp8
 """
 
 from __future__ import annotations
@@ -39,8 +42,21 @@ print(json.dumps({"peak_rss": peak, "kept_rss": kept, "before_load_rss": base * 
 """
 
 
-def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, vocab: int) -> int:
-    """A random bfloat16 Llama (Llama-3.2-1B's shape at 16 layers); returns its bytes of weights."""
+def _fp8_block(w):
+    """float8_e4m3fn codes and one float32 scale per 128x128 block (w = codes * scale_inv)."""
+    import torch
+
+    out, inp = w.shape
+    blocks = w.float().reshape(out // 128, 128, inp // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(out, inp)
+    return codes, scale
+
+
+def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, vocab: int,
+                     quantization: str | None = None) -> int:
+    """A random bfloat16 Llama (Llama-3.2-1B's shape at 16 layers), its projections FP8 with `quantization`
+    "fp8"; returns its bytes of weights."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -61,8 +77,15 @@ def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, voc
                             ("mlp.gate_proj", (intermediate, hidden)), ("mlp.up_proj", (intermediate, hidden)),
                             ("mlp.down_proj", (hidden, intermediate))):
             tensors[p + name + ".weight"] = rand(*shape)
+            if quantization == "fp8":
+                tensors[p + name + ".weight"], tensors[p + name + ".weight_scale_inv"] = _fp8_block(rand(*shape))
         tensors[p + "input_layernorm.weight"] = rand(hidden)
         tensors[p + "post_attention_layernorm.weight"] = rand(hidden)
+    if quantization == "fp8":
+        config = json.load(open(os.path.join(path, "config.json")))
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}
+        json.dump(config, open(os.path.join(path, "config.json"), "w"))
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -84,6 +107,7 @@ def main() -> None:
     ap.add_argument("--ref", default="main", help="the git ref whose loader is the baseline")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
                     help="keep the checkpoint here and reuse it when present (default: a temporary one)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="write the projections quantized")
     args = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,11 +117,12 @@ def main() -> None:
         if os.path.isfile(weights):
             size = os.path.getsize(weights)  # the header's few KB aside
         else:
-            size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab)
+            size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab, args.quantization)
         archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         rows = {args.ref: measure(old, model), "this tree": measure(here, model)}
-    print(f"checkpoint: {size / 1e9:.2f} GB of bfloat16 weights, {args.layers} layers, hidden {args.hidden}")
+    kind = "FP8 projections, bfloat16 rest" if args.quantization else "bfloat16 weights"
+    print(f"checkpoint: {size / 1e9:.2f} GB of {kind}, {args.layers} layers, hidden {args.hidden}")
     print(f"{'loader':<12} {'peak RSS GB':>12} {'kept RSS GB':>12} {'peak/kept':>10} {'peak/ckpt':>10} {'s':>7}")
     for name, r in rows.items():
         print(f"{name:<12} {r['peak_rss'] / 1e9:12.2f} {r['kept_rss'] / 1e9:12.2f} "

@@ -4,10 +4,11 @@ in --dtype (bfloat16 by default; float32 where the CPU has no native bf16): the 
 while loading, the load time, and decode tokens/s at a few batch sizes (one step = one token for each of B
 sequences with C cached tokens; median of the repeats).
 
-    python -m experiments.quantized_formats --root /tmp/llama1b                       # every format found under the folder
-    python -m experiments.quantized_formats --root /tmp/llama1b --formats fp8 --ref main   # FP8 with main's code beside
+    python -m experiments.quantized_formats --root /tmp/llama1b                         # every format in the folder
+    python -m experiments.quantized_formats --root /tmp/llama1b --formats fp8 --ref main  # FP8, main beside it
 
---ref REF adds a row per format measured with that git ref's tree (the code before a change), in the same run.
+--ref REF adds a row per format measured with that git ref's tree (the code before a change), in the same run;
+--ref-only measures with that tree alone (where two loads of the model do not fit in memory at once).
 """
 
 from __future__ import annotations
@@ -77,15 +78,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--ref", default=None, help="also measure with this git ref's tree")
+    ap.add_argument("--ref-only", action="store_true", help="measure with --ref's tree only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.ref_only and not args.ref:
+        ap.error("--ref-only needs --ref (the git ref whose tree is measured)")
     missing = [f for f in args.formats.split(",") if not os.path.isfile(os.path.join(args.root, f, "config.json"))]
     if missing:
         write_formats(args.root, missing, args.layers, args.hidden, args.intermediate)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []
     with tempfile.TemporaryDirectory() as old:
-        trees = [("this tree", here)]
+        trees = [] if args.ref_only else [("this tree", here)]
         if args.ref:
             archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)

@@ -156,8 +156,10 @@ def test_images_serve_the_bundled_model_and_the_server_image_has_no_torch(images
         assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr, no_torch.stderr
 
         serve_log = str(tmp_path / "serve.log")
-        serve = in_image(worker_root, worker_cfg, ["serve", "--device", "cpu", "--port", grpc_port,
-                                                   "--http-port", http_port, "--num-gpu-blocks-override", 64])
+        # float32 as the reference (`--dtype auto` is bfloat16 on a CPU with AVX512-BF16 or AMX)
+        serve = in_image(worker_root, worker_cfg, ["serve", "--device", "cpu", "--dtype", "float32",
+                                                   "--port", grpc_port, "--http-port", http_port,
+                                                   "--num-gpu-blocks-override", 64])
         with started(serve, serve_log) as serve_proc:
             wait_http_health(http_port, serve_proc, serve_log)
             answer = chat(http_port)

@@ -77,10 +77,10 @@ FORMATS = {
 }
 
 
-def write_fp8_checkpoint(path, fmt: str) -> torch.nn.Module:
+def write_fp8_checkpoint(path, fmt: str, shape: dict = SHAPE) -> torch.nn.Module:
     """The checkpoint at `path` in format `fmt`, and transformers' model holding its dequantized weights."""
     qconfig, suffix, strategy = FORMATS[fmt]
-    hf = make_checkpoint("llama", path, **SHAPE)
+    hf = make_checkpoint("llama", path, **shape)
     (file,) = path.glob("*.safetensors")
     tensors = load_file(file)
     dequantized = {}

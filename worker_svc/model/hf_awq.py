@@ -8,6 +8,8 @@ float16 [in / group, out]; w = (q - zero) * scale. A group of 64 or 128 columns 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from worker_svc.model.quant import GROUP, QuantizedWeight
@@ -57,14 +59,15 @@ def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                            zero.repeat_interleave(repeat, 1).contiguous(), 4, "awq")
 
 
-def convert_awq(tensors: dict[str, torch.Tensor], keep_quantized) -> dict:
+def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
     """The model's weights from an AWQ checkpoint's tensors: each `qweight` / `qzeros` / `scales` triple becomes
     `<layer>.weight`, an int4 QuantizedWeight where `keep_quantized(name)` (the model packs it), else float32
     dequantized (MoE experts); the rest float32."""
     out: dict = {}
-    for name, t in tensors.items():
+    for name in tensors:
         if name.endswith((".qzeros", ".scales")):
             continue
+        t = tensors[name]
         if name.endswith(".qweight"):
             layer = name.removesuffix(".qweight")
             w = awq_weight(t, tensors[layer + ".qzeros"], tensors[layer + ".scales"], name)

@@ -16,6 +16,8 @@ of a matmul's input int8 on the CPU kernels, a finer grain than per token); stat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from worker_svc.model.hf_gptq import unpack_columns, unpack_rows
@@ -61,14 +63,15 @@ def packed_weight(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor
                            (-zero * scale).repeat_interleave(repeat, 1).contiguous(), 4, "compressed-tensors")
 
 
-def convert_pack_quantized(tensors: dict[str, torch.Tensor], keep_quantized) -> dict:
+def convert_pack_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
     """The model's weights from a pack-quantized checkpoint: each `weight_packed` (with its scale, shape and zero
     point) becomes `<layer>.weight`, int4 where `keep_quantized(name)` (the model packs it), else float32
     dequantized; the rest float32."""
     out: dict = {}
-    for name, t in tensors.items():
+    for name in tensors:
         if name.endswith((".weight_scale", ".weight_shape", ".weight_zero_point")):
             continue
+        t = tensors[name]
         if name.endswith(".weight_g_idx"):
             raise ValueError(f"{name}: group act-order (a g_idx) is not read by llmserve")
         if name.endswith(".weight_packed"):
@@ -94,13 +97,14 @@ def int8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str) -> Quantiz
     return QuantizedWeight(weight, scale.expand(out, inp // GROUP).contiguous(), None, 8, "compressed-tensors")
 
 
-def convert_int_quantized(tensors: dict[str, torch.Tensor], keep_quantized) -> dict:
+def convert_int_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
     """The model's weights from an int-quantized checkpoint: each int8 `weight` with its `weight_scale` becomes an
     int8 QuantizedWeight where `keep_quantized(name)`, else float32 dequantized; the rest float32."""
     out: dict = {}
-    for name, t in tensors.items():
+    for name in tensors:
         if name.endswith(".weight_scale"):
             continue
+        t = tensors[name]
         if name.endswith((".input_scale", ".input_zero_point")):
             raise ValueError(f"{name}: static activation scales are not read by llmserve")
         if name.endswith(".weight_zero_point"):

@@ -15,6 +15,8 @@ GPTQ layers are dequantized at load (float32, cast to --dtype by the model) and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from worker_svc.model.quant import GROUP, QuantizedWeight
@@ -92,16 +94,17 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     return QuantizedWeight(codes.T.contiguous(), scale, (-zeros[first].T * scale).contiguous(), 4, "gptq")
 
 
-def convert_gptq(tensors: dict[str, torch.Tensor], qc: dict, keep_quantized) -> dict:
+def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized) -> dict:
     """The model's weights from a GPTQ checkpoint's tensors: each `qweight` / `qzeros` / `scales` (/ `g_idx`)
     becomes `<layer>.weight`, an int4 QuantizedWeight where `keep_quantized(name)` (the model packs it), else
     float32 dequantized (MoE experts); the rest float32. If any layer cannot be exact int4 (act-order), all are
     dequantized: the model fuses q/k/v and gate/up, which must be of one form."""
     offset = zero_offset(qc)
     out: dict = {}
-    for name, t in tensors.items():
+    for name in tensors:
         if name.endswith((".qzeros", ".scales", ".g_idx")):
             continue
+        t = tensors[name]
         if name.endswith(".qweight"):
             layer = name.removesuffix(".qweight")
             w = gptq_weight(t, tensors[layer + ".qzeros"], tensors[layer + ".scales"], tensors.get(layer + ".g_idx"),

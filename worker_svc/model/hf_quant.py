@@ -14,6 +14,7 @@ choice; static scales are refused).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -144,15 +145,16 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str,
     return QuantizedWeight(weight, scale.repeat_interleave(bn, dim=0)[:out].contiguous(), None, 8, "fp8", group=bk)
 
 
-def convert_fp8(tensors: dict[str, torch.Tensor], keep_quantized: bool,
+def convert_fp8(tensors: Mapping[str, torch.Tensor], keep_quantized: bool,
                 block: tuple[int, int] = (128, 128)) -> dict:
     """The model's weights from a checkpoint's tensors: every FP8 weight with its scale (`weight_scale_inv` or
     `weight_scale`, blocks of `block`) becomes a QuantizedWeight where the model packs it (a dense family's
     projections, with `keep_quantized`), else float32 dequantized; the rest float32."""
     out: dict = {}
-    for name, t in tensors.items():
+    for name in tensors:
         if name.endswith((".weight_scale_inv", ".weight_scale")):
             continue
+        t = tensors[name]
         if name.endswith(".input_scale"):
             raise ValueError(f"{name}: static activation scales are not read by llmserve")
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

@@ -22,7 +22,9 @@ from worker_svc.model import families as models
 from worker_svc.model import hf_awq, hf_compressed_int, hf_gptq, hf_quant
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import ROPE_TYPES, hf_rope
-from worker_svc.model.safetensors_stream import HOST_FLOAT32, Placement, iter_tensors, tensor_names
+from worker_svc.model.quant import QuantizedWeight
+from worker_svc.model.safetensors_stream import HOST_FLOAT32, LazyTensors, Placement, iter_tensors, tensor_names
+from worker_svc.parallel.quant_sharding import shard_quantized
 from worker_svc.parallel.sharding import (
     FULL,
     Shard,
@@ -398,35 +400,34 @@ def load_hf_dir(path: str, shard: Shard = FULL,
                              f"experts only, not to {family.name}")
         return config, dict(iter_tensors(files, config, shard, placement))
     if quant_method is not None:
-        return config, _load_hf_quantized(files, cfg["quantization_config"], shard,
+        return config, _load_hf_quantized(files, cfg["quantization_config"], config, shard,
                                           hybrid=getattr(family, "hybrid", False))
     return config, dict(iter_tensors(files, config, shard, placement))
 
 
-def _load_hf_quantized(files: list[str], qc: dict, shard: Shard, hybrid: bool) -> dict:
+def _load_hf_quantized(files: list[str], qc: dict, config: ModelConfig, shard: Shard, hybrid: bool) -> dict:
     """The weights of a quantized checkpoint (its quantization_config `qc`, checked), its tensors read as stored
-    (hf_quant.py)."""
-    from safetensors.torch import load_file
+    (hf_quant.py), then cut to this rank's `shard` (quantized ones with their scales, quant_sharding.py)."""
+    weights = _convert_hf_quantized(files, qc, hybrid)
+    if shard.size == 1:
+        return weights
+    return {name: shard_quantized(name, w, config, shard) if isinstance(w, QuantizedWeight)
+            else shard_tensor(name, w, config, shard) for name, w in weights.items()}
 
-    if shard.size > 1:
-        raise ValueError(f"--tensor-parallel-size > 1 with a {qc['quant_method']} checkpoint is not supported "
-                         "yet: quantized weights are not sharded")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(file))
-    # The hybrid families read their projections other than through the packed matmul: dequantized there.
-    if qc["quant_method"] in ("awq", "gptq"):
-        if hybrid:
-            raise ValueError(f"an {qc['quant_method']} checkpoint of a hybrid family is not supported yet")
-        if qc["quant_method"] == "gptq":
-            return hf_gptq.convert_gptq(tensors, qc, hf_quant.packed_by_the_model)
-        return hf_awq.convert_awq(tensors, hf_quant.packed_by_the_model)
+
+def _convert_hf_quantized(files: list[str], qc: dict, hybrid: bool) -> dict:
+    # Read lazily: a layer's codes, scales and zeros are read when its conversion needs them, then let go.
+    tensors = LazyTensors(files)
+    # The hybrid families run their projections as dense matmuls (not quant.QuantLinear): dequantized at load.
+    keep = (lambda name: False) if hybrid else hf_quant.packed_by_the_model
+    if qc["quant_method"] == "gptq":
+        return hf_gptq.convert_gptq(tensors, qc, keep)
+    if qc["quant_method"] == "awq":
+        return hf_awq.convert_awq(tensors, keep)
     if qc.get("format") in hf_compressed_int.INT_FORMATS:
-        if hybrid:
-            raise ValueError(f"a {qc['format']} checkpoint of a hybrid family is not supported yet")
         convert = hf_compressed_int.convert_pack_quantized if qc["format"] == "pack-quantized" else \
             hf_compressed_int.convert_int_quantized
-        return convert(tensors, hf_quant.packed_by_the_model)
+        return convert(tensors, keep)
     return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
 
 

@@ -8,7 +8,7 @@ mapping closes, so one mapping per tensor keeps the file's share of the peak to 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -70,3 +70,24 @@ def _place(part: torch.Tensor, placement: Placement) -> torch.Tensor:
     if dtype != part.dtype:
         return part.to(dtype)  # a new tensor: the file's pages are left behind
     return part.clone(memory_format=torch.contiguous_format)  # own memory: the mapping closes with the file
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """The tensors of `files` by name, each read from its file only when looked up (a quantized checkpoint's
+    conversion takes a layer's codes, scales and zeros together, then lets them go): in memory of its own, as
+    stored. The file is opened per lookup, for the reason iter_tensors gives."""
+
+    def __init__(self, files: list[str]):
+        self._file_of = {name: file for file, name in tensor_names(files)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._file_of[name], framework="pt") as f:
+            return f.get_tensor(name).clone(memory_format=torch.contiguous_format)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
