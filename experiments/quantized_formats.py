@@ -4,8 +4,8 @@ in --dtype (bfloat16 by default; float32 where the CPU has no native bf16): the 
 while loading, the load time, and decode tokens/s at a few batch sizes (one step = one token for each of B
 sequences with C cached tokens; median of the repeats).
 
-    python -m experiments.quantized_formats --root /tmp/llama1b                       # every format found under the folder
-    python -m experiments.quantized_formats --root /tmp/llama1b --formats fp8 --ref main   # FP8 with main's code beside
+    python -m experiments.quantized_formats --root /tmp/llama1b                         # every format in the folder
+    python -m experiments.quantized_formats --root /tmp/llama1b --formats fp8 --ref main  # FP8, main beside it
 
 --ref REF adds a row per format measured with that git ref's tree (the code before a change), in the same run.
 """
