@@ -123,6 +123,16 @@ def namespace() -> Any:
     return setting("llmserve", "prefix of every Redis key")
 
 
+def speculative_config() -> Any:
+    """The scheduler grants the draft slots; the worker loads an eagle3 / mtp head from it."""
+    return setting(
+        None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup), '{\"method\": \"eagle3\", "
+        "\"model\": DIR, \"num_speculative_tokens\": 3}' (an EAGLE-3 head) or '{\"method\": \"mtp\", "
+        "\"num_speculative_tokens\": 1}' (the checkpoint's own MTP layers); give the scheduler and the worker the same",
+        metavar="JSON")
+
+
 def enable_lora() -> Any:
     return setting(False, "serve LoRA adapters of the base model (vLLM's flag): requests pick one by the model name")
 

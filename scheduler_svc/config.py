@@ -46,10 +46,7 @@ class SchedulerConfig:
     async_scheduling: bool = setting(
         True, "commit and publish each step while the worker already runs the next one (the next plan is built "
         "from the previous step's result); --no-async-scheduling commits between the two")
-    speculative_config: str | None = setting(
-        None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; the only method)",
-        metavar="JSON")
+    speculative_config: str | None = c.speculative_config()
     enable_lora: bool = c.enable_lora()
     lora_modules: list[str] | None = c.lora_modules()
     max_loras: int = c.max_loras()

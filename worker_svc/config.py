@@ -126,6 +126,7 @@ class WorkerConfig:
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")
+    speculative_config: str | None = c.speculative_config()
     enable_lora: bool = c.enable_lora()
     lora_modules: list[str] | None = c.lora_modules()
     max_loras: int = c.max_loras()

@@ -78,19 +78,28 @@ def accepted_lengths(targets: np.ndarray, drafts: np.ndarray, counts: np.ndarray
     return np.minimum(first_miss, counts).astype(np.int64)
 
 
-def propose(b: InputBatch, rows: np.ndarray, ends: np.ndarray, draft_slots: np.ndarray, block_size: int,
-            max_model_len: int, lookup_min: int, lookup_max: int) -> np.ndarray:
-    """N-gram drafts for the chunks (rows[i], computing up to ends[i]) that decode and were granted draft slots,
-    written to the batch's token_ids past each row's num_tokens (the next step's tokens overwrite them); returns
-    the drafts per chunk (0 for most)."""
+def draft_caps(b: InputBatch, rows: np.ndarray, ends: np.ndarray, draft_slots: np.ndarray, block_size: int,
+               max_model_len: int) -> np.ndarray:
+    """The drafts each chunk (rows[i], computing up to ends[i]) may verify, whatever proposes them: within the
+    grant, the row's blocks, max_model_len (the bonus token included) and max_tokens; 0 unless the chunk is the
+    row's last known token, and for constrained rows."""
     n = b.num_tokens[rows]
-    # Within the grant, the row's blocks, max_model_len (the bonus token included) and max_tokens.
     cap = np.minimum(draft_slots, b.num_blocks[rows] * block_size - ends)
     cap = np.minimum(cap, max_model_len - 1 - n)
     max_tokens = b.max_tokens[rows]
     cap = np.where(max_tokens > 0, np.minimum(cap, max_tokens - (n - b.num_prompt_tokens[rows]) - 1), cap)
     cap = np.where(ends == n, np.maximum(cap, 0), 0)
     cap[b.constrained[rows]] = 0  # the scheduler grants constrained requests none; never draft past a grammar
+    return cap
+
+
+def propose(b: InputBatch, rows: np.ndarray, ends: np.ndarray, draft_slots: np.ndarray, block_size: int,
+            max_model_len: int, lookup_min: int, lookup_max: int) -> np.ndarray:
+    """N-gram drafts for the chunks (rows[i], computing up to ends[i]) that decode and were granted draft slots,
+    written to the batch's token_ids past each row's num_tokens (the next step's tokens overwrite them); returns
+    the drafts per chunk (0 for most)."""
+    n = b.num_tokens[rows]
+    cap = draft_caps(b, rows, ends, draft_slots, block_size, max_model_len)
     num_drafts = np.zeros(len(rows), dtype=np.int64)
     which = np.flatnonzero(cap > 0)
     if not len(which):

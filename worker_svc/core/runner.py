@@ -21,7 +21,7 @@ from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
 from worker_svc.config import WorkerConfig
-from worker_svc.core import kv_cache, ngram_drafts
+from worker_svc.core import hidden_drafts, kv_cache, ngram_drafts
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
@@ -138,9 +138,10 @@ class ModelRunner:
                               "layers; run without --enable-lora")
         self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)
         self.model.lora = self.lora
+        self.heads = hidden_drafts.load(opts, self.model, compiled, tp_size)  # eagle3 / mtp: the target's states
         if compiled:
             self.model = compile_model(self.model, opts)
-        elif self.lora is None and (loop := layer_loop.build(self.model)) is not None:
+        elif self.lora is None and self.heads is None and (loop := layer_loop.build(self.model)) is not None:
             self.model = loop  # the model's layers in one C++ call, where a step allows it (cpu/layer_loop.py)
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -260,6 +261,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
+        hidden_drafts.before_step(self.heads, copies, self.num_blocks, self.block_size)
         if self.state is not None:
             self._restore_states(plan)
         if not len(sched):
@@ -268,10 +270,9 @@ class ModelRunner:
             self._save_states(plan)
             return StepOutput(plan.step_id, previous)
         num_drafts = None
-        if sched.draft_slots is not None:
-            num_drafts = ngram_drafts.propose(self.batch.inputs, sched.rows, sched.starts + sched.lengths,
-                                             sched.draft_slots, self.block_size, self.max_model_len,
-                                             plan.prompt_lookup_min, plan.prompt_lookup_max)
+        if sched.draft_slots is not None:  # n-gram drafts, or those an eagle3 / mtp head left for this step
+            num_drafts = hidden_drafts.propose(self.heads, self.batch.inputs, sched, plan, self.block_size,
+                                               self.max_model_len)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         chunk_rows = sched.lengths if num_drafts is None else sched.lengths + num_drafts
@@ -303,6 +304,8 @@ class ModelRunner:
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
             self._sample(logits, inputs.sample_rows, inputs.num_drafts, out)
+        hidden_drafts.after_step(self.heads, self.batch.inputs, sched, chunk_rows, self.max_model_len,
+                                 self.attention_backend == "torch")  # an eagle3 / mtp head: the next drafts
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
