@@ -187,3 +187,52 @@ def test_bad_eagle3_heads_are_refused_at_start(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ConfigError, match="architectures"):
         ModelRunner(WorkerConfig(model=target, dtype="float32", speculative_config=spec(str(tmp_path))))
+
+
+# MTP: the checkpoint's own layer, on the hybrid families that ship one. Rejected drafts are rolled back out of the
+# recurrent state (worker_svc/core/state_rollback.py): without that the next tokens would drift from plain decoding.
+MTP_KEYS = {"qwen3_5": "mtp_num_hidden_layers", "qwen3_next": "num_nextn_predict_layers"}
+
+
+@pytest.fixture(scope="module", params=list(MTP_KEYS))
+def mtp_runners(request, tmp_path_factory):
+    from tests.service.test_hybrid_families import make_checkpoint
+    from tests.support.spec_heads import add_mtp_layer
+
+    path = str(tmp_path_factory.mktemp(request.param))
+    make_checkpoint(request.param, path)
+    add_mtp_layer(path, MTP_KEYS[request.param])
+    opts = dict(model=path, dtype="float32", num_gpu_blocks_override=128, num_state_slots=8)
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    return ModelRunner(WorkerConfig(**opts)), ModelRunner(WorkerConfig(**opts, speculative_config=mtp))
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_greedy_with_mtp_drafts_equals_plain_decoding(mtp_runners, chunk):
+    plain, mtp = mtp_runners
+    rng = random.Random(chunk)
+    ids = [[rng.randrange(300) for _ in range(n)] for n in (5, 17, 40, 9)]
+    ref, got = requests(f"mp{chunk}", ids, greedy), requests(f"mm{chunk}", ids, greedy)
+    run_requests(partial(execute_step, plain), ref, chunk=chunk, num_blocks=plain.num_blocks,
+                 block_size=plain.block_size, first_step_id=plain.batch.last_step_id + 1, state_slots=True)
+    results: list[pb.StepResult] = []
+    run_requests(partial(execute_step, mtp), got, chunk=chunk, num_blocks=mtp.num_blocks, block_size=mtp.block_size,
+                 first_step_id=mtp.batch.last_step_id + 1, num_draft_slots=2, spec_results=results, state_slots=True)
+    assert [r.output for r in ref] == [r.output for r in got]
+    drafts = sum(sum(r.spec_num_draft_tokens) for r in results)
+    assert drafts > 0 and sum(sum(r.spec_num_accepted_tokens) for r in results) < drafts, "rejections roll back"
+
+
+def test_mtp_is_refused_for_a_checkpoint_without_mtp_layers(tmp_path):
+    from tests.service.test_hybrid_families import make_checkpoint
+
+    make_checkpoint("qwen3_5", str(tmp_path))
+    with pytest.raises(ConfigError, match="mtp_num_hidden_layers"):
+        ModelRunner(WorkerConfig(model=str(tmp_path), dtype="float32", num_state_slots=4,
+                                 speculative_config='{"method": "mtp", "num_speculative_tokens": 1}'))
+
+
+def test_mtp_is_refused_for_a_family_without_mtp_layers(checkpoints):
+    with pytest.raises(ConfigError, match="method mtp"):
+        ModelRunner(WorkerConfig(model=checkpoints[0], dtype="float32",
+                                 speculative_config='{"method": "mtp", "num_speculative_tokens": 1}'))

@@ -16,6 +16,7 @@ The drafts are the head's greedy tokens, a point-mass proposal, so the n-gram pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,11 +26,12 @@ import kernels
 from common.config import ConfigError
 from scheduler_svc.core.speculative import FLAG, HEAD_METHODS, parse_speculative_config
 from worker_svc.config import WorkerConfig
-from worker_svc.core import kv_cache, ngram_drafts
+from worker_svc.core import kv_cache, ngram_drafts, state_rollback
 from worker_svc.core.input_batch import InputBatch
 from worker_svc.core.ngram_drafts import draft_caps
 from worker_svc.core.persistent_batch import Schedule
 from worker_svc.core.plan import StepPlan
+from worker_svc.core.state_cache import StateCache
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.hidden_capture import HiddenCapture
@@ -85,20 +87,30 @@ def before_step(drafts: HiddenDrafts | None, copies: tuple[np.ndarray, np.ndarra
 
 
 def propose(drafts: HiddenDrafts | None, b: InputBatch, sched: Schedule, plan: StepPlan, block_size: int,
-            max_model_len: int) -> np.ndarray:
-    """The drafts per chunk of a step with draft slots: the head's where one is loaded, else n-gram lookup's."""
+            max_model_len: int, state: StateCache | None = None) -> np.ndarray:
+    """The drafts per chunk of a step with draft slots: the head's where one is loaded, else n-gram lookup's.
+    `state`: a hybrid model's pool, whose drafting rows' states are kept for the roll-back (state_rollback.py)."""
     ends = sched.starts + sched.lengths
     if drafts is not None:
-        return drafts.take(b, sched.rows, ends, sched.draft_slots, max_model_len)
+        num = drafts.take(b, sched.rows, ends, sched.draft_slots, max_model_len)
+        drafts.state, drafts.kept = state, state_rollback.keep(state, b, sched, num)
+        return num
     return ngram_drafts.propose(b, sched.rows, ends, sched.draft_slots, block_size, max_model_len,
                                 plan.prompt_lookup_min, plan.prompt_lookup_max)
 
 
 def after_step(drafts: HiddenDrafts | None, b: InputBatch, sched: Schedule, chunk_rows: np.ndarray,
-               max_model_len: int, build_plan: bool) -> None:
-    """The head over this step's hidden states: its KV, and the next step's drafts (nothing without a head)."""
-    if drafts is not None:
-        drafts.after_step(b, sched.rows, sched.starts, chunk_rows, max_model_len, build_plan)
+               max_model_len: int, build_plan: bool, forward: Callable[[Any, Any], Any]) -> None:
+    """The head over this step's hidden states: its KV, and the next step's drafts (nothing without a head); then,
+    on a hybrid model, the roll-back of rejected drafts out of the recurrent state (`forward`: the runner's _run)."""
+    if drafts is None:
+        return
+    drafts.after_step(b, sched.rows, sched.starts, chunk_rows, max_model_len, build_plan)
+    again = state_rollback.replay_inputs(drafts.kept, drafts.state, b, drafts.block_size, build_plan)
+    drafts.kept = None
+    if again is not None:
+        empty = np.zeros(0, dtype=np.int64)
+        forward((empty, empty), again)
 
 
 class HiddenDrafts:
@@ -111,6 +123,8 @@ class HiddenDrafts:
         self.block_size = 0
         # Per request id: (the token count the drafts continue, the drafts).
         self.waiting: dict[str, tuple[int, np.ndarray]] = {}
+        self.state: StateCache | None = None  # a hybrid target's pool, and its drafting rows' states this step
+        self.kept: state_rollback.KeptStates | None = None
 
     def before_step(self, copies: tuple[np.ndarray, np.ndarray], num_blocks: int, block_size: int) -> None:
         """Copy-on-write of the head's KV with the target's; the capture emptied for this step's forward."""

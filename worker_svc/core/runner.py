@@ -164,7 +164,8 @@ class ModelRunner:
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
         self.pooler = Pooler(PoolerConfig.parse(opts.pooler_config))
         self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
-                                                 cfg.vocab_size, self.num_state_slots), self.grammars)
+                                                 cfg.vocab_size, self.num_state_slots, self.heads is not None),
+                                     self.grammars)
 
     def _size_kv_pool(self) -> int:
         o = self.opts
@@ -272,7 +273,7 @@ class ModelRunner:
         num_drafts = None
         if sched.draft_slots is not None:  # n-gram drafts, or those an eagle3 / mtp head left for this step
             num_drafts = hidden_drafts.propose(self.heads, self.batch.inputs, sched, plan, self.block_size,
-                                               self.max_model_len)
+                                               self.max_model_len, self.state)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         chunk_rows = sched.lengths if num_drafts is None else sched.lengths + num_drafts
@@ -292,7 +293,6 @@ class ModelRunner:
                                      RecurrentSplit.of_lengths(chunk_rows, self.device))  # host data: no read back
         t1 = time.perf_counter()
         logits = self._run(copies, inputs)
-        self._save_states(plan)
         t2 = time.perf_counter()
         out = StepOutput(plan.step_id, previous, sched.num_tokens)
         if pooling is not None:
@@ -305,7 +305,8 @@ class ModelRunner:
         if len(inputs.sample_rows):
             self._sample(logits, inputs.sample_rows, inputs.num_drafts, out)
         hidden_drafts.after_step(self.heads, self.batch.inputs, sched, chunk_rows, self.max_model_len,
-                                 self.attention_backend == "torch")  # an eagle3 / mtp head: the next drafts
+                                 self.attention_backend == "torch", self._run)  # eagle3 / mtp: the next drafts
+        self._save_states(plan)  # after a hybrid model's roll-back of rejected drafts
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
