@@ -24,7 +24,7 @@ import torch
 
 import kernels
 from common.config import ConfigError
-from scheduler_svc.core.speculative import FLAG, HEAD_METHODS, parse_speculative_config
+from common.speculative_config import FLAG, HEAD_METHODS, parse_speculative_config
 from worker_svc.config import WorkerConfig
 from worker_svc.core import kv_cache, ngram_drafts, state_rollback
 from worker_svc.core.input_batch import InputBatch
