@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup): speculation on versus off in the same run, batch 1 and 16.
+"""Speculative decoding (n-gram prompt lookup, or an eagle3 / mtp head): speculation on versus off in the same run,
+batch 1 and 16.
 
 The stack: a private redis-server and one worker process (bundled SmolLM2-135M GGUF unless --model); per run a
 fresh in-process scheduler in its own Redis namespace (`--speculative-config` or none; one scheduler drives the
@@ -11,6 +12,10 @@ Workloads (temperature 0, so both sides compute the same tokens):
 - chat: llmserve.bench.workloads' `chat` (random-token prompts of 32..256 tokens, fixed outputs of 32..128 with
   `ignore_eos`).
 
+With an eagle3 / mtp `--speculative-config` the "on" runs go to a second worker process started with the flag (the
+head loaded; the "off" worker has none, so the head's cost per step counts); `--random-eagle3-head` writes a
+random-weight EAGLE-3 head for the bundled model and uses it (acceptance ~0: what it measures is the overhead).
+
 Batch 1 sends the requests one after another; batch 16 sends 16 at once. Reported per run: output tokens/s (all
 output tokens / wall time of the wave), TPOT (per request: (last token - first token) / (tokens - 1), median),
 acceptance rate (vllm:spec_decode_num_accepted_tokens_total / ..._num_draft_tokens_total) and accepted tokens per
@@ -20,6 +25,7 @@ must equal off (reported as "identical k/N").
     .venv/bin/python -m experiments.speculative                        # both workloads, batch 1 and 16
     .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
     .venv/bin/python -m experiments.speculative --json out.json
+    .venv/bin/python -m experiments.speculative --only chat --random-eagle3-head --repeats 1
 
 Results and commands: experiments/RESULTS.md (speculative decoding).
 """
@@ -166,6 +172,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the full results here")
+    ap.add_argument("--random-eagle3-head", action="store_true",
+                    help="speculate with a random-weight EAGLE-3 head for the bundled model (k = 3)")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     workloads = [a.only] if a.only else ["repetitive", "chat"]
@@ -173,8 +181,18 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)
     worker = processes.start_worker(worker_args, log_dir=workdir, wait=False)
+    if a.random_eagle3_head:
+        from tests.support.spec_heads import bundled_model_dims, write_eagle3_head
+
+        head = write_eagle3_head(f"{workdir}/eagle3", aux_layers=None, dims=bundled_model_dims(), draft_vocab=2048)
+        a.speculative_config = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    worker_on = worker
+    if json.loads(a.speculative_config).get("method") in ("eagle3", "mtp"):  # the head loads in the worker
+        worker_on = processes.start_worker([*worker_args, "--speculative-config", a.speculative_config],
+                                           log_dir=workdir, wait=False)
     processes.wait_ready(redis)
     processes.wait_ready(worker, timeout=300)
+    processes.wait_ready(worker_on, timeout=300)
     report: dict = {"speculative_config": a.speculative_config, "runs": []}
     try:
         for workload in workloads:
@@ -187,7 +205,8 @@ def main() -> None:
                 ratios, same, total = [], 0, 0
                 for rep in range(a.repeats):
                     off = run_once(redis.url, worker, items, batch, None, a.max_num_batched_tokens)
-                    on = run_once(redis.url, worker, items, batch, a.speculative_config, a.max_num_batched_tokens)
+                    on = run_once(redis.url, worker_on, items, batch, a.speculative_config,
+                                  a.max_num_batched_tokens)
                     ratios.append(on["tokens_per_s"] / off["tokens_per_s"])
                     same += sum(x == y for x, y in zip(off["outputs"], on["outputs"], strict=True))
                     total += len(items)
@@ -208,6 +227,8 @@ def main() -> None:
                       f"{len(ratios)}), greedy outputs identical {same}/{total}", flush=True)
     finally:
         processes.stop(worker)
+        if worker_on is not worker:
+            processes.stop(worker_on)
         processes.stop(redis)
     if a.json:
         with open(a.json, "w") as f:
