@@ -74,9 +74,10 @@ def load(opts: WorkerConfig, target: LlamaModel, compiled: bool, tp_size: int) -
                               "its layers' hidden states (Llama-shaped decoders do)")
         head: Head = Eagle3Head(spec.model, target, attention=target.attention, prepack=target.prepacked)
     else:
+        from worker_svc.model.loader import default_model_path
         from worker_svc.model.mtp import MtpHead
 
-        head = MtpHead(spec.model or opts.model, target)
+        head = MtpHead(spec.model or opts.model or default_model_path(), target)
     return HiddenDrafts(head, target, spec.num_speculative_tokens)
 
 
