@@ -1,4 +1,4 @@
-"""--speculative-config: speculative decoding (n-gram prompt lookup, or a draft model), parsed and checked at start-up.
+"""--speculative-config: speculative decoding (n-gram, a draft model, EAGLE-3, MTP), parsed and checked at start-up.
 
 The scheduler owns the setting: it grants each decoding request up to `num_speculative_tokens` draft positions per
 step (token budget and KV blocks) and sends the lookup lengths in the plan. The worker proposes the drafts itself,
@@ -8,7 +8,9 @@ one step stale. The drafts are a pure function of the request's tokens, so a rec
 
 `draft_model` names a smaller model of the same tokenizer (`model`, a directory or GGUF file): the worker loads it
 beside the target and runs it inside its step (worker_svc/core/draft_model.py); the scheduler grants draft positions
-the same way for both methods. Both processes read the flag (`llmserve serve` passes it to each).
+the same way for every method. `eagle3` (an EAGLE-3 head at `model`) and `mtp` (the target checkpoint's own MTP
+layers) draft from the target's hidden states on the worker (worker_svc/core/hidden_drafts.py). Both processes read
+the flag (`llmserve serve` passes it to each); the worker's proposer dispatch is worker_svc/core/speculation.py.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from common.config import setting
 from common.json_flag import JsonFlagError, key_error, missing_key, parse_json_object
 
 FLAG = "--speculative-config"
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+HEAD_METHODS = ("eagle3", "mtp")  # drafts from the target's hidden states
 MAX_SPECULATIVE_TOKENS = 16  # draft positions per request and step; more only adds rows the model rejects
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-_DESCRIBED = {"ngram": "n-gram prompt lookup", "draft_model": "a smaller model with the same tokenizer, `model`"}
+_DESCRIBED = {"ngram": "n-gram prompt lookup", "draft_model": "a smaller model with the same tokenizer, `model`",
+              "eagle3": "an EAGLE-3 head, `model`", "mtp": "the target checkpoint's MTP layers"}
 
 
 @dataclass(frozen=True)
@@ -32,12 +36,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     method: str = "ngram"
-    model: str | None = None  # draft_model: the draft's checkpoint
+    model: str | None = None  # draft_model: the draft's checkpoint; eagle3: the head's directory; mtp: None
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     """The flag's JSON (vLLM's keys) as a config, None when unset; JsonFlagError naming the flag and the key."""
-    raw = parse_json_object(FLAG, text, {"method": (str,), "model": (str,), **dict.fromkeys(_KEYS[1:], (int,))},
+    raw = parse_json_object(FLAG, text, {"method": (str,), "model": (str, type(None)),
+                                         **dict.fromkeys(_KEYS[1:], (int,))},
                             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
                             '"prompt_lookup_max": 4}')
     if raw is None:
@@ -48,8 +53,10 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     model = raw.get("model")
     if method == "draft_model" and not model:
         raise missing_key(FLAG, "model", "the draft model's directory or GGUF file (same tokenizer as --model)")
-    if method == "ngram" and model is not None:
-        raise key_error(FLAG, "model", f"absent for method {method} (it drafts without a model)", model)
+    if method == "eagle3" and not model:
+        raise missing_key(FLAG, "model", "the EAGLE-3 head's directory (config.json + safetensors) for method eagle3")
+    if method in ("ngram", "mtp") and model is not None:
+        raise key_error(FLAG, "model", f"absent for method {method} (it drafts without a separate model)", model)
     if "num_speculative_tokens" not in raw:
         raise missing_key(FLAG, "num_speculative_tokens", f"an integer >= 1 and <= {MAX_SPECULATIVE_TOKENS}")
     n = raw["num_speculative_tokens"]
@@ -74,9 +81,11 @@ def _problem(text: str | None) -> str | None:
 
 
 def speculative_config_setting() -> Any:
-    """The flag, shared by the scheduler (grants draft positions) and the worker (loads a draft model)."""
+    """The flag, shared by the scheduler (grants draft positions) and the worker (loads a draft model or head)."""
     return setting(
         None, "speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup) or '{\"method\": "
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' (n-gram prompt lookup), '{\"method\": "
         "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' (a smaller model with the same tokenizer, "
-        "run by the worker)", metavar="JSON", aliases=("-sc",), check=_problem)
+        "run by the worker), '{\"method\": \"eagle3\", \"model\": DIR, \"num_speculative_tokens\": 3}' (an EAGLE-3 "
+        "head) or '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (the checkpoint's own MTP layers)",
+        metavar="JSON", aliases=("-sc",), check=_problem)

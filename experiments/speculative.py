@@ -1,11 +1,14 @@
-"""Speculative decoding: no speculation, n-gram prompt lookup and a draft model in the same run, batch 1 and 16.
+"""Speculative decoding: no speculation, n-gram prompt lookup, a draft model and an eagle3 / mtp head in the same run,
+batch 1 and 16.
 
 The stack: a private redis-server and worker processes (bundled SmolLM2-135M GGUF unless --model): one plain
 worker for `none` and `ngram`, one more per draft model (a draft runs over every token its worker computes, so it
 gets its own worker); per run a fresh in-process scheduler in its own Redis namespace (`--speculative-config` or
 none; one scheduler drives a worker at a time). The methods (--methods) alternate `--repeats` times; each run sends
 one unmeasured warm-up request first. `draft_model` drafts with --draft-model (default: the model itself, the
-upper bound of acceptance; its cost is a second copy of the model's forwards).
+upper bound of acceptance; its cost is a second copy of the model's forwards). `eagle3` drafts with --eagle3-head
+(or --random-eagle3-head: a random-weight head for the bundled model, which measures the cost, not the gain) and
+`mtp` with the checkpoint's own MTP layers (a Qwen3.5 / Qwen3-Next --model); each head loads in its own worker.
 
 Workloads (temperature 0, so both sides compute the same tokens):
 - repetitive: chat requests "rename this function, reply with the complete code" over small Python modules
@@ -13,6 +16,10 @@ Workloads (temperature 0, so both sides compute the same tokens):
   case prompt lookup exists for.
 - chat: llmserve.bench.workloads' `chat` (random-token prompts of 32..256 tokens, fixed outputs of 32..128 with
   `ignore_eos`).
+
+With an eagle3 / mtp `--speculative-config` the "on" runs go to a second worker process started with the flag (the
+head loaded; the "off" worker has none, so the head's cost per step counts); `--random-eagle3-head` writes a
+random-weight EAGLE-3 head for the bundled model and uses it (acceptance ~0: what it measures is the overhead).
 
 Batch 1 sends the requests one after another; batch 16 sends 16 at once. Reported per run: output tokens/s (all
 output tokens / wall time of the wave), TPOT (per request: (last token - first token) / (tokens - 1), median),
@@ -24,6 +31,7 @@ speculation must equal none's (reported as "identical k/N").
     .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
     .venv/bin/python -m experiments.speculative --methods none,draft_model --draft-model DIR
     .venv/bin/python -m experiments.speculative --json out.json
+    .venv/bin/python -m experiments.speculative --only chat --methods none,eagle3 --random-eagle3-head --repeats 1
 
 Results and commands: experiments/RESULTS.md (speculative decoding).
 """
@@ -159,21 +167,27 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
             "draft_tokens": draft_tokens, "accepted_tokens": accepted, "outputs": [s["tokens"] for s in streams]}
 
 
+OWN_WORKER = ("draft_model", "eagle3", "mtp")  # the proposer loads in the worker: one worker per method
+
+
 def _spec_of(method: str, a: argparse.Namespace, draft: str) -> str | None:
     if method == "none":
         return None
     if method == "ngram":
         return a.speculative_config
-    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": a.num_speculative_tokens})
+    model = {"draft_model": draft, "eagle3": a.eagle3_head}.get(method)
+    return json.dumps({"method": method, **({"model": model} if model else {}),
+                       "num_speculative_tokens": a.num_speculative_tokens})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--speculative-config", default=DEFAULT_SPEC, help="the ngram method's flag")
-    ap.add_argument("--methods", default="none,ngram,draft_model", help="comma-separated: none, ngram, draft_model")
+    ap.add_argument("--methods", default="none,ngram,draft_model",
+                    help="comma-separated: none, ngram, draft_model, eagle3, mtp")
     ap.add_argument("--draft-model", default=None, help="draft_model's model (default: --model itself)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="draft_model's k")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k of draft_model, eagle3 and mtp")
     ap.add_argument("--only", choices=["repetitive", "chat"], default=None)
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--batch1-requests", type=int, default=4, help="requests of a batch-1 wave (sent one by one)")
@@ -182,6 +196,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the full results here")
+    ap.add_argument("--eagle3-head", default=None, help="eagle3's head directory")
+    ap.add_argument("--random-eagle3-head", action="store_true",
+                    help="eagle3 with a random-weight EAGLE-3 head for the bundled model")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     methods = a.methods.split(",")
@@ -190,12 +207,17 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)
     draft = a.draft_model or a.model or default_model_path()
+    if a.random_eagle3_head:
+        from tests.support.spec_heads import bundled_model_dims, write_eagle3_head
+
+        a.eagle3_head = write_eagle3_head(f"{workdir}/eagle3", aux_layers=None, dims=bundled_model_dims(),
+                                          draft_vocab=2048)
     workers = {"none": processes.start_worker(worker_args, log_dir=workdir, wait=False)}
     workers["ngram"] = workers["none"]
-    if "draft_model" in methods:
-        workers["draft_model"] = processes.start_worker(
-            [*worker_args, "--speculative-config", _spec_of("draft_model", a, draft)], log_dir=f"{workdir}/draft",
-            wait=False)
+    for m in OWN_WORKER:
+        if m in methods:
+            workers[m] = processes.start_worker([*worker_args, "--speculative-config", _spec_of(m, a, draft)],
+                                                log_dir=f"{workdir}/{m}", wait=False)
     processes.wait_ready(redis)
     for w in set(workers.values()):
         processes.wait_ready(w, timeout=600)

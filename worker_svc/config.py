@@ -135,7 +135,7 @@ class WorkerConfig:
         None, 'embeddings (vLLM\'s flag): {"pooling_type": "LAST"} (the last prompt token; or "MEAN", "CLS") of the '
         'final hidden state after the last norm, "normalize": true (L2; the default)', metavar="JSON",
         check=_json_flag_problem(PoolerConfig.parse))
-    speculative_config: str | None = speculative_config_setting()  # read for method draft_model
+    speculative_config: str | None = speculative_config_setting()  # read for draft_model, eagle3, mtp
     allow_kv_pool_below_max_model_len: bool = setting(
         False, "start even if the KV pool cannot hold one --max-model-len sequence (such requests are then refused "
         "at admission; for tests and tiny pools)")

@@ -180,10 +180,10 @@ def sized_policy(policy, info: wpb.WorkerInfo):
 def check_hybrid(policy, info: wpb.WorkerInfo) -> None:
     """What does not compose with a hybrid model's recurrent state yet, refused at start (ConfigError)."""
     model = info.model.name or info.model.architecture
-    if policy.speculative is not None:
+    if policy.speculative is not None and policy.speculative.method != "mtp":
         raise ConfigError(f"--speculative-config with the hybrid model {model} ({info.num_state_slots} state "
-                          "slots): rejected drafts would have to be rolled back out of the recurrent state, which "
-                          "is not built; drop --speculative-config")
+                          f"slots): method {policy.speculative.method}'s rejected drafts are not rolled back out of "
+                          "the recurrent state (method mtp's are); use mtp or drop --speculative-config")
 
 
 def reconnect_worker(ledger: RedisLedger, lease: Lease, worker: WorkerClient, core: SchedulerCore, step_id: int,

@@ -34,12 +34,14 @@ class DriverRequest:
 
 def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list[DriverRequest], *, chunk: int,
                  num_blocks: int, block_size: int, seed: int = 0, first_step_id: int = 1,
-                 num_draft_slots: int = 0, spec_results: list[pb.StepResult] | None = None) -> int:
+                 num_draft_slots: int = 0, spec_results: list[pb.StepResult] | None = None,
+                 state_slots: bool = False) -> int:
     """Run every request to completion; each step gives each request up to `chunk` tokens.
 
     Blocks are handed out one at a time from a shuffled pool, so tables are non-contiguous.
     `num_draft_slots`: speculative decoding, each decode may verify that many drafts (prompt lookup 1..3); the
-    results go to `spec_results` when given. Returns the next free step id.
+    results go to `spec_results` when given. `state_slots`: a hybrid model's requests each get the state slot of
+    their index in `requests`. Returns the next free step id.
     """
     rng = random.Random(seed)
     free = list(range(num_blocks))
@@ -65,7 +67,8 @@ def run_requests(execute: Callable[[pb.StepPlan], pb.StepResult], requests: list
             if not r.sent:
                 new.append(pb.NewRequest(request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
                                          block_ids=r.blocks, num_scheduled_tokens=n, lora_name=r.lora_name,
-                                         lora_path=r.lora_path))
+                                         lora_path=r.lora_path,
+                                         **({"state_slot": requests.index(r)} if state_slots else {})))
                 r.sent = True
             else:
                 cached.append(Cached(r.request_id, n, new_blocks, num_draft_slots=k))

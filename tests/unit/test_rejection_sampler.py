@@ -78,3 +78,22 @@ def test_no_drafts_is_plain_sampling_and_seeded_rows_repeat():
     a = verify_drafts(p.expand(64, K + 1, V), q.expand(64, K, V), drafts, np.full(64, K), seeds, positions)
     b = verify_drafts(p.expand(64, K + 1, V), q.expand(64, K, V), drafts, np.full(64, K), seeds, positions)
     assert (a.accepted == b.accepted).all() and (a.tokens == b.tokens).all()
+
+
+def test_a_point_mass_proposal_is_verified_alike_by_both_draws():
+    """ngram, eagle3 and mtp drafts are a point mass at x (q one-hot): the rejection sampler accepts with p(x) and
+    else draws from p without x, which is what plain sampling's draw-and-compare does (the runner verifies those
+    drafts that way, worker_svc/core/speculation.verifying_draw); both emit tokens with distribution p."""
+    p, _ = distributions(0)
+    x = int(p[0].argmax())
+    q = torch.zeros(1, V)
+    q[0, x] = 1.0
+    seeds = np.arange(N, dtype=np.uint64) + np.uint64(5000)
+    positions = np.full(N, 3, dtype=np.int64)
+    out = verify_drafts(p[:2].expand(N, 2, V), q.expand(N, 1, V), np.full((N, 1), x), np.full(N, 1), seeds,
+                        positions)
+    plain = draw_from_probs(p[0].expand(N, V), draw_keys(seeds, positions))
+    for accepted in (out.accepted == 1, plain == x):
+        assert abs(accepted.mean() - float(p[0, x])) < 0.015
+    assert chi_square_p(out.tokens[:, 0], p[0]) > 1e-3
+    assert chi_square_p(plain, p[0]) > 1e-3

@@ -31,6 +31,9 @@ def test_config_parses_vllm_keys():
     assert parse_speculative_config('{"num_speculative_tokens": 2}').prompt_lookup_max == 4
     draft = parse_speculative_config('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}')
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m", 3)
+    head = parse_speculative_config('{"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 3}')
+    assert (head.method, head.model, head.num_speculative_tokens) == ("eagle3", "/heads/e3", 3)
+    assert parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1}').model is None
 
 
 @pytest.mark.parametrize(("text", "words"), [
@@ -45,6 +48,8 @@ def test_config_parses_vllm_keys():
     ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      ["prompt_lookup_min", "prompt_lookup_max"]),
     ('{"num_speculative_tokens": "4"}', ["num_speculative_tokens", "integer"]),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', ["model", "required", "eagle3"]),
+    ('{"method": "ngram", "model": "/x", "num_speculative_tokens": 2}', ["model", "ngram"]),
 ])
 def test_config_errors_name_the_flag_and_key(text, words):
     with pytest.raises(ValueError) as e:

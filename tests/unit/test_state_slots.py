@@ -189,6 +189,9 @@ def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_n
     spec = replace(base, speculative=parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}'))
     with pytest.raises(ConfigError, match="--speculative-config with the hybrid model tiny-qwen3_5"):
         sized_policy(spec, info)
+    # The checkpoint's MTP layer: the worker rolls rejected drafts back out of the state (state_rollback.py).
+    mtp = replace(base, speculative=parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 2}'))
+    assert sized_policy(mtp, info).speculative.method == "mtp"
 
 
 @pytest.mark.parametrize("num_blocks, num_slots", [(9, 4), (64, 8)])

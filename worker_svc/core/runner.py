@@ -19,7 +19,7 @@ from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
 from worker_svc.config import WorkerConfig
-from worker_svc.core import kv_cache, ngram_drafts, speculation
+from worker_svc.core import hidden_drafts, kv_cache, ngram_drafts, speculation
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
@@ -137,15 +137,16 @@ class ModelRunner:
                               "layers; run without --enable-lora")
         self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)
         self.model.lora = self.lora
+        self.draft, self.heads = speculation.load(opts, self.model, self.config, self.attention_backend, tp_size,
+                                                  compiled)  # before compile: a head reads the target's states
         if compiled:
             self.model = compile_model(self.model, opts)
-        elif self.lora is None and (loop := layer_loop.build(self.model)) is not None:
+        elif self.lora is None and self.heads is None and (loop := layer_loop.build(self.model)) is not None:
             self.model = loop  # the model's layers in one C++ call, where a step allows it (cpu/layer_loop.py)
         cfg = self.config
         self.max_model_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.block_size = opts.block_size
         self.state: StateCache | None = None  # hybrid models: the recurrent-state pool (_size_state_pool)
-        self.draft = speculation.load_draft(opts, cfg, self.dtype, self.device, self.attention_backend, tp_size)
         num_blocks = self._size_kv_pool()
         # Block tables are the same on every rank: every rank's pool holds as many blocks as the smallest.
         self.rank_num_blocks = group.all_gather_int(num_blocks) if group is not None else [num_blocks]
@@ -154,8 +155,7 @@ class ModelRunner:
             log.warning("KV pool holds %d tokens, below max_model_len %d", self.num_blocks * self.block_size,
                         self.max_model_len)
         self.kv = kv_cache.allocate(self.local_config, self.num_blocks, self.block_size, self.dtype, self.device)
-        if self.draft is not None:
-            self.draft.allocate(self.num_blocks)
+        speculation.allocate(self.draft, self.heads, self.num_blocks)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.eos_token_ids = np.array(sorted(self.eos_ids), dtype=np.int64)
         self.epoch = secrets.token_hex(8)
@@ -164,8 +164,8 @@ class ModelRunner:
                                      vocabulary=cfg.vocabulary)
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
         self.pooler = Pooler(PoolerConfig.parse(opts.pooler_config))
-        self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
-                                                 cfg.vocab_size, self.num_state_slots), self.grammars)
+        self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len, cfg.vocab_size,
+                                                 self.num_state_slots, self.heads is not None), self.grammars)
 
     def _size_kv_pool(self) -> int:
         o = self.opts
@@ -183,8 +183,8 @@ class ModelRunner:
                               f"takes the whole KV memory budget ({budget} bytes): lower --num-state-slots, or raise "
                               "--kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA)")
         budget -= states
-        # A block holds the draft model's KV of its tokens too (one ledger entry for both pools).
-        n = budget // (self.rank_kv_bytes_per_block + (self.draft.bytes_per_block() if self.draft else 0))
+        # A block holds the proposer's KV of its tokens too (a draft model's, a head's; one ledger entry for all).
+        n = budget // (self.rank_kv_bytes_per_block + speculation.kv_bytes_per_block(self.draft, self.heads))
         if n < 1:
             raise RuntimeError(f"no room for a single KV block of {self.block_size} tokens in {budget} bytes")
         return n
@@ -246,9 +246,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """One block of the whole model's KV (every rank's share together, and a draft model's)."""
+        """One block of the whole model's KV (every rank's share together, and a draft model's or a head's)."""
         return kv_cache.bytes_per_block(self.config, self.block_size, self.dtype) + \
-            (self.draft.bytes_per_block() if self.draft else 0)
+            speculation.kv_bytes_per_block(self.draft, self.heads)
 
     @property
     def rank_kv_bytes_per_block(self) -> int:
@@ -264,8 +264,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
-        if self.draft is not None:
-            self.draft.copy_blocks(*copies)
+        speculation.copy_blocks(self.draft, self.heads, copies)
         state_ops = StateOps.of_plan(plan) if self.state is not None else None
         if state_ops is not None:
             state_ops.restore(self.state, self.device)
@@ -275,8 +274,8 @@ class ModelRunner:
             if state_ops is not None:
                 state_ops.save(self.state, self.device)
             return StepOutput(plan.step_id, previous)
-        num_drafts, proposal = speculation.propose(self.draft, sched, plan, self.block_size, self.max_model_len,
-                                                   self.eos_token_ids)
+        num_drafts, proposal = speculation.propose(self.draft, self.heads, sched, plan, self.block_size,
+                                                   self.max_model_len, self.eos_token_ids, self.state)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         chunk_rows = sched.lengths if num_drafts is None else sched.lengths + num_drafts
@@ -296,8 +295,6 @@ class ModelRunner:
                                      RecurrentSplit.of_lengths(chunk_rows, self.device))  # host data: no read back
         t1 = time.perf_counter()
         logits = self._run(copies, inputs, state_ops)
-        if state_ops is not None:
-            state_ops.save(self.state, self.device)
         t2 = time.perf_counter()
         out = StepOutput(plan.step_id, previous, sched.num_tokens)
         if pooling is not None:
@@ -309,6 +306,9 @@ class ModelRunner:
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
             self._sample(logits, inputs.sample_rows, inputs.num_drafts, out, proposal)
+        hidden_drafts.after_step(self.heads, self.batch.inputs, sched, chunk_rows, self.max_model_len, self._run)
+        if state_ops is not None:  # after a hybrid model's roll-back of rejected drafts
+            state_ops.save(self.state, self.device)
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:

@@ -1,40 +1,77 @@
-"""Which proposer drafts a step's tokens, for the runner: n-gram prompt lookup (worker_svc/core/ngram_drafts.py) or
-a draft model (worker_svc/core/draft_model.py), and the sampler's draw that verifies them."""
+"""Which proposer drafts a step's tokens, for the runner, by --speculative-config's method: n-gram prompt lookup
+(worker_svc/core/ngram_drafts.py), a draft model (worker_svc/core/draft_model.py), or an EAGLE-3 / MTP head over the
+target's hidden states (worker_svc/core/hidden_drafts.py); and the sampler's draw that verifies them."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from common.config import ConfigError
 from common.speculative_config import parse_speculative_config
 from worker_svc.config import WorkerConfig
-from worker_svc.core import ngram_drafts
+from worker_svc.core import hidden_drafts, ngram_drafts, state_rollback
 from worker_svc.core.draft_model import DraftModel, Proposal, verifier
+from worker_svc.core.hidden_drafts import HiddenDrafts
 from worker_svc.core.persistent_batch import Schedule
 from worker_svc.core.plan import StepPlan
+from worker_svc.core.state_cache import StateCache
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.loader import default_model_path
 from worker_svc.sampling.sampler import Draw, plain_draw
 
 
-def load_draft(opts: WorkerConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-               attention_backend: str, tp_size: int) -> DraftModel | None:
-    """The draft model of --speculative-config method draft_model (None for other methods, or none)."""
-    spec = parse_speculative_config(opts.speculative_config)
-    if spec is None or spec.method != "draft_model":
-        return None
+def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_backend: str, tp_size: int,
+         compiled: bool) -> tuple[DraftModel | None, HiddenDrafts | None]:
+    """The proposer --speculative-config's method needs loaded: (a draft model, None) for draft_model, (None, a head)
+    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it)."""
+    try:
+        spec = parse_speculative_config(opts.speculative_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if spec is None or spec.method == "ngram":
+        return None, None
+    if spec.method != "draft_model":
+        return None, hidden_drafts.load(spec, opts, target, attention_backend, compiled, tp_size)
     if tp_size > 1:
         raise ConfigError("--speculative-config method draft_model runs with --tensor-parallel-size 1")
-    return DraftModel(spec, target, opts.model or default_model_path(), dtype, device, attention_backend,
-                      opts.block_size)
+    return DraftModel(spec, config, opts.model or default_model_path(), target.dtype, target.device,
+                      attention_backend, opts.block_size), None
 
 
-def propose(draft: DraftModel | None, s: Schedule, plan: StepPlan, block_size: int, max_model_len: int,
-            eos_token_ids: np.ndarray) -> tuple[np.ndarray | None, Proposal | None]:
+def kv_bytes_per_block(draft: DraftModel | None, heads: HiddenDrafts | None) -> int:
+    """A block's share of the proposer's own KV pool (a draft model's, a head's): one block id indexes both pools."""
+    return (draft.bytes_per_block() if draft else 0) + (heads.bytes_per_block() if heads else 0)
+
+
+def allocate(draft: DraftModel | None, heads: HiddenDrafts | None, num_blocks: int) -> None:
+    for proposer in (draft, heads):
+        if proposer is not None:
+            proposer.allocate(num_blocks)
+
+
+def copy_blocks(draft: DraftModel | None, heads: HiddenDrafts | None, copies: tuple[np.ndarray, np.ndarray]) -> None:
+    """Copy-on-write of the proposer's own KV (a draft model's, a head's) with the target's."""
+    if draft is not None:
+        draft.copy_blocks(*copies)
+    if heads is not None:
+        heads.before_step(copies)
+
+
+def propose(draft: DraftModel | None, heads: HiddenDrafts | None, s: Schedule, plan: StepPlan, block_size: int,
+            max_model_len: int, eos_token_ids: np.ndarray,
+            state: StateCache | None) -> tuple[np.ndarray | None, Proposal | None]:
     """The drafts each chunk verifies (None: none this step), written past the rows' tokens; a draft model also
-    sees the chunks that draft nothing (its KV follows the target's)."""
+    sees the chunks that draft nothing (its KV follows the target's). A head's drafts were made after the previous
+    step (hidden_drafts.after_step); on a hybrid model (`state`) the drafting rows' states are kept for the
+    roll-back of rejected drafts (state_rollback.py)."""
     b, ends = s.inputs, s.starts + s.lengths
+    if heads is not None:
+        if s.draft_slots is None:
+            return None, None
+        num = heads.take(b, s.rows, ends, s.draft_slots, max_model_len)
+        heads.state, heads.kept = state, state_rollback.keep(state, b, s, num)
+        return num, None
     if draft is None:
         if s.draft_slots is None:
             return None, None
@@ -47,6 +84,8 @@ def propose(draft: DraftModel | None, s: Schedule, plan: StepPlan, block_size: i
 
 
 def verifying_draw(proposal: Proposal | None, rows: np.ndarray, num_drafts: np.ndarray | None) -> Draw:
-    """Rejection sampling for a draft model's drafts (they come with their distribution q); plain sampling
-    otherwise, which verifies an n-gram's point-mass drafts exactly (ngram_drafts.py)."""
+    """Rejection sampling for a draft model's drafts (they come with their distribution q); plain sampling for the
+    point-mass drafts of n-gram lookup and of an eagle3 / mtp head (their greedy tokens). For a point mass at x the
+    rejection sampler accepts with p(x) and else draws from p without x: exactly what drawing from p and comparing
+    does (ngram_drafts.verify), which also keeps a seeded request's tokens those of decoding without drafts."""
     return plain_draw if proposal is None or num_drafts is None else verifier(proposal, rows, num_drafts)

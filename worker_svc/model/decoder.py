@@ -65,10 +65,14 @@ class Collectives(Protocol):
 class LlamaModel:
     """Inference-only decoder. Weights are plain tensors; there is no autograd anywhere.
 
+    `capture` (worker_svc/model/hidden_capture.HiddenCapture): hidden states a speculative head reads; None: off.
+
     With `tp`, this is one rank of a tensor-parallel group: `config` is the rank's local config
     (tensor_parallel.local_config) and `weights` its shard (tensor_parallel.shard_weights); `forward` returns
     the logits on rank 0 and None on the others.
     """
+
+    capture: Any = None
 
     def __init__(
         self,
@@ -200,13 +204,19 @@ class LlamaModel:
         h = self.embed_tokens(input_ids)  # a fresh tensor: the residual adds may update it in place
         steps = [rotary.prepare(positions) for rotary in self.rotaries]
         for i, layer in enumerate(self.layers):
+            if self.capture is not None:  # an EAGLE-3 head reads some layers' inputs
+                self.capture.layer_input(i, h)
             h = self.layer_forward(i, layer, h, kv_cache, attn_meta, steps[self.rope_of_layer[i]])
+        if self.capture is not None:
+            self.capture.layer_input(len(self.layers), h)
         return self.head(h, logits_indices, pool_indices)
 
     def head(self, h: torch.Tensor, logits_indices: torch.Tensor, pool_indices: torch.Tensor | None = None):
         """forward's result from the last layer's hidden states h: the logits of rows `logits_indices` (gathered
         on rank 0 under tensor parallelism, None on the others), and with `pool_indices` those rows' normed states."""
         pooled = None if pool_indices is None else self.final_norm(h[pool_indices])
+        if self.capture is not None and self.capture.final:  # an MTP head reads every row's normed state
+            self.capture.last = self.final_norm(h)
         # The head is the most expensive matmul per row: run it only where a token is sampled.
         logits = self.final_logits(self.ops.linear(self.final_norm(h[logits_indices]), self.lm_head)).float()
         if self.tp is not None:
