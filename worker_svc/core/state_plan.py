@@ -31,9 +31,6 @@ def check_state_plan(plan: StepPlan, num_slots: int, owned: np.ndarray) -> None:
         if len(np.unique(dst)) < len(dst):
             raise InvalidPlan(f"{field}_dst names a state slot more than once")
         pairs[field] = dst
-    if num_slots and len(plan.cached.num_draft_slots) and plan.cached.num_draft_slots.any():
-        raise InvalidPlan("cached.num_draft_slots: speculative drafts are not served on a hybrid model (a rejected "
-                          "draft would leave its tokens in the recurrent state)")
     restored = set(pairs["state_copy"].tolist())
     taken = set(owned.tolist())
     for kind, entries in (("new_requests", plan.new_requests), ("resumed_requests", plan.resumed_requests)):
