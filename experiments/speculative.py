@@ -5,7 +5,9 @@ worker for `none` and `ngram`, one more per draft model (a draft runs over every
 gets its own worker); per run a fresh in-process scheduler in its own Redis namespace (`--speculative-config` or
 none; one scheduler drives a worker at a time). The methods (--methods) alternate `--repeats` times; each run sends
 one unmeasured warm-up request first. `draft_model` drafts with --draft-model (default: the model itself, the
-upper bound of acceptance; its cost is a second copy of the model's forwards).
+upper bound of acceptance; its cost is a second copy of the model's forwards). `draft_random` (not in the default
+--methods) drafts with a random-weight 2-layer Llama of the model's vocabulary and tokenizer, written to the run's
+temporary directory: the lower bound, what drafting costs when almost nothing is accepted.
 
 Workloads (temperature 0, so both sides compute the same tokens):
 - repetitive: chat requests "rename this function, reply with the complete code" over small Python modules
@@ -23,6 +25,7 @@ speculation must equal none's (reported as "identical k/N").
     .venv/bin/python -m experiments.speculative                        # both workloads, batch 1 and 16
     .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
     .venv/bin/python -m experiments.speculative --methods none,draft_model --draft-model DIR
+    .venv/bin/python -m experiments.speculative --methods none,draft_model,draft_random --only repetitive
     .venv/bin/python -m experiments.speculative --json out.json
 
 Results and commands: experiments/RESULTS.md (speculative decoding).
@@ -159,19 +162,40 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
             "draft_tokens": draft_tokens, "accepted_tokens": accepted, "outputs": [s["tokens"] for s in streams]}
 
 
-def _spec_of(method: str, a: argparse.Namespace, draft: str) -> str | None:
+def random_draft(target: str, path: str) -> str:
+    """A random-weight Llama of the target's vocabulary and tokenizer (2 layers, hidden 192): what drafting costs
+    when almost nothing is accepted."""
+    import torch
+    import transformers
+
+    from common.tokenizer import load_tokenizer
+    from worker_svc.model.loader import load_model_weights
+
+    cfg, _ = load_model_weights(target)
+    config = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=192, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+                                      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    load_tokenizer(target).backend.save(f"{path}/tokenizer.json")
+    return path
+
+
+def _spec_of(method: str, a: argparse.Namespace, drafts: dict[str, str]) -> str | None:
     if method == "none":
         return None
     if method == "ngram":
         return a.speculative_config
-    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": a.num_speculative_tokens})
+    return json.dumps({"method": "draft_model", "model": drafts[method],
+                       "num_speculative_tokens": a.num_speculative_tokens})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--speculative-config", default=DEFAULT_SPEC, help="the ngram method's flag")
-    ap.add_argument("--methods", default="none,ngram,draft_model", help="comma-separated: none, ngram, draft_model")
+    ap.add_argument("--methods", default="none,ngram,draft_model",
+                    help="comma-separated: none, ngram, draft_model, draft_random (a random-weight 2-layer draft)")
     ap.add_argument("--draft-model", default=None, help="draft_model's model (default: --model itself)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="draft_model's k")
     ap.add_argument("--only", choices=["repetitive", "chat"], default=None)
@@ -189,17 +213,19 @@ def main() -> None:
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)
-    draft = a.draft_model or a.model or default_model_path()
+    drafts = {"draft_model": a.draft_model or a.model or default_model_path()}
+    if "draft_random" in methods:
+        drafts["draft_random"] = random_draft(a.model or default_model_path(), f"{workdir}/random-draft")
     workers = {"none": processes.start_worker(worker_args, log_dir=workdir, wait=False)}
     workers["ngram"] = workers["none"]
-    if "draft_model" in methods:
-        workers["draft_model"] = processes.start_worker(
-            [*worker_args, "--speculative-config", _spec_of("draft_model", a, draft)], log_dir=f"{workdir}/draft",
-            wait=False)
+    for m in drafts:
+        if m in methods:
+            workers[m] = processes.start_worker([*worker_args, "--speculative-config", _spec_of(m, a, drafts)],
+                                                log_dir=f"{workdir}/{m}", wait=False)
     processes.wait_ready(redis)
     for w in set(workers.values()):
         processes.wait_ready(w, timeout=600)
-    report: dict = {"methods": {m: _spec_of(m, a, draft) for m in methods}, "runs": []}
+    report: dict = {"methods": {m: _spec_of(m, a, drafts) for m in methods}, "runs": []}
     try:
         for workload in workloads:
             for batch in batches:
@@ -211,7 +237,7 @@ def main() -> None:
                 ratios: dict[str, list[float]] = {m: [] for m in methods if m != "none"}
                 same: dict[str, int] = dict.fromkeys(ratios, 0)
                 for rep in range(a.repeats):
-                    runs = {m: run_once(redis.url, workers[m], items, batch, _spec_of(m, a, draft),
+                    runs = {m: run_once(redis.url, workers[m], items, batch, _spec_of(m, a, drafts),
                                         a.max_num_batched_tokens) for m in ["none", *ratios]}
                     off = runs["none"]
                     line = f"{workload:10s} batch {batch:2d} rep {rep}: none {off['tokens_per_s']:6.1f} tok/s"
