@@ -2,8 +2,9 @@
 served by a real worker, scheduler and redis-server: greedy tokens with `--speculative-config` equal transformers'
 (and so the run without it) while drafts are both accepted and rejected, so every rejected draft was rolled back out
 of the recurrent state (worker_svc/core/draft_rollback.py); pipelined and not, with a few state slots and an
-`n = 2` request among repetitive and plain prompts, and with prefix caching by snapshots on. The same with an
-attention-only draft model (method draft_model) of the same vocabulary, whose drafts the target mostly rejects.
+`n = 2` request among repetitive and plain prompts, and with prefix caching by snapshots on; on one and on two
+tensor-parallel ranks. The same with an attention-only draft model (method draft_model) of the same vocabulary,
+whose drafts the target rejects.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def cases() -> list[tuple[list[int], int, int]]:
 def test_speculation_on_a_hybrid_equals_transformers(redis_server, hybrid, flags):
     hf, _, worker = hybrid
     serve_and_compare(redis_server, hf, worker, [*flags, "--speculative-config", SPEC])
+
+
+def test_speculation_on_two_ranks_equals_transformers(redis_server, hybrid):
+    """Tensor parallel 2: the hold and the roll-back reach both ranks' shards of the state pool."""
+    hf, path, _ = hybrid
+    worker = cluster.start_worker(["--model", str(path), *POOL, "--tensor-parallel-size", 2], timeout=TIMEOUT_S)
+    try:
+        serve_and_compare(redis_server, hf, worker, ["--speculative-config", SPEC])
+    finally:
+        cluster.stop(worker)
 
 
 def test_a_draft_model_on_a_hybrid_equals_transformers(redis_server, hybrid, tmp_path):
