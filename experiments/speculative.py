@@ -9,6 +9,9 @@ one unmeasured warm-up request first. `draft_model` drafts with --draft-model (d
 upper bound of acceptance; its cost is a second copy of the model's forwards). `eagle3` drafts with --eagle3-head
 (or --random-eagle3-head: a random-weight head for the bundled model, which measures the cost, not the gain) and
 `mtp` with the checkpoint's own MTP layers (a Qwen3.5 / Qwen3-Next --model); each head loads in its own worker.
+`draft_random` (not in the default --methods) drafts with a random-weight 2-layer Llama of the model's vocabulary
+and tokenizer, written to the run's temporary directory: the lower bound, what drafting costs when almost nothing
+is accepted.
 
 Workloads (temperature 0, so both sides compute the same tokens):
 - repetitive: chat requests "rename this function, reply with the complete code" over small Python modules
@@ -30,6 +33,7 @@ speculation must equal none's (reported as "identical k/N").
     .venv/bin/python -m experiments.speculative                        # both workloads, batch 1 and 16
     .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
     .venv/bin/python -m experiments.speculative --methods none,draft_model --draft-model DIR
+    .venv/bin/python -m experiments.speculative --methods none,draft_model,draft_random --only repetitive
     .venv/bin/python -m experiments.speculative --json out.json
     .venv/bin/python -m experiments.speculative --only chat --methods none,eagle3 --random-eagle3-head --repeats 1
 
@@ -167,16 +171,36 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
             "draft_tokens": draft_tokens, "accepted_tokens": accepted, "outputs": [s["tokens"] for s in streams]}
 
 
-OWN_WORKER = ("draft_model", "eagle3", "mtp")  # the proposer loads in the worker: one worker per method
+def random_draft(target: str, path: str) -> str:
+    """A random-weight Llama of the target's vocabulary and tokenizer (2 layers, hidden 192): what drafting costs
+    when almost nothing is accepted."""
+    import torch
+    import transformers
+
+    from common.tokenizer import load_tokenizer
+    from worker_svc.model.loader import load_model_weights
+
+    cfg, _ = load_model_weights(target)
+    config = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=192, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+                                      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    load_tokenizer(target).backend.save(f"{path}/tokenizer.json")
+    return path
 
 
-def _spec_of(method: str, a: argparse.Namespace, draft: str) -> str | None:
+OWN_WORKER = ("draft_model", "draft_random", "eagle3", "mtp")  # the proposer loads in the worker: one worker per method
+
+
+def _spec_of(method: str, a: argparse.Namespace, drafts: dict[str, str]) -> str | None:
     if method == "none":
         return None
     if method == "ngram":
         return a.speculative_config
-    model = {"draft_model": draft, "eagle3": a.eagle3_head}.get(method)
-    return json.dumps({"method": method, **({"model": model} if model else {}),
+    model = {**drafts, "eagle3": a.eagle3_head}.get(method)
+    kind = "draft_model" if method == "draft_random" else method
+    return json.dumps({"method": kind, **({"model": model} if model else {}),
                        "num_speculative_tokens": a.num_speculative_tokens})
 
 
@@ -185,7 +209,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--speculative-config", default=DEFAULT_SPEC, help="the ngram method's flag")
     ap.add_argument("--methods", default="none,ngram,draft_model",
-                    help="comma-separated: none, ngram, draft_model, eagle3, mtp")
+                    help="comma-separated: none, ngram, draft_model, draft_random (a random-weight 2-layer draft), "
+                    "eagle3, mtp")
     ap.add_argument("--draft-model", default=None, help="draft_model's model (default: --model itself)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k of draft_model, eagle3 and mtp")
     ap.add_argument("--only", choices=["repetitive", "chat"], default=None)
@@ -206,7 +231,9 @@ def main() -> None:
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)
-    draft = a.draft_model or a.model or default_model_path()
+    drafts = {"draft_model": a.draft_model or a.model or default_model_path()}
+    if "draft_random" in methods:
+        drafts["draft_random"] = random_draft(a.model or default_model_path(), f"{workdir}/random-draft")
     if a.random_eagle3_head:
         from tests.support.spec_heads import bundled_model_dims, write_eagle3_head
 
@@ -216,12 +243,12 @@ def main() -> None:
     workers["ngram"] = workers["none"]
     for m in OWN_WORKER:
         if m in methods:
-            workers[m] = processes.start_worker([*worker_args, "--speculative-config", _spec_of(m, a, draft)],
+            workers[m] = processes.start_worker([*worker_args, "--speculative-config", _spec_of(m, a, drafts)],
                                                 log_dir=f"{workdir}/{m}", wait=False)
     processes.wait_ready(redis)
     for w in set(workers.values()):
         processes.wait_ready(w, timeout=600)
-    report: dict = {"methods": {m: _spec_of(m, a, draft) for m in methods}, "runs": []}
+    report: dict = {"methods": {m: _spec_of(m, a, drafts) for m in methods}, "runs": []}
     try:
         for workload in workloads:
             for batch in batches:
@@ -233,7 +260,7 @@ def main() -> None:
                 ratios: dict[str, list[float]] = {m: [] for m in methods if m != "none"}
                 same: dict[str, int] = dict.fromkeys(ratios, 0)
                 for rep in range(a.repeats):
-                    runs = {m: run_once(redis.url, workers[m], items, batch, _spec_of(m, a, draft),
+                    runs = {m: run_once(redis.url, workers[m], items, batch, _spec_of(m, a, drafts),
                                         a.max_num_batched_tokens) for m in ["none", *ratios]}
                     off = runs["none"]
                     line = f"{workload:10s} batch {batch:2d} rep {rep}: none {off['tokens_per_s']:6.1f} tok/s"

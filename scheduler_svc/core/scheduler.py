@@ -302,8 +302,8 @@ class SchedulerCore:
         finished sequence leaves the last boundary it reached (an agentic next turn extends it)."""
         bs = self.policy.block_size
         for req in out.scheduled:
-            if skips_prefix_cache(req) or req.request_id in out.num_draft_slots:
-                continue
+            if skips_prefix_cache(req) or req.num_draft_slots_in_flight:
+                continue  # a step verifying drafts ends where its acceptance says: no known position to save at
             end = out.num_computed_before[req.request_id] + out.num_tokens[req.request_id]
             at = prompt_snapshot_position(req, bs)
             if end % bs or end < at or end == 0:

@@ -162,7 +162,6 @@ def sized_policy(policy, info: wpb.WorkerInfo):
         default_budget = max(default_budget, info.max_model_len)
     max_num_seqs = policy.max_num_seqs or device_default(SchedulerConfig, "max_num_seqs", info.device)
     if info.num_state_slots:
-        check_hybrid(policy, info)
         # Every running sequence of a hybrid model holds a state slot: no more can run than there are slots.
         max_num_seqs = min(max_num_seqs, info.num_state_slots)
     sized = replace(policy, block_size=info.block_size,
@@ -175,15 +174,6 @@ def sized_policy(policy, info: wpb.WorkerInfo):
         raise ConfigError(f"--max-num-seqs {sized.max_num_seqs} is above {MAX_SLOTS // 2}: the worker protocol "
                           f"addresses at most {MAX_SLOTS} requests by slot, twice --max-num-seqs at most")
     return sized
-
-
-def check_hybrid(policy, info: wpb.WorkerInfo) -> None:
-    """What does not compose with a hybrid model's recurrent state yet, refused at start (ConfigError)."""
-    model = info.model.name or info.model.architecture
-    if policy.speculative is not None and policy.speculative.method != "mtp":
-        raise ConfigError(f"--speculative-config with the hybrid model {model} ({info.num_state_slots} state "
-                          f"slots): method {policy.speculative.method}'s rejected drafts are not rolled back out of "
-                          "the recurrent state (method mtp's are); use mtp or drop --speculative-config")
 
 
 def reconnect_worker(ledger: RedisLedger, lease: Lease, worker: WorkerClient, core: SchedulerCore, step_id: int,

@@ -126,12 +126,15 @@ def test_structured_outputs(tmp_path):
 
 def test_speculative(tmp_path):
     out = tmp_path / "spec.json"
+    methods = ["none", "ngram", "draft_model", "draft_random"]
     run_bench("speculative", "--only", "repetitive", "--batches", 1, "--batch1-requests", 1, "--repetitive-tokens",
-              12, "--repeats", 1, "--json", out)
+              12, "--repeats", 1, "--methods", ",".join(methods), "--json", out)
     res = json.loads(out.read_text())
-    assert [(r["spec"], r["batch"]) for r in res["runs"]] == [(False, 1), (True, 1)]
+    assert [(r["method"], r["spec"], r["batch"]) for r in res["runs"]] == \
+        [(m, m != "none", 1) for m in methods]
     assert all(r["output_tokens"] > 0 and r["tokens_per_s"] > 0 for r in res["runs"])
-    assert res["summary"][0]["identical"] == "1/1" and res["runs"][1]["draft_tokens"] > 0
+    assert all(s["identical"] == "1/1" for s in res["summary"])  # greedy: every method's tokens equal none's
+    assert all(r["draft_tokens"] > 0 for r in res["runs"][1:])
 
 
 def test_worker_forward(tmp_path):

@@ -190,7 +190,7 @@ def test_bad_eagle3_heads_are_refused_at_start(checkpoints, tmp_path):
 
 
 # MTP: the checkpoint's own layer, on the hybrid families that ship one. Rejected drafts are rolled back out of the
-# recurrent state (worker_svc/core/state_rollback.py): without that the next tokens would drift from plain decoding.
+# recurrent state (worker_svc/core/draft_rollback.py): without that the next tokens would drift from plain decoding.
 MTP_KEYS = {"qwen3_5": "mtp_num_hidden_layers", "qwen3_next": "num_nextn_predict_layers"}
 
 

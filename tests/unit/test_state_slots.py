@@ -176,7 +176,7 @@ def test_worker_loss_cancels_pending_snapshots_and_frees_every_slot():
     s.core.check_invariant()
 
 
-def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_num_seqs():
+def test_speculation_with_a_hybrid_model_is_accepted_and_slots_cap_max_num_seqs():
     from common.speculative_config import parse_speculative_config
     from protos import worker_pb2 as wpb
     from scheduler_svc.ledger.leadership import sized_policy
@@ -187,9 +187,8 @@ def test_speculation_with_a_hybrid_model_is_refused_at_start_and_slots_cap_max_n
     sized = sized_policy(base, info)
     assert sized.max_num_seqs == 6 and sized.num_state_slots == 6 and sized.snapshots
     spec = replace(base, speculative=parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}'))
-    with pytest.raises(ConfigError, match="--speculative-config with the hybrid model tiny-qwen3_5"):
-        sized_policy(spec, info)
-    # The checkpoint's MTP layer: the worker rolls rejected drafts back out of the state (state_rollback.py).
+    # Rejected drafts of every method are rolled back out of the recurrent state by the worker (draft_rollback.py).
+    assert sized_policy(spec, info).speculative == spec.speculative
     mtp = replace(base, speculative=parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 2}'))
     assert sized_policy(mtp, info).speculative.method == "mtp"
 

@@ -17,7 +17,6 @@ point mass) keeps both greedy and sampled outputs exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,11 +26,10 @@ import kernels
 from common.config import ConfigError
 from common.speculative_config import FLAG, SpeculativeConfig
 from worker_svc.config import WorkerConfig
-from worker_svc.core import kv_cache, state_rollback
+from worker_svc.core import kv_cache
 from worker_svc.core.input_batch import InputBatch
 from worker_svc.core.ngram_drafts import draft_caps
 from worker_svc.core.persistent_batch import Schedule
-from worker_svc.core.state_cache import StateCache
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.hidden_capture import HiddenCapture
@@ -78,17 +76,11 @@ def load(spec: SpeculativeConfig, opts: WorkerConfig, target: LlamaModel, attent
 
 
 def after_step(drafts: HiddenDrafts | None, b: InputBatch, sched: Schedule, chunk_rows: np.ndarray,
-               max_model_len: int, forward: Callable[[Any, Any], Any]) -> None:
-    """The head over this step's hidden states: its KV, and the next step's drafts (nothing without a head); then,
-    on a hybrid model, the roll-back of rejected drafts out of the recurrent state (`forward`: the runner's _run)."""
-    if drafts is None:
-        return
-    drafts.after_step(b, sched.rows, sched.starts, chunk_rows, max_model_len)
-    again = state_rollback.replay_inputs(drafts.kept, drafts.state, b, drafts.block_size, drafts.build_plan)
-    drafts.kept = None
-    if again is not None:
-        empty = np.zeros(0, dtype=np.int64)
-        forward((empty, empty), again)
+               max_model_len: int) -> None:
+    """The head over this step's hidden states: its KV, and the next step's drafts (nothing without a head). It
+    runs before a hybrid model's roll-back of rejected drafts, whose forward would overwrite the captured states."""
+    if drafts is not None:
+        drafts.after_step(b, sched.rows, sched.starts, chunk_rows, max_model_len)
 
 
 class HiddenDrafts:
@@ -103,8 +95,6 @@ class HiddenDrafts:
         self.build_plan = build_plan  # the torch attention backend's metadata (the Triton kernels need none)
         # Per request id: (the token count the drafts continue, the drafts).
         self.waiting: dict[str, tuple[int, np.ndarray]] = {}
-        self.state: StateCache | None = None  # a hybrid target's pool, and its drafting rows' states this step
-        self.kept: state_rollback.KeptStates | None = None
 
     def bytes_per_block(self) -> int:
         return kv_cache.bytes_per_block(self.head.config, self.block_size, self.dtype)

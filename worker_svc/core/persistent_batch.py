@@ -36,7 +36,6 @@ class BatchLimits:
     max_model_len: int
     vocab_size: int
     num_state_slots: int = 0  # hybrid models: the recurrent-state pool's slots (0: a model without one)
-    rolls_back_drafts: bool = False  # an mtp head's worker: rejected drafts leave the recurrent state again
 
 
 @dataclass
@@ -179,8 +178,7 @@ class PersistentBatch:
         for i, (src, dst) in enumerate(zip(plan.copy_src.tolist(), plan.copy_dst.tolist(), strict=True)):
             if not (0 <= src < n and 0 <= dst < n) or src == dst:
                 raise _invalid(f"copy_blocks[{i}]: src {src} and dst {dst} must be distinct blocks in [0, {n})")
-        check_state_plan(plan, self.limits.num_state_slots, inputs.state_slot[live],
-                         self.limits.rolls_back_drafts)
+        check_state_plan(plan, self.limits.num_state_slots, inputs.state_slot[live])
         return cached
 
     def _cached_valid(self, d: CachedDeltas, live: np.ndarray, joining: set[int]) -> bool:

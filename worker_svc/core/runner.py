@@ -19,7 +19,7 @@ from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
 from worker_svc.config import WorkerConfig
-from worker_svc.core import hidden_drafts, kv_cache, ngram_drafts, speculation
+from worker_svc.core import draft_rollback, hidden_drafts, kv_cache, ngram_drafts, speculation
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
@@ -164,8 +164,8 @@ class ModelRunner:
                                      vocabulary=cfg.vocabulary)
         self.grammar_masks = GrammarMasks(cfg.vocab_size)
         self.pooler = Pooler(PoolerConfig.parse(opts.pooler_config))
-        self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len, cfg.vocab_size,
-                                                 self.num_state_slots, self.heads is not None), self.grammars)
+        self.batch = PersistentBatch(BatchLimits(self.num_blocks, self.block_size, self.max_model_len,
+                                                 cfg.vocab_size, self.num_state_slots), self.grammars)
 
     def _size_kv_pool(self) -> int:
         o = self.opts
@@ -265,17 +265,15 @@ class ModelRunner:
             self.lora.set_rows(*lora_rows)
         copies = (plan.copy_src.astype(np.int64, copy=False), plan.copy_dst.astype(np.int64, copy=False))
         speculation.copy_blocks(self.draft, self.heads, copies)
-        state_ops = StateOps.of_plan(plan) if self.state is not None else None
-        if state_ops is not None:
-            state_ops.restore(self.state, self.device)
+        state_ops = StateOps.of_plan(plan) if self.state is not None else StateOps.none()
         if not len(sched):
+            state_ops.restore(self.state, self.device)
             if len(copies[0]) or (state_ops and self.group is not None):  # the other ranks' pools too
                 self._run(copies, None, state_ops)
-            if state_ops is not None:
-                state_ops.save(self.state, self.device)
+            state_ops.save(self.state, self.device)
             return StepOutput(plan.step_id, previous)
         num_drafts, proposal = speculation.propose(self.draft, self.heads, sched, plan, self.block_size,
-                                                   self.max_model_len, self.eos_token_ids, self.state)
+                                                   self.max_model_len, self.eos_token_ids)
         inputs = build_model_inputs(sched, self.block_size, self.device, num_drafts=num_drafts,
                                     build_plan=self.attention_backend == "torch")  # the Triton kernels need none
         chunk_rows = sched.lengths if num_drafts is None else sched.lengths + num_drafts
@@ -290,11 +288,14 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step(sched.rows, chunk_rows)
         if self.state is not None:  # each sequence's slot, in the order of its rows
+            state_ops.hold = draft_rollback.held_slots(sched, num_drafts)
+            state_ops.restore(self.state, self.device)
             slots = torch.from_numpy(self.batch.inputs.state_slot[sched.rows]).to(self.device)
             inputs.state = StateStep(self.state, slots, inputs.attn_metadata.cu_seqlens_q.to(torch.int64),
                                      RecurrentSplit.of_lengths(chunk_rows, self.device))  # host data: no read back
         t1 = time.perf_counter()
         logits = self._run(copies, inputs, state_ops)
+        state_ops.save(self.state, self.device)
         t2 = time.perf_counter()
         out = StepOutput(plan.step_id, previous, sched.num_tokens)
         if pooling is not None:
@@ -306,9 +307,11 @@ class ModelRunner:
         self.batch.inputs.num_computed_tokens[sched.rows] += sched.lengths
         if len(inputs.sample_rows):
             self._sample(logits, inputs.sample_rows, inputs.num_drafts, out, proposal)
-        hidden_drafts.after_step(self.heads, self.batch.inputs, sched, chunk_rows, self.max_model_len, self._run)
-        if state_ops is not None:  # after a hybrid model's roll-back of rejected drafts
-            state_ops.save(self.state, self.device)
+        hidden_drafts.after_step(self.heads, self.batch.inputs, sched, chunk_rows, self.max_model_len)
+        if self.state is not None and (redo := draft_rollback.rejected_chunks(sched, out)) is not None:
+            # No rejected draft's token stays in a recurrent state: back to before the drafts, the accepted again.
+            self._run(draft_rollback.NO_COPIES, *draft_rollback.recompute(
+                redo, self.state, self.lora, self.block_size, self.device, self.attention_backend == "torch"))
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         if tracing.enabled:
@@ -316,7 +319,7 @@ class ModelRunner:
         return out
 
     def _run(self, copies: tuple[np.ndarray, np.ndarray], inputs: ModelInputs | None,
-             state_ops: StateOps | None = None) -> torch.Tensor | None:
+             state_ops: StateOps) -> torch.Tensor | None:
         """Copy-on-write, then the forward; in a group, on every rank (the step's inputs sent to them first, with
         the state pool's slot operations, which rank 0 applies around this call)."""
         if self.group is None:
@@ -327,8 +330,7 @@ class ModelRunner:
             try:
                 # The other ranks' adapters and token slots come with the step (lora.LoraPool.follow).
                 lora_sync = self.lora.sync_message() if self.lora is not None else ()
-                ops = state_ops.pack() if state_ops is not None else np.zeros(0, dtype=np.int64)
-                self.group.send_step(step_inputs(copies, inputs, *lora_sync, state_ops=ops))
+                self.group.send_step(step_inputs(copies, inputs, *lora_sync, state_ops=state_ops.pack()))
                 return self._forward(copies, inputs)
             except RuntimeError as e:  # a rank died or timed out mid-step: the group cannot go on
                 self.group.fail(f"step failed on rank 0: {e}")
@@ -362,12 +364,10 @@ class ModelRunner:
         while (step := self.group.receive()) is not None:
             if self.lora is not None:
                 self.lora.follow(step.lora_slots, step.lora_written)
-            ops = StateOps.unpack(step.state_ops) if self.state is not None else None
-            if ops is not None:
-                ops.restore(self.state, self.device)
+            ops = StateOps.unpack(step.state_ops)  # none but a hybrid model's
+            ops.restore(self.state, self.device)
             self._forward((step.copy_src, step.copy_dst), self._inputs_of(step) if len(step.input_ids) else None)
-            if ops is not None:
-                ops.save(self.state, self.device)
+            ops.save(self.state, self.device)
 
     def _inputs_of(self, step: StepInputs) -> ModelInputs:
         meta = kernels.attention_metadata_from_arrays(step.query_lens, step.seq_lens, step.block_tables,

@@ -9,12 +9,11 @@ import numpy as np
 from common.config import ConfigError
 from common.speculative_config import parse_speculative_config
 from worker_svc.config import WorkerConfig
-from worker_svc.core import hidden_drafts, ngram_drafts, state_rollback
+from worker_svc.core import hidden_drafts, ngram_drafts
 from worker_svc.core.draft_model import DraftModel, Proposal, verifier
 from worker_svc.core.hidden_drafts import HiddenDrafts
 from worker_svc.core.persistent_batch import Schedule
 from worker_svc.core.plan import StepPlan
-from worker_svc.core.state_cache import StateCache
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.loader import default_model_path
@@ -59,19 +58,16 @@ def copy_blocks(draft: DraftModel | None, heads: HiddenDrafts | None, copies: tu
 
 
 def propose(draft: DraftModel | None, heads: HiddenDrafts | None, s: Schedule, plan: StepPlan, block_size: int,
-            max_model_len: int, eos_token_ids: np.ndarray,
-            state: StateCache | None) -> tuple[np.ndarray | None, Proposal | None]:
+            max_model_len: int, eos_token_ids: np.ndarray) -> tuple[np.ndarray | None, Proposal | None]:
     """The drafts each chunk verifies (None: none this step), written past the rows' tokens; a draft model also
     sees the chunks that draft nothing (its KV follows the target's). A head's drafts were made after the previous
-    step (hidden_drafts.after_step); on a hybrid model (`state`) the drafting rows' states are kept for the
-    roll-back of rejected drafts (state_rollback.py)."""
+    step (hidden_drafts.after_step). On a hybrid model the runner takes rejected drafts of every method back out of
+    the recurrent state (draft_rollback.py)."""
     b, ends = s.inputs, s.starts + s.lengths
     if heads is not None:
         if s.draft_slots is None:
             return None, None
-        num = heads.take(b, s.rows, ends, s.draft_slots, max_model_len)
-        heads.state, heads.kept = state, state_rollback.keep(state, b, s, num)
-        return num, None
+        return heads.take(b, s.rows, ends, s.draft_slots, max_model_len), None
     if draft is None:
         if s.draft_slots is None:
             return None, None

@@ -73,6 +73,7 @@ class StateCache:
         self.num_slots = num_slots
         self.conv = torch.zeros(shape.num_layers, num_slots, *shape.conv, dtype=dtype, device=device)
         self.ssm = torch.zeros(shape.num_layers, num_slots, *shape.ssm, dtype=ssm_dtype, device=device)
+        self.held: tuple[list[int], torch.Tensor, torch.Tensor] | None = None  # `hold`'s slots and their state
 
     @property
     def bytes_per_slot(self) -> int:
@@ -89,6 +90,21 @@ class StateCache:
         if len(src):
             self.conv[:, dst] = self.conv[:, src]
             self.ssm[:, dst] = self.ssm[:, src]
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """Keep a copy of these slots' state aside (speculative decoding: the state before a step's drafts), until
+        the next `hold`; the memory is one slot per sequence that speculates in the step."""
+        self.held = (slots.tolist(), self.conv[:, slots].clone(), self.ssm[:, slots].clone()) if len(slots) else None
+
+    def roll_back(self, slots: torch.Tensor) -> None:
+        """These slots back to the state `hold` kept aside (a step whose drafts were rejected: no draft's token
+        may stay in the recurrent state)."""
+        if not len(slots):
+            return
+        held, conv, ssm = self.held
+        at = torch.tensor([held.index(s) for s in slots.tolist()], device=self.conv.device)
+        self.conv[:, slots] = conv[:, at]
+        self.ssm[:, slots] = ssm[:, at]
 
 
 @dataclass

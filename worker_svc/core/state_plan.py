@@ -14,9 +14,8 @@ from worker_svc.core.errors import InvalidPlan
 from worker_svc.core.plan import StepPlan
 
 
-def check_state_plan(plan: StepPlan, num_slots: int, owned: np.ndarray, rolls_back_drafts: bool = False) -> None:
-    """`num_slots`: the pool's size (0: not a hybrid model); `owned`: the slots of the rows that stay live;
-    `rolls_back_drafts`: the worker takes rejected drafts back out of the state (worker_svc/core/state_rollback.py)."""
+def check_state_plan(plan: StepPlan, num_slots: int, owned: np.ndarray) -> None:
+    """`num_slots`: the pool's size (0: not a hybrid model); `owned`: the slots of the rows that stay live."""
     pairs = {}
     for field in ("state_copy", "state_save"):
         src, dst = (np.asarray(getattr(plan, f"{field}_{end}"), dtype=np.int64) for end in ("src", "dst"))
@@ -32,9 +31,6 @@ def check_state_plan(plan: StepPlan, num_slots: int, owned: np.ndarray, rolls_ba
         if len(np.unique(dst)) < len(dst):
             raise InvalidPlan(f"{field}_dst names a state slot more than once")
         pairs[field] = dst
-    if num_slots and not rolls_back_drafts and len(plan.cached.num_draft_slots) and plan.cached.num_draft_slots.any():
-        raise InvalidPlan("cached.num_draft_slots: speculative drafts are not served on a hybrid model (a rejected "
-                          "draft would leave its tokens in the recurrent state)")
     restored = set(pairs["state_copy"].tolist())
     taken = set(owned.tolist())
     for kind, entries in (("new_requests", plan.new_requests), ("resumed_requests", plan.resumed_requests)):
