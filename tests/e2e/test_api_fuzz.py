@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import socket
 import threading
 import time
@@ -45,7 +46,8 @@ from tests.support.stack import Stack
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 4 << 20
 MAX_PROMPTS = 8
-EXAMPLES = 20  # per operation and mode (valid bodies, invalid bodies)
+# Per operation and mode (valid bodies, invalid bodies); twice as many with LLMSERVE_TEST_ALL=1 (the slow tier).
+EXAMPLES = 20 if os.environ.get("LLMSERVE_TEST_ALL") == "1" else 10
 FUZZ_BUDGET_S = 240  # past this, the remaining examples are drawn but not sent
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
