@@ -131,14 +131,14 @@ class ModelRunner:
             refuse_uncomposed(opts, self.config.architecture, compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
-        del weights
         if opts.enable_lora and self.config.num_experts:
             raise ConfigError(f"--enable-lora: adapters are not served on {self.config.architecture}'s sparse MoE "
                               "layers; run without --enable-lora")
         self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)
         self.model.lora = self.lora
-        self.draft, self.heads = speculation.load(opts, self.model, self.config, self.attention_backend, tp_size,
-                                                  compiled)  # before compile: a head reads the target's states
+        self.draft, self.heads = speculation.load(opts, self.model, self.config, self.attention_backend, group,
+                                                  compiled, weights)  # before compile: a head reads its states
+        del weights
         if compiled:
             self.model = compile_model(self.model, opts)
         elif self.lora is None and self.heads is None and (loop := layer_loop.build(self.model)) is not None:

@@ -4,6 +4,8 @@ target's hidden states (worker_svc/core/hidden_drafts.py); and the sampler's dra
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from common.config import ConfigError
@@ -14,26 +16,36 @@ from worker_svc.core.draft_model import DraftModel, Proposal, verifier
 from worker_svc.core.hidden_drafts import HiddenDrafts
 from worker_svc.core.persistent_batch import Schedule
 from worker_svc.core.plan import StepPlan
+from worker_svc.model import target_vocab
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.loader import default_model_path
 from worker_svc.sampling.sampler import Draw, plain_draw
 
 
-def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_backend: str, tp_size: int,
-         compiled: bool) -> tuple[DraftModel | None, HiddenDrafts | None]:
+def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_backend: str, group: Any,
+         compiled: bool, weights: dict[str, Any]) -> tuple[DraftModel | None, HiddenDrafts | None]:
     """The proposer --speculative-config's method needs loaded: (a draft model, None) for draft_model, (None, a head)
-    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it)."""
+    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it).
+
+    Under tensor parallelism (`group`) the proposer runs whole on rank 0, over the target's replicated hidden states
+    for a head; its drafts reach the other ranks as the verifying step's tokens, so they hold no proposer. weights:
+    this rank's loaded shard (a head's vocabulary is gathered from every rank's, target_vocab.gathered)."""
     try:
         spec = parse_speculative_config(opts.speculative_config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if spec is None or spec.method == "ngram":
         return None, None
+    rank = group.rank if group is not None else 0
     if spec.method != "draft_model":
-        return None, hidden_drafts.load(spec, opts, target, attention_backend, compiled, tp_size)
-    if tp_size > 1:
-        raise ConfigError("--speculative-config method draft_model runs with --tensor-parallel-size 1")
+        hidden_drafts.refuse_uncomposed(spec, opts, target, compiled)
+        flag = f"--speculative-config method {spec.method}"
+        vocab = target_vocab.of_target(target) if group is None else \
+            target_vocab.gathered(target, config, weights, group, flag)
+        return None, (hidden_drafts.load(spec, opts, target, config, vocab, attention_backend) if rank == 0 else None)
+    if rank:
+        return None, None
     return DraftModel(spec, config, opts.model or default_model_path(), target.dtype, target.device,
                       attention_backend, opts.block_size), None
 
