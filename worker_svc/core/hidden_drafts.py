@@ -153,7 +153,7 @@ class HiddenDrafts:
         hidden = self.head.first_hidden(self.capture, self._t(flat))
         out = self._step(token_ids, hidden, positions, r, q, s + q)
         # Decoding rows (every known token computed but the last): their drafts; prefill chunks only wrote KV.
-        decoding = (s + q == n_tok[which] - 1) & ~b.constrained[r]
+        decoding = s + q == n_tok[which] - 1  # a constrained row's drafts are cut by its grammar later
         if not decoding.any():
             return
         last = (np.cumsum(q) - 1)[decoding]

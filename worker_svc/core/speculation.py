@@ -11,7 +11,7 @@ import numpy as np
 from common.config import ConfigError
 from common.speculative_config import parse_speculative_config
 from worker_svc.config import WorkerConfig
-from worker_svc.core import hidden_drafts, ngram_drafts
+from worker_svc.core import grammar_drafts, hidden_drafts, ngram_drafts
 from worker_svc.core.draft_model import DraftModel, Proposal, verifier
 from worker_svc.core.hidden_drafts import HiddenDrafts
 from worker_svc.core.persistent_batch import Schedule
@@ -73,8 +73,16 @@ def propose(draft: DraftModel | None, heads: HiddenDrafts | None, s: Schedule, p
             max_model_len: int, eos_token_ids: np.ndarray) -> tuple[np.ndarray | None, Proposal | None]:
     """The drafts each chunk verifies (None: none this step), written past the rows' tokens; a draft model also
     sees the chunks that draft nothing (its KV follows the target's). A head's drafts were made after the previous
-    step (hidden_drafts.after_step). On a hybrid model the runner takes rejected drafts of every method back out of
-    the recurrent state (draft_rollback.py)."""
+    step (hidden_drafts.after_step). A constrained request's drafts are cut where its grammar rejects one
+    (grammar_drafts.py). On a hybrid model the runner takes rejected drafts of every method back out of the
+    recurrent state (draft_rollback.py)."""
+    num_drafts, proposal = _propose(draft, heads, s, plan, block_size, max_model_len, eos_token_ids)
+    grammar_drafts.cut(s.inputs, s.rows, num_drafts, frozenset(eos_token_ids.tolist()))
+    return num_drafts, proposal
+
+
+def _propose(draft: DraftModel | None, heads: HiddenDrafts | None, s: Schedule, plan: StepPlan, block_size: int,
+             max_model_len: int, eos_token_ids: np.ndarray) -> tuple[np.ndarray | None, Proposal | None]:
     b, ends = s.inputs, s.starts + s.lengths
     if heads is not None:
         if s.draft_slots is None:
