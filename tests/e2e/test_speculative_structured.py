@@ -91,3 +91,44 @@ def test_structured_outputs_with_drafts_are_valid_and_equal_plain_decoding(redis
     assert drafted >= got["vllm:spec_decode_num_accepted_tokens_total"]
     if "draft_model" in spec:
         assert got["vllm:spec_decode_num_accepted_tokens_total"] > 0.5 * drafted, got
+
+
+# MTP: a Qwen3.5 checkpoint's own random-weight MTP layer (rejected drafts also roll back out of the recurrent state);
+# its word-level tokenizer has the tokens t0 .. t319; the regex admits t1, t10 .. t19 and t100 .. t199 (no dead end).
+WORDS_RE = r"(t1[0-9]{0,2})+"
+
+
+def test_structured_outputs_with_mtp_drafts_equal_plain_decoding(redis_server, tmp_path):  # noqa: F811
+    from tests.e2e.test_hybrid_serving import token_prompt
+    from tests.e2e.test_model_families_served import word_tokenizer
+    from tests.service.test_hybrid_families import make_checkpoint
+    from tests.support.spec_heads import add_mtp_layer
+
+    hf = make_checkpoint("qwen3_5", tmp_path)
+    word_tokenizer(tmp_path, hf.config.vocab_size)
+    add_mtp_layer(str(tmp_path))
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": K})
+    worker = cluster.start_worker(["--model", str(tmp_path), "--num-gpu-blocks-override", 48, "--max-model-len", 256,
+                                   "--num-state-slots", 6, "--speculative-config", mtp])
+    cases = [(token_prompt(n, 800 + n), 16, {"regex": WORDS_RE, **kw})
+             for n, kw in ((9, {}), (30, {}), (17, {"temperature": 0.9, "seed": 4}))]
+    cases.append((token_prompt(12, 820), 16, {}))  # beside an unconstrained request
+    try:
+        outs = []
+        for flags in ((), ("--speculative-config", mtp)):
+            proc, ch = scheduler(redis_server, worker, *flags)
+            stub = pb_grpc.LLMServeStub(ch)
+            outs.append(run_concurrently([lambda p=p, m=m, kw=kw, stub=stub: run(stub, p, m, **kw)
+                                          for p, m, kw in cases]))
+            got = metrics(proc.extra["metrics_port"])
+            ch.close()
+            cluster.stop(proc)
+            assert_clean_log(proc)
+    finally:
+        cluster.stop(worker)
+    plain, spec_out = outs
+    assert spec_out == plain
+    for (_, _, kw), out in zip(cases, spec_out, strict=True):
+        if "regex" in kw:
+            assert re.fullmatch(WORDS_RE, out[0][1].replace(" ", "")), out[0][1]
+    assert got["vllm:spec_decode_num_draft_tokens_total"] > 0
