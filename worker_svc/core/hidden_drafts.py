@@ -51,11 +51,8 @@ class Head(Protocol):
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
-def refuse_uncomposed(spec: SpeculativeConfig, opts: WorkerConfig, target: LlamaModel, compiled: bool) -> None:
+def refuse_uncomposed(spec: SpeculativeConfig, target: LlamaModel) -> None:
     """ConfigError naming the flag where the head cannot run beside this target (every rank checks alike)."""
-    if compiled:
-        raise ConfigError(f"{FLAG} method {spec.method} with -O {opts.optimization_level}: the compiled forward "
-                          "does not hand out hidden states yet; run with -O0 (or --enforce-eager)")
     if spec.method == "eagle3" and not getattr(target, "hybrid", False) \
             and type(target).forward is not LlamaModel.forward:
         raise ConfigError(f"{FLAG} method eagle3: the target {target.config.architecture} does not hand out "

@@ -137,7 +137,7 @@ class ModelRunner:
         self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)
         self.model.lora = self.lora
         self.draft, self.heads = speculation.load(opts, self.model, self.config, self.attention_backend, group,
-                                                  compiled, weights)  # before compile: a head reads its states
+                                                  weights)  # before compile: a head reads the target's states
         del weights
         if compiled:
             self.model = compile_model(self.model, opts)

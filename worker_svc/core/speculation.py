@@ -24,9 +24,10 @@ from worker_svc.sampling.sampler import Draw, plain_draw
 
 
 def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_backend: str, group: Any,
-         compiled: bool, weights: dict[str, Any]) -> tuple[DraftModel | None, HiddenDrafts | None]:
+         weights: dict[str, Any]) -> tuple[DraftModel | None, HiddenDrafts | None]:
     """The proposer --speculative-config's method needs loaded: (a draft model, None) for draft_model, (None, a head)
-    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it).
+    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it;
+    the compiled forward hands out the same states).
 
     Under tensor parallelism (`group`) the proposer runs whole on rank 0, over the target's replicated hidden states
     for a head; its drafts reach the other ranks as the verifying step's tokens, so they hold no proposer. weights:
@@ -39,7 +40,7 @@ def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_
         return None, None
     rank = group.rank if group is not None else 0
     if spec.method != "draft_model":
-        hidden_drafts.refuse_uncomposed(spec, opts, target, compiled)
+        hidden_drafts.refuse_uncomposed(spec, target)
         flag = f"--speculative-config method {spec.method}"
         vocab = target_vocab.of_target(target) if group is None else \
             target_vocab.gathered(target, config, weights, group, flag)
