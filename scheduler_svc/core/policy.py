@@ -127,11 +127,9 @@ def prompt_snapshot_position(req: Request, block_size: int) -> int:
 
 def _draft_slots(req: Request, n: int, budget: int, cfg: PolicyConfig) -> int:
     """Draft positions a decode (one token, the last known one) may verify after it: within the token budget and
-    below max_tokens. Prefill chunks get none, and so do structured outputs: an n-gram draft ignores the grammar,
-    and masking every verified position would need one matcher state per draft (they decode one token a step)."""
+    below max_tokens. Prefill chunks get none. Structured outputs draft too: the worker cuts their drafts where the
+    grammar rejects one and masks each verified position at the grammar's state (worker_svc/core/grammar_drafts.py)."""
     if cfg.speculative is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
-        return 0
-    if req.sampling.constraint is not None:
         return 0
     if not (req.output_ids or req.num_pending_tokens):
         return 0  # the prompt's last token: no output to continue yet

@@ -36,7 +36,7 @@ COUNT_RE = r" ?[0-9]{1,3}(, [0-9]{1,3}){2,5}"
 CASES = [(CODE, 40, {}), (COUNT, 40, {}), (COUNT, 24, {"temperature": 0.8, "seed": 11}),
          (CODE, 24, {"temperature": 0.7, "top_p": 0.9, "seed": 5, "n": 2}),
          *((ids, m, {}) for ids, m in PREEMPT[:3]),
-         (COUNT, 24, {"regex": COUNT_RE})]  # a structured output: no drafts of its own, masked beside drafting rows
+         (COUNT, 24, {"regex": COUNT_RE})]  # a structured output: its drafts cut and verified under its grammar
 
 
 def run(stub, prompt, max_tokens, **sampling) -> dict[int, tuple[list[int], str, str]]:

@@ -236,3 +236,21 @@ def test_mtp_is_refused_for_a_family_without_mtp_layers(checkpoints):
     with pytest.raises(ConfigError, match="method mtp"):
         ModelRunner(WorkerConfig(model=checkpoints[0], dtype="float32",
                                  speculative_config='{"method": "mtp", "num_speculative_tokens": 1}'))
+
+
+def test_greedy_with_eagle3_drafts_on_the_compiled_forward_equals_plain_decoding(runners, checkpoints, prompts):
+    """-O1: the compiled forward hands the head the same layer inputs (its real rows, not the padding)."""
+    plain, _ = runners
+    target, head = checkpoints
+    compiled = ModelRunner(WorkerConfig(model=target, dtype="float32", num_gpu_blocks_override=128,
+                                        optimization_level=1, speculative_config=spec(head),
+                                        compilation_config='{"cudagraph_capture_sizes": [4, 16]}'))
+    ref = requests("cplain", prompts, greedy)
+    drive(plain, ref, 7, 0)
+    got = requests("ceagle", prompts, greedy)
+    results = drive(compiled, got, 7, K)
+    assert [r.output for r in ref] == [r.output for r in got]
+    assert sum(sum(r.spec_num_draft_tokens) for r in results) > len(prompts) * 10
+    for i in (0, 3):  # prefills of 5 and 9 tokens run padded to 16 rows: the head's first draft is eager's
+        assert _runner_first_draft(compiled, prompts[i], ref[i].output[0]) == \
+            _runner_first_draft(runners[1], prompts[i], ref[i].output[0])

@@ -131,3 +131,38 @@ def test_disable_any_whitespace_per_constraint_or_for_the_server():
     assert fits('{\n  "a": 1', free) and fits('{"a": 1}', free)
     assert fits('{"a": 1}', compact) and not fits('{\n', compact) and not fits('{"a":  1', compact)
     assert not fits('{\n', free, StructuredOutputsConfig(disable_any_whitespace=True))
+
+
+def allowed(row: torch.Tensor) -> list[str]:
+    return sorted(VOCAB[i] for i in torch.nonzero(row == 0).flatten().tolist())
+
+
+def test_drafts_are_cut_before_the_first_token_the_grammar_rejects():
+    """Speculation (worker_svc/core/grammar_drafts.py): of the drafts a proposer wrote, only the prefix the grammar
+    accepts from its state is verified; a stop token is never a draft; the matcher is left where it was."""
+    gc = cache()
+    m = gc.matcher(Constraint("choice", choice_spec(["abc", "ab1"])), ids("a"))
+    stop = frozenset({EOS})
+    assert GrammarMasks.fitting_prefix(m, ids("bcx").tolist(), stop) == 2  # "x" does not fit after "abc"
+    assert GrammarMasks.fitting_prefix(m, ids("b1").tolist() + [EOS], stop) == 2
+    assert GrammarMasks.fitting_prefix(m, ids("cb").tolist(), stop) == 0
+    logits = torch.zeros(1, len(VOCAB))
+    GrammarMasks(len(VOCAB)).apply(logits, [m])
+    assert allowed(logits[0]) == ["b"]  # still after "a"
+
+
+def test_each_verified_position_is_masked_at_the_state_after_the_drafts_before_it():
+    gc = cache()
+    m = gc.matcher(Constraint("choice", choice_spec(["abc", "ab1"])), ids(""))
+    # Two requests: an unconstrained one with one draft (2 positions), the constrained one with drafts "ab".
+    logits = torch.zeros(5, len(VOCAB))
+    masks = GrammarMasks(len(VOCAB))
+    masks.apply_with_drafts(logits, [None, m], [ids("x"), ids("ab")])
+    assert bool((logits[:2] == 0).all())
+    assert [allowed(r) for r in logits[2:]] == [["a"], ["b"], ["1", "c"]]
+    logits = torch.zeros(1, len(VOCAB))
+    masks.apply(logits, [m])
+    assert allowed(logits[0]) == ["a"]  # rolled back
+    # Then the step emits "a", "b" (accepted drafts) and "c" (the bonus token), and next the stop token.
+    assert masks.advance_runs([None, m], np.array([0, 1, 1, 1]), np.array([3, *ids("abc")])).tolist() == [False, False]
+    assert masks.advance_runs([m], np.array([0]), np.array([EOS])).tolist() == [True]

@@ -30,7 +30,7 @@ import kernels
 from common.config import ConfigError
 from common.speculative_config import SpeculativeConfig
 from common.tokenizer import load_tokenizer
-from worker_svc.core import kv_cache
+from worker_svc.core import grammar_drafts, kv_cache
 from worker_svc.core.input_batch import InputBatch
 from worker_svc.core.persistent_batch import Schedule
 from worker_svc.cpu import layer_loop
@@ -39,6 +39,7 @@ from worker_svc.model.config import ModelConfig
 from worker_svc.model.loader import load_model_weights
 from worker_svc.model.safetensors_stream import Placement
 from worker_svc.parallel.sharding import FULL
+from worker_svc.sampling.grammar import GrammarMasks
 from worker_svc.sampling.rejection import draft_keys, draw_from_probs, verify_drafts
 from worker_svc.sampling.sampler import Draw, SamplingBatch, process_logits, scale_and_filter
 
@@ -91,6 +92,7 @@ class DraftModel:
         del weights
         self.model = layer_loop.build(model) or model  # the C++ layer loop where it serves this model
         self.kv: torch.Tensor | None = None
+        self.grammar_masks = GrammarMasks(self.config.vocab_size)  # the structured outputs' drafts
         log.info("draft model %s: %d layers, hidden %d, %d speculative tokens", spec.model, self.config.num_layers,
                  self.config.hidden_size, self.k)
 
@@ -125,20 +127,32 @@ class DraftModel:
         drafts = np.zeros((len(d_rows), width), dtype=np.int64)
         q: torch.Tensor | None = None
         live = np.arange(len(d_rows))
+        stop_ids = eos_token_ids.tolist()
         for j in range(width):
             if j:  # the previous draft in, the next one's logits out
                 live = live[k[live] > j]
+                if not len(live):
+                    break
                 logits = self._forward(b, d_rows[live], n[live] + j - 1, np.ones(len(live), dtype=np.int64),
                                        np.arange(len(live)))
+            # Structured outputs: drafts from q masked by the grammar (a proposal rejection sampling keeps exact).
+            fits = grammar_drafts.mask_draft_logits(self.grammar_masks, logits, b, d_rows[live], stop_ids)
+            if not fits.all():  # only a stop token is left: those rows draft no further (decided by the state)
+                k[live[~fits]] = j
+                logits, live = logits[torch.from_numpy(fits)], live[fits]
+                if not len(live):
+                    break
             tokens, random, probs = self._choose(logits, b, d_rows[live], j, eos_token_ids)
+            grammar_drafts.follow_drafts(b, d_rows[live], tokens)
             drafts[live, j] = tokens
             b.token_ids[d_rows[live], n[live] + j] = tokens
             if len(random):
                 if q is None:
                     q = torch.zeros(len(d_rows), width, probs.shape[1])
                 q[torch.from_numpy(live[random]), j] = probs
+        grammar_drafts.rewind(b, d_rows, k)
         # The proposals wrote the draft's KV of drafts 0 .. k - 2: valid as far as the target accepts them.
-        b.num_draft_computed[d_rows] = n + k - 1
+        b.num_draft_computed[d_rows] = n + np.maximum(k - 1, 0)
         num_drafts[drafting] = k
         return Proposal(num_drafts, d_rows, drafts, q)
 

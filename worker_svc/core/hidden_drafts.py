@@ -33,6 +33,7 @@ from worker_svc.core.persistent_batch import Schedule
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.hidden_capture import HiddenCapture
+from worker_svc.model.target_vocab import TargetVocab
 
 
 class Head(Protocol):
@@ -50,28 +51,28 @@ class Head(Protocol):
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
-def load(spec: SpeculativeConfig, opts: WorkerConfig, target: LlamaModel, attention_backend: str, compiled: bool,
-         tp_size: int) -> HiddenDrafts:
-    """The head of --speculative-config method eagle3 / mtp (speculation.load picks it); ConfigError naming the
-    flag or field."""
-    if tp_size > 1:
-        raise ConfigError(f"{FLAG} method {spec.method}: the head is not sharded yet; run with "
-                          "--tensor-parallel-size 1")
-    if compiled:
-        raise ConfigError(f"{FLAG} method {spec.method} with -O {opts.optimization_level}: the compiled forward "
-                          "does not hand out hidden states yet; run with -O0 (or --enforce-eager)")
+def refuse_uncomposed(spec: SpeculativeConfig, target: LlamaModel) -> None:
+    """ConfigError naming the flag where the head cannot run beside this target (every rank checks alike)."""
+    if spec.method == "eagle3" and not getattr(target, "hybrid", False) \
+            and type(target).forward is not LlamaModel.forward:
+        raise ConfigError(f"{FLAG} method eagle3: the target {target.config.architecture} does not hand out "
+                          "its layers' hidden states (Llama-shaped and hybrid decoders do)")
+
+
+def load(spec: SpeculativeConfig, opts: WorkerConfig, target: LlamaModel, config: ModelConfig, vocab: TargetVocab,
+         attention_backend: str) -> HiddenDrafts:
+    """The head of --speculative-config method eagle3 / mtp (speculation.load picks it), whole on this rank (rank 0
+    of a tensor-parallel group): config is the target's whole config, vocab its embedding and LM head."""
     if spec.method == "eagle3":
         from worker_svc.model.eagle3 import Eagle3Head
 
-        if getattr(target, "hybrid", False) or type(target).forward is not LlamaModel.forward:
-            raise ConfigError(f"{FLAG} method eagle3: the target {target.config.architecture} does not hand out "
-                              "its layers' hidden states (Llama-shaped decoders do)")
-        head: Head = Eagle3Head(spec.model, target, attention=target.attention, prepack=target.prepacked)
+        head: Head = Eagle3Head(spec.model, target, config, vocab, attention=target.attention,
+                                prepack=target.prepacked)
     else:
         from worker_svc.model.loader import default_model_path
         from worker_svc.model.mtp import MtpHead
 
-        head = MtpHead(spec.model or opts.model or default_model_path(), target)
+        head = MtpHead(spec.model or opts.model or default_model_path(), target, config, vocab)
     return HiddenDrafts(head, target, spec.num_speculative_tokens, opts.block_size, attention_backend == "torch")
 
 
@@ -149,7 +150,7 @@ class HiddenDrafts:
         hidden = self.head.first_hidden(self.capture, self._t(flat))
         out = self._step(token_ids, hidden, positions, r, q, s + q)
         # Decoding rows (every known token computed but the last): their drafts; prefill chunks only wrote KV.
-        decoding = (s + q == n_tok[which] - 1) & ~b.constrained[r]
+        decoding = s + q == n_tok[which] - 1  # a constrained row's drafts are cut by its grammar later
         if not decoding.any():
             return
         last = (np.cumsum(q) - 1)[decoding]

@@ -81,14 +81,14 @@ def accepted_lengths(targets: np.ndarray, drafts: np.ndarray, counts: np.ndarray
 def draft_caps(b: InputBatch, rows: np.ndarray, ends: np.ndarray, draft_slots: np.ndarray, block_size: int,
                max_model_len: int) -> np.ndarray:
     """How many drafts each chunk may verify, for any proposer: within the grant, the row's blocks, max_model_len
-    (the bonus token included) and max_tokens; 0 for chunks that do not reach the row's end, and for grammar rows."""
+    (the bonus token included) and max_tokens; 0 for chunks that do not reach the row's end. A grammar row's
+    drafts are cut to what its grammar accepts after they are made (grammar_drafts.cut)."""
     n = b.num_tokens[rows]
     cap = np.minimum(draft_slots, b.num_blocks[rows] * block_size - ends)
     cap = np.minimum(cap, max_model_len - 1 - n)
     max_tokens = b.max_tokens[rows]
     cap = np.where(max_tokens > 0, np.minimum(cap, max_tokens - (n - b.num_prompt_tokens[rows]) - 1), cap)
     cap = np.where(ends == n, np.maximum(cap, 0), 0)
-    cap[b.constrained[rows]] = 0  # the scheduler grants constrained requests none; never draft past a grammar
     return cap
 
 

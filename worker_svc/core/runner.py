@@ -19,13 +19,13 @@ from common import tracing
 from common.config import ConfigError, for_device
 from common.structured_outputs import StructuredOutputsConfig
 from worker_svc.config import WorkerConfig
-from worker_svc.core import draft_rollback, hidden_drafts, kv_cache, ngram_drafts, speculation
+from worker_svc.core import draft_rollback, grammar_drafts, hidden_drafts, kv_cache, ngram_drafts, speculation
 from worker_svc.core.persistent_batch import BatchLimits, PersistentBatch, Schedule
 from worker_svc.core.plan import StepPlan
 from worker_svc.core.state_cache import StateCache, StateStep, auto_num_slots, ssm_dtype
 from worker_svc.core.state_ops import StateOps
 from worker_svc.core.step_inputs import ModelInputs, build_model_inputs
-from worker_svc.core.step_output import FINISH_NONE, FINISH_STOP_TOKEN, StepOutput
+from worker_svc.core.step_output import FINISH_NONE, StepOutput
 from worker_svc.cpu import layer_loop
 from worker_svc.cpu.threads import SmallStepThreads
 from worker_svc.model import families as models
@@ -131,14 +131,14 @@ class ModelRunner:
             refuse_uncomposed(opts, self.config.architecture, compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
-        del weights
         if opts.enable_lora and self.config.num_experts:
             raise ConfigError(f"--enable-lora: adapters are not served on {self.config.architecture}'s sparse MoE "
                               "layers; run without --enable-lora")
         self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)
         self.model.lora = self.lora
-        self.draft, self.heads = speculation.load(opts, self.model, self.config, self.attention_backend, tp_size,
-                                                  compiled)  # before compile: a head reads the target's states
+        self.draft, self.heads = speculation.load(opts, self.model, self.config, self.attention_backend, group,
+                                                  weights)  # before compile: a head reads the target's states
+        del weights
         if compiled:
             self.model = compile_model(self.model, opts)
         elif self.lora is None and self.heads is None and (loop := layer_loop.build(self.model)) is not None:
@@ -394,7 +394,7 @@ class ModelRunner:
         constrained = b.constrained[rows]
         if constrained.any():  # structured outputs: mask the grammar rows' logits before any sampling step sees them
             t0 = time.perf_counter()
-            self.grammar_masks.apply(logits, [b.matchers[r] for r in virtual.tolist()])
+            grammar_drafts.mask(self.grammar_masks, logits, b, rows, virtual, num_drafts)
             out.mask_seconds = time.perf_counter() - t0
         if b.plain[rows].all():
             sampled = greedy_batch(logits)
@@ -407,12 +407,7 @@ class ModelRunner:
             emitted = ngram_drafts.verify(b, rows, num_drafts, sampled.token_ids, self.eos_token_ids)
         if constrained.any():  # a completed grammar ends its request as a stop (vLLM: finish_reason "stop")
             t0 = time.perf_counter()
-            # Each row's first token: a grammar row's only one (it is granted no drafts).
-            first = np.flatnonzero(np.diff(emitted.chunks, prepend=-1))
-            matchers = [b.matchers[r] for r in rows.tolist()]
-            ended = (self.grammar_masks.advance(matchers, emitted.token_ids[first])
-                     & (emitted.reasons[first] == FINISH_NONE))
-            emitted.reasons[first[ended]] = FINISH_STOP_TOKEN
+            grammar_drafts.advance(self.grammar_masks, b, rows, emitted, num_drafts is not None)
             out.num_constrained = int(constrained.sum())
             out.mask_seconds += time.perf_counter() - t0
         out.slots = rows[emitted.chunks]  # a request's slot is its row

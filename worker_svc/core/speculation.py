@@ -4,36 +4,49 @@ target's hidden states (worker_svc/core/hidden_drafts.py); and the sampler's dra
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from common.config import ConfigError
 from common.speculative_config import parse_speculative_config
 from worker_svc.config import WorkerConfig
-from worker_svc.core import hidden_drafts, ngram_drafts
+from worker_svc.core import grammar_drafts, hidden_drafts, ngram_drafts
 from worker_svc.core.draft_model import DraftModel, Proposal, verifier
 from worker_svc.core.hidden_drafts import HiddenDrafts
 from worker_svc.core.persistent_batch import Schedule
 from worker_svc.core.plan import StepPlan
+from worker_svc.model import target_vocab
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.loader import default_model_path
 from worker_svc.sampling.sampler import Draw, plain_draw
 
 
-def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_backend: str, tp_size: int,
-         compiled: bool) -> tuple[DraftModel | None, HiddenDrafts | None]:
+def load(opts: WorkerConfig, target: LlamaModel, config: ModelConfig, attention_backend: str, group: Any,
+         weights: dict[str, Any]) -> tuple[DraftModel | None, HiddenDrafts | None]:
     """The proposer --speculative-config's method needs loaded: (a draft model, None) for draft_model, (None, a head)
-    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it)."""
+    for eagle3 / mtp, (None, None) for ngram or none. Called before the target is compiled (a head hooks it;
+    the compiled forward hands out the same states).
+
+    Under tensor parallelism (`group`) the proposer runs whole on rank 0, over the target's replicated hidden states
+    for a head; its drafts reach the other ranks as the verifying step's tokens, so they hold no proposer. weights:
+    this rank's loaded shard (a head's vocabulary is gathered from every rank's, target_vocab.gathered)."""
     try:
         spec = parse_speculative_config(opts.speculative_config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if spec is None or spec.method == "ngram":
         return None, None
+    rank = group.rank if group is not None else 0
     if spec.method != "draft_model":
-        return None, hidden_drafts.load(spec, opts, target, attention_backend, compiled, tp_size)
-    if tp_size > 1:
-        raise ConfigError("--speculative-config method draft_model runs with --tensor-parallel-size 1")
+        hidden_drafts.refuse_uncomposed(spec, target)
+        flag = f"--speculative-config method {spec.method}"
+        vocab = target_vocab.of_target(target) if group is None else \
+            target_vocab.gathered(target, config, weights, group, flag)
+        return None, (hidden_drafts.load(spec, opts, target, config, vocab, attention_backend) if rank == 0 else None)
+    if rank:
+        return None, None
     return DraftModel(spec, config, opts.model or default_model_path(), target.dtype, target.device,
                       attention_backend, opts.block_size), None
 
@@ -61,8 +74,16 @@ def propose(draft: DraftModel | None, heads: HiddenDrafts | None, s: Schedule, p
             max_model_len: int, eos_token_ids: np.ndarray) -> tuple[np.ndarray | None, Proposal | None]:
     """The drafts each chunk verifies (None: none this step), written past the rows' tokens; a draft model also
     sees the chunks that draft nothing (its KV follows the target's). A head's drafts were made after the previous
-    step (hidden_drafts.after_step). On a hybrid model the runner takes rejected drafts of every method back out of
-    the recurrent state (draft_rollback.py)."""
+    step (hidden_drafts.after_step). A constrained request's drafts are cut where its grammar rejects one
+    (grammar_drafts.py). On a hybrid model the runner takes rejected drafts of every method back out of the
+    recurrent state (draft_rollback.py)."""
+    num_drafts, proposal = _propose(draft, heads, s, plan, block_size, max_model_len, eos_token_ids)
+    grammar_drafts.cut(s.inputs, s.rows, num_drafts, frozenset(eos_token_ids.tolist()))
+    return num_drafts, proposal
+
+
+def _propose(draft: DraftModel | None, heads: HiddenDrafts | None, s: Schedule, plan: StepPlan, block_size: int,
+             max_model_len: int, eos_token_ids: np.ndarray) -> tuple[np.ndarray | None, Proposal | None]:
     b, ends = s.inputs, s.starts + s.lengths
     if heads is not None:
         if s.draft_slots is None:

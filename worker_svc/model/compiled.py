@@ -156,7 +156,10 @@ class CompiledForward:
         size = input_ids.shape[0]
         rope = self._rope(positions)
         h = m.embed_tokens(input_ids)
+        capture = m.capture if kv_cache is not None else None  # an EAGLE-3 head reads the real rows' layer inputs
         for i, layer in enumerate(m.layers):
+            if capture is not None:
+                capture.layer_input(i, h[:n])
             qk, v = qkv_rope(i, layer, h, rope)
             if kv_cache is None:
                 o = torch.zeros(size, m.q_size, dtype=h.dtype, device=h.device)
@@ -167,6 +170,8 @@ class CompiledForward:
                 continue
             h = m.reduce(self._o_part(i, layer, o, h))
             h = m.reduce(self._mlp_part(i, layer, h))
+        if capture is not None:
+            capture.layer_input(len(m.layers), h[:n])
         return h
 
     def __getattr__(self, name: str):  # the model's other attributes (config, kv_cache_shape, ...)

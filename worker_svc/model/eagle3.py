@@ -29,6 +29,7 @@ from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.families.hf import hf_rope
 from worker_svc.model.hidden_capture import HiddenCapture
 from worker_svc.model.layers.linear import pack_linear_weight
+from worker_svc.model.target_vocab import TargetVocab
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 FLAG = "--speculative-config model"
@@ -93,8 +94,9 @@ class Eagle3Head(LlamaModel):
 
     reads_final = False  # it reads the target's auxiliary layers (`aux_layers`), not its final state
 
-    def __init__(self, path: str, target: LlamaModel, **kw: Any):
-        config, raw, self.aux_layers = read_head(path, target.config)
+    def __init__(self, path: str, target: LlamaModel, target_config: ModelConfig, vocab: TargetVocab, **kw: Any):
+        """target_config: the target's whole config (a tensor-parallel rank's model holds its local one)."""
+        config, raw, self.aux_layers = read_head(path, target_config)
         own_embed = raw.get("embed_tokens.weight")
         weights = {("model.layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
                    for n, t in raw.items()}
@@ -106,7 +108,7 @@ class Eagle3Head(LlamaModel):
         self.fc = self.prepare_matrix(weights["fc.weight"])
         self.hidden_norm = weights["model.layers.0.hidden_norm.weight"].to(self.device, self.dtype)
         self.own_embed = None if own_embed is None else own_embed.to(self.device, self.dtype)
-        self.target = target
+        self.vocab = vocab
         d2t = raw.get("d2t")
         self.draft_to_target = (None if d2t is None else
                                 torch.arange(len(d2t), device=self.device) + d2t.to(self.device, torch.int64))
@@ -118,7 +120,7 @@ class Eagle3Head(LlamaModel):
     def embed_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.own_embed is not None:
             return self.own_embed[token_ids]
-        return self.target.embed_tokens(token_ids)
+        return self.vocab.embed_tokens(token_ids)
 
     def first_hidden(self, capture: HiddenCapture, rows: torch.Tensor) -> torch.Tensor:
         """The target's three auxiliary states of `rows`, [rows, 3 * hidden] -> the head's hidden state."""

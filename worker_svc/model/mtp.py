@@ -21,9 +21,11 @@ import torch
 from safetensors import safe_open
 
 from common.config import ConfigError
+from worker_svc.model.config import ModelConfig
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.hidden_capture import HiddenCapture
 from worker_svc.model.layers.linear import pack_linear_weight
+from worker_svc.model.target_vocab import TargetVocab
 
 LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 FLAG = "--speculative-config method mtp"
@@ -60,12 +62,14 @@ class MtpHead:
     reads_final = True  # the target's final normed state
     aux_layers: tuple[int, ...] = ()
 
-    def __init__(self, path: str, target: LlamaModel):
+    def __init__(self, path: str, target: LlamaModel, target_config: ModelConfig, vocab: TargetVocab):
+        """target_config: the target's whole config (a tensor-parallel rank's model holds its local one); vocab: its
+        embedding and LM head (target_vocab.py)."""
         if not hasattr(target, "_attention") or not getattr(target, "hybrid", False):
             raise ConfigError(f"{FLAG}: the target {target.config.architecture} has no MTP layers llmserve runs "
                               "(Qwen3-Next and Qwen3.5 checkpoints ship them)")
         raw = read_mtp_tensors(path)
-        c = target.config
+        c = target_config
         self.config = dataclasses.replace(c, num_layers=1, layer_types=["full_attention"],
                                           moe_layers=[0] if "layers.0.mlp.gate.weight" in raw else [])
         weights = {"model." + n: t for n, t in raw.items() if n.startswith("layers.0.")}
@@ -74,8 +78,8 @@ class MtpHead:
         weights["model.embed_tokens.weight"] = weights["lm_head.weight"] = raw["fc.weight"][:1]
         self.layer = type(target)(self.config, weights, target.dtype, target.device, attention=target.attention,
                                   prepack=target.prepacked)
-        self.layer.embed, self.layer.lm_head = target.embed, target.lm_head
-        self.target = target
+        self.layer.embed, self.layer.lm_head = None, vocab.lm_head  # lookups go through vocab.embed_tokens
+        self.vocab = vocab
         fc = raw["fc.weight"].to(target.device, target.dtype).contiguous()
         self.fc = pack_linear_weight(fc) if target.prepacked else fc
         self.norm_embedding, self.norm_hidden = (1.0 + raw[f"pre_fc_norm_{x}.weight"].to(target.device, torch.float32)
@@ -87,10 +91,10 @@ class MtpHead:
     def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
              attn_meta: Any) -> torch.Tensor:
         ops = self.layer.ops
-        x = torch.cat([ops.rms_norm(self.target.embed_tokens(token_ids), self.norm_embedding),
+        x = torch.cat([ops.rms_norm(self.vocab.embed_tokens(token_ids), self.norm_embedding),
                        ops.rms_norm(hidden, self.norm_hidden)], dim=-1)
         h = self.layer._layers(ops.linear(x, self.fc), positions, kv_cache, attn_meta, None)
         return self.layer.final_norm(h)
 
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:
-        return self.layer.ops.linear(h, self.target.lm_head).argmax(dim=-1)
+        return self.layer.ops.linear(h, self.vocab.lm_head).argmax(dim=-1)

@@ -151,18 +151,72 @@ class GrammarMasks:
         self._bitmask: torch.Tensor | None = None
         self._batch = None
 
+    def _mask(self, rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        return self._bitmask[:rows]
+
     def apply(self, logits: torch.Tensor, matchers: list) -> None:
         """logits: [rows, vocab] on the CPU, masked in place; matchers: per row, None for an unconstrained one."""
         import xgrammar as xgr
 
-        rows = logits.shape[0]
-        if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
-            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        mask = self._bitmask[:rows]
+        mask = self._mask(logits.shape[0])
         idx = [i for i, m in enumerate(matchers) if m is not None]
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in idx], mask, idx)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[1]), indices=idx)
+
+    def apply_with_drafts(self, logits: torch.Tensor, matchers: list, drafts: list[np.ndarray]) -> None:
+        """As `apply`, for a step that verifies drafts: request i owns 1 + len(drafts[i]) consecutive rows of
+        logits, and its row j is masked at its grammar's state after drafts[i][:j] (the drafts fit: they were cut
+        where the grammar rejects one); each matcher is rolled back to where it was."""
+        import xgrammar as xgr
+
+        mask = self._mask(logits.shape[0])
+        idx: list[int] = []
+        at = 0
+        for m, d in zip(matchers, drafts, strict=True):
+            if m is not None:
+                for j, tok in enumerate([*d.tolist(), None]):
+                    m.fill_next_token_bitmask(mask, at + j)
+                    idx.append(at + j)
+                    if tok is not None and not m.accept_token(tok):
+                        raise AssertionError(f"draft {tok} does not fit its grammar: drafts are cut before")
+                if len(d):
+                    m.rollback(len(d))
+            at += len(d) + 1
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[1]), indices=idx)
+
+    @staticmethod
+    def fitting_prefix(matcher, drafts: list[int], stop_ids: frozenset[int]) -> int:
+        """How many leading drafts the grammar accepts from its state, stopping before a stop token (a grammar's
+        end is decided by the verified tokens); the matcher is left where it was."""
+        n = 0
+        for tok in drafts:
+            if tok in stop_ids or not matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
+
+    @staticmethod
+    def advance_runs(matchers: list, chunks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """`advance` for steps that emit several tokens per request (accepted drafts, then the bonus token): token
+        i belongs to request chunks[i], in order. True per request where the constraint has ended."""
+        ended = np.zeros(len(matchers), dtype=bool)
+        for c, tok in zip(chunks.tolist(), tokens.tolist(), strict=True):
+            m = matchers[c]
+            if m is None or ended[c]:
+                continue
+            ok = m.accept_token(tok)
+            if not ok:
+                log.warning("a sampled token (%d, request %d of the step) does not fit its grammar; the request "
+                            "ends", tok, c)
+            ended[c] = not ok or m.is_terminated()
+        return ended
 
     @staticmethod
     def advance(matchers: list, tokens: np.ndarray) -> np.ndarray:

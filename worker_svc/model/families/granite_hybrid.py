@@ -122,6 +122,8 @@ class GraniteMoeHybrid(HybridModel):
         c, ops, m = self.config, self.ops, self.residual_multiplier
         rope = None if ops.rope is None else ops.rope.prepare(positions)
         for i, layer in enumerate(self.layers):
+            if self.capture is not None:  # an EAGLE-3 head reads some layers' inputs
+                self.capture.layer_input(i, h)
             x = ops.rms_norm(h, layer.input_norm)
             if isinstance(layer.mixer, Mamba2Weights):
                 j = self.state_index[i]

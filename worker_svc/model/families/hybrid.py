@@ -130,6 +130,8 @@ class HybridModel(LlamaModel):
         if state is None:
             raise ValueError(f"{self.config.architecture} is a hybrid model: its forward needs the state pool")
         h = self._layers(self.embed_tokens(input_ids), positions, kv_cache, attn_meta, state)
+        if self.capture is not None:  # an EAGLE-3 head may read the last layer's output
+            self.capture.layer_input(self.config.num_layers, h)
         return self.head(h, logits_indices, pool_indices)
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta: Any,

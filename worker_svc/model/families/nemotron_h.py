@@ -109,6 +109,8 @@ class NemotronH(HybridModel):
                 state: StateStep) -> torch.Tensor:
         c, ops = self.config, self.ops
         for i, block in enumerate(self.blocks):
+            if self.capture is not None:  # an EAGLE-3 head reads some layers' inputs
+                self.capture.layer_input(i, h)
             x = ops.rms_norm(h, block.norm)
             if block.kind == "mamba":
                 j = self.state_index[i]

@@ -167,6 +167,8 @@ class Qwen3Next(HybridModel):
         ops = self.ops
         rope = ops.rope.prepare(positions)
         for i, layer in enumerate(self.layers):
+            if self.capture is not None:  # an EAGLE-3 head reads some layers' inputs
+                self.capture.layer_input(i, h)
             x = ops.rms_norm(h, layer.input_norm)
             if isinstance(layer.mixer, AttentionWeights):
                 h = self._attention(x, layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta, h)
