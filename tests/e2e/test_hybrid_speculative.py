@@ -4,16 +4,21 @@ served by a real worker, scheduler and redis-server: greedy tokens with `--specu
 of the recurrent state (worker_svc/core/draft_rollback.py); pipelined and not, with a few state slots and an
 `n = 2` request among repetitive and plain prompts, and with prefix caching by snapshots on; on one and on two
 tensor-parallel ranks. The same with an attention-only draft model (method draft_model) of the same vocabulary,
-whose drafts the target rejects.
+whose drafts the target rejects. Seeded sampled requests with n-gram drafts give the tokens of the same requests
+without speculation (the contract of speculation.verifying_draw for point-mass drafts).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import uuid
 
+import grpc
 import pytest
 
+from protos import llmserve_pb2 as pb
+from protos import llmserve_pb2_grpc as pb_grpc
 from tests.e2e.test_hybrid_serving import generate, reference, token_prompt
 from tests.e2e.test_prefix_cache import metrics
 from tests.support import cluster
@@ -79,6 +84,62 @@ def test_a_draft_model_on_a_hybrid_equals_transformers(redis_server, hybrid, tmp
         serve_and_compare(redis_server, hf, worker, ["--speculative-config", spec], min_accepted=0)
     finally:
         cluster.stop(worker)
+
+
+SAMPLED = [dict(temperature=0.5, seed=11), dict(temperature=0.8, top_p=0.9, seed=5, n=2),
+           dict(temperature=0.3, top_k=8, seed=7)]
+
+
+def test_seeded_sampling_with_ngram_on_a_hybrid_equals_no_speculation(redis_server, hybrid):
+    """A seeded sampled request draws each token from the target's distribution with its own generator, and an
+    n-gram draft is accepted exactly when that draw equals it: the tokens are those of the run without drafts, so
+    a rolled-back state must leave the next distribution as it was."""
+    _, _, worker = hybrid
+    without, _ = serve_sampled(redis_server, worker, [])
+    with_drafts, (accepted, drafted) = serve_sampled(redis_server, worker, ["--speculative-config", SPEC])
+    assert with_drafts == without
+    assert 1 <= accepted < drafted, (accepted, drafted)  # drafts accepted and rejected (so rolled back)
+
+
+def sampled(address: str, ids: list[int], max_tokens: int, params: dict) -> list[list[int]]:
+    req = pb.GenerateRequest(request_id=uuid.uuid4().hex[:8],
+                             sampling=pb.SamplingParams(ignore_eos=True, max_tokens=max_tokens, **params))
+    req.token_ids.SetInParent()
+    req.token_ids.ids.extend(ids)
+    seqs: dict[int, list[int]] = {}
+    with grpc.insecure_channel(address) as channel:
+        for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=TIMEOUT_S):
+            seqs.setdefault(msg.index, []).extend(msg.token_ids)
+    return [seqs[i] for i in sorted(seqs)]
+
+
+def serve_sampled(redis_server, worker, flags: list) -> tuple[dict[int, list[list[int]]], tuple[float, float]]:
+    """The repetitive cases() prompts, each with a SAMPLED setting, concurrently through a fresh scheduler: the
+    sequences and (accepted, drafted) draft tokens."""
+    metrics_port = cluster.free_port()
+    sched = cluster.start_scheduler(redis_server, worker, ["--max-num-batched-tokens", 32, "--debug-invariants",
+                                                           "--metrics-port", metrics_port, *flags],
+                                    namespace=cluster.new_namespace("hybrid-spec-sampled"))
+    try:
+        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
+        results: dict[int, list[list[int]]] = {}
+        loops = cases()[:3]  # the repetitive prompts: the lookup drafts there
+        jobs = [(prompt, max_tokens, params) for (prompt, max_tokens, _), params in zip(loops, SAMPLED, strict=True)]
+
+        def run(i: int, prompt: list[int], max_tokens: int, params: dict) -> None:
+            results[i] = sampled(sched.address, prompt, max_tokens, params)
+
+        threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert len(results) == len(jobs)
+        got = metrics(metrics_port)
+        return results, (got.get("vllm:spec_decode_num_accepted_tokens_total", 0.0),
+                         got.get("vllm:spec_decode_num_draft_tokens_total", 0.0))
+    finally:
+        cluster.stop(sched)
 
 
 def serve_and_compare(redis_server, hf, worker, flags: list, min_accepted: int = 1) -> None:
