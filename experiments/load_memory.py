@@ -43,7 +43,9 @@ with bounded_heap():
     del weights
 seconds = time.perf_counter() - start
 kept = int(open("/proc/self/statm").read().split()[1]) * 4096
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forked parent (which may have just written the
+# checkpoint), so it can report the parent's high-water mark instead of this process's.
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"peak_rss": peak, "kept_rss": kept, "before_load_rss": base * 1024, "seconds": seconds}))
 """
 
