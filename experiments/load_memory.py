@@ -1,4 +1,4 @@
-"""Peak host memory and time of loading a bfloat16 HF checkpoint: another git ref's loader against this tree's.
+"""Peak host memory and time of loading an HF checkpoint (bfloat16, float32 or FP8): a ref's loader against ours.
 
 Writes a random-weight bfloat16 Llama (safetensors, one file), then in a fresh subprocess per loader loads it the
 way the worker does (`load_model_weights`, then `LlamaModel` in bfloat16 on the CPU, prepack off) and reports the
@@ -28,16 +28,24 @@ from worker_svc.model.loader import load_model_weights
 from worker_svc.model.decoder import LlamaModel
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
-try:
-    from worker_svc.model.safetensors_stream import Placement
-    config, weights = load_model_weights(sys.argv[1], placement=Placement(torch.bfloat16))
-except ImportError:  # a loader without placements
-    config, weights = load_model_weights(sys.argv[1])
-model = LlamaModel(config, weights, torch.bfloat16, "cpu", prepack=False)
-del weights
+try:  # the worker's allocator setting while it loads (load_heap.py)
+    from worker_svc.model.load_heap import bounded_heap
+except ImportError:  # a tree without it: glibc's defaults
+    import contextlib
+    bounded_heap = contextlib.nullcontext
+with bounded_heap():
+    try:
+        from worker_svc.model.safetensors_stream import Placement
+        config, weights = load_model_weights(sys.argv[1], placement=Placement(torch.bfloat16))
+    except ImportError:  # a loader without placements
+        config, weights = load_model_weights(sys.argv[1])
+    model = LlamaModel(config, weights, torch.bfloat16, "cpu", prepack=False)
+    del weights
 seconds = time.perf_counter() - start
 kept = int(open("/proc/self/statm").read().split()[1]) * 4096
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forked parent (which may have just written the
+# checkpoint), so it can report the parent's high-water mark instead of this process's.
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"peak_rss": peak, "kept_rss": kept, "before_load_rss": base * 1024, "seconds": seconds}))
 """
 
@@ -54,8 +62,8 @@ def _fp8_block(w):
 
 
 def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, vocab: int,
-                     quantization: str | None = None) -> int:
-    """A random bfloat16 Llama (Llama-3.2-1B's shape at 16 layers), its projections FP8 with `quantization`
+                     quantization: str | None = None, dtype: str = "bfloat16") -> int:
+    """A random Llama in `dtype` (Llama-3.2-1B's shape at 16 layers), its projections FP8 with `quantization`
     "fp8"; returns its bytes of weights."""
     import torch
     import transformers
@@ -64,10 +72,10 @@ def write_checkpoint(path: str, layers: int, hidden: int, intermediate: int, voc
     heads, kv_heads = hidden // 64, max(1, hidden // 256)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   tie_word_embeddings=True, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
+                                   tie_word_embeddings=True, torch_dtype=dtype, architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(path)
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)  # noqa: E731
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.02).to(getattr(torch, dtype))  # noqa: E731
     tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": rand(hidden)}
     kv = kv_heads * 64
     for i in range(layers):
@@ -108,6 +116,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
                     help="keep the checkpoint here and reuse it when present (default: a temporary one)")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="write the projections quantized")
+    ap.add_argument("--checkpoint-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the dtype of the checkpoint's (non-quantized) tensors; the model is built in bfloat16")
     args = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,11 +127,12 @@ def main() -> None:
         if os.path.isfile(weights):
             size = os.path.getsize(weights)  # the header's few KB aside
         else:
-            size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab, args.quantization)
+            size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab, args.quantization,
+                                    args.checkpoint_dtype)
         archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         rows = {args.ref: measure(old, model), "this tree": measure(here, model)}
-    kind = "FP8 projections, bfloat16 rest" if args.quantization else "bfloat16 weights"
+    kind = f"FP8 projections, {args.checkpoint_dtype} rest" if args.quantization else f"{args.checkpoint_dtype} weights"
     print(f"checkpoint: {size / 1e9:.2f} GB of {kind}, {args.layers} layers, hidden {args.hidden}")
     print(f"{'loader':<12} {'peak RSS GB':>12} {'kept RSS GB':>12} {'peak/kept':>10} {'peak/ckpt':>10} {'s':>7}")
     for name, r in rows.items():

@@ -244,6 +244,7 @@ def serve(args: argparse.Namespace) -> None:
     import torch
 
     from worker_svc.core.runner import ModelRunner, config_summary, resolve_device
+    from worker_svc.model import load_heap
     from worker_svc.parallel import rank_group
 
     device = resolve_device(cfg.device)
@@ -267,7 +268,8 @@ def serve(args: argparse.Namespace) -> None:
     if group is None or group.rank == 0:
         tracing.setup("llmserve-worker", cfg.otlp_traces_endpoint)
     try:
-        runner = ModelRunner(cfg, group)
+        with load_heap.bounded_heap():  # the load's freed buffers go back to the system (load_heap.py)
+            runner = ModelRunner(cfg, group)
     except ValueError as e:  # e.g. a --tensor-parallel-size that does not divide the heads
         if group is None:
             raise

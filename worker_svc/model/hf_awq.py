@@ -8,7 +8,7 @@ float16 [in / group, out]; w = (q - zero) * scale. A group of 64 or 128 columns 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -59,7 +59,8 @@ def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                            zero.repeat_interleave(repeat, 1).contiguous(), 4, "awq")
 
 
-def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
+def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized,
+                place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
     """The model's weights from an AWQ checkpoint's tensors: each `qweight` / `qzeros` / `scales` triple becomes
     `<layer>.weight`, an int4 QuantizedWeight where `keep_quantized(name)` (the model packs it), else float32
     dequantized (MoE experts); the rest float32."""
@@ -71,7 +72,7 @@ def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
         if name.endswith(".qweight"):
             layer = name.removesuffix(".qweight")
             w = awq_weight(t, tensors[layer + ".qzeros"], tensors[layer + ".scales"], name)
-            out[layer + ".weight"] = w if keep_quantized(layer + ".weight") else w.dequantize()
+            out[layer + ".weight"] = w if keep_quantized(layer + ".weight") else place(w.dequantize())
         else:
-            out[name] = t.float()
+            out[name] = place(t)
     return out

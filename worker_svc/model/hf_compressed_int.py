@@ -16,7 +16,7 @@ of a matmul's input int8 on the CPU kernels, a finer grain than per token); stat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -63,7 +63,8 @@ def packed_weight(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor
                            (-zero * scale).repeat_interleave(repeat, 1).contiguous(), 4, "compressed-tensors")
 
 
-def convert_pack_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
+def convert_pack_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized,
+                           place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
     """The model's weights from a pack-quantized checkpoint: each `weight_packed` (with its scale, shape and zero
     point) becomes `<layer>.weight`, int4 where `keep_quantized(name)` (the model packs it), else float32
     dequantized; the rest float32."""
@@ -78,9 +79,9 @@ def convert_pack_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized) 
             layer = name.removesuffix("_packed")
             w = packed_weight(t, tensors[layer + "_scale"], tensors[layer + "_shape"],
                               tensors.get(layer + "_zero_point"), name)
-            out[layer] = w if keep_quantized(layer) else w.dequantize()
+            out[layer] = w if keep_quantized(layer) else place(w.dequantize())
         else:
-            out[name] = t.float()
+            out[name] = place(t)
     return out
 
 
@@ -97,7 +98,8 @@ def int8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str) -> Quantiz
     return QuantizedWeight(weight, scale.expand(out, inp // GROUP).contiguous(), None, 8, "compressed-tensors")
 
 
-def convert_int_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized) -> dict:
+def convert_int_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized,
+                          place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
     """The model's weights from an int-quantized checkpoint: each int8 `weight` with its `weight_scale` becomes an
     int8 QuantizedWeight where `keep_quantized(name)`, else float32 dequantized; the rest float32."""
     out: dict = {}
@@ -116,7 +118,7 @@ def convert_int_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized) -
             if scale is None:
                 raise ValueError(f"{name} is int8 but the checkpoint has no {name}_scale")
             w = int8_weight(t, scale, name)
-            out[name] = w if keep_quantized(name) else w.dequantize()
+            out[name] = w if keep_quantized(name) else place(w.dequantize())
         else:
-            out[name] = t.float()
+            out[name] = place(t)
     return out

@@ -15,7 +15,7 @@ GPTQ layers are dequantized at load (float32, cast to --dtype by the model) and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -94,7 +94,8 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     return QuantizedWeight(codes.T.contiguous(), scale, (-zeros[first].T * scale).contiguous(), 4, "gptq")
 
 
-def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized) -> dict:
+def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized,
+                 place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
     """The model's weights from a GPTQ checkpoint's tensors: each `qweight` / `qzeros` / `scales` (/ `g_idx`)
     becomes `<layer>.weight`, an int4 QuantizedWeight where `keep_quantized(name)` (the model packs it), else
     float32 dequantized (MoE experts); the rest float32. If any layer cannot be exact int4 (act-order), all are
@@ -110,10 +111,10 @@ def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized) 
             w = gptq_weight(t, tensors[layer + ".qzeros"], tensors[layer + ".scales"], tensors.get(layer + ".g_idx"),
                             offset, name)
             keep = isinstance(w, QuantizedWeight) and keep_quantized(layer + ".weight")
-            out[layer + ".weight"] = w if keep or not isinstance(w, QuantizedWeight) else w.dequantize()
+            out[layer + ".weight"] = w if keep else place(w.dequantize() if isinstance(w, QuantizedWeight) else w)
         else:
-            out[name] = t.float()
+            out[name] = place(t)
     if any(isinstance(t, torch.Tensor) and n.endswith(".weight") and n.removesuffix(".weight") + ".qweight"
            in tensors for n, t in out.items()):
-        out = {n: t.dequantize() if isinstance(t, QuantizedWeight) else t for n, t in out.items()}
+        out = {n: place(t.dequantize()) if isinstance(t, QuantizedWeight) else t for n, t in out.items()}
     return out

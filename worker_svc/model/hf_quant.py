@@ -14,7 +14,7 @@ choice; static scales are refused).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -146,7 +146,8 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str,
 
 
 def convert_fp8(tensors: Mapping[str, torch.Tensor], keep_quantized: bool,
-                block: tuple[int, int] = (128, 128)) -> dict:
+                block: tuple[int, int] = (128, 128),
+                place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
     """The model's weights from a checkpoint's tensors: every FP8 weight with its scale (`weight_scale_inv` or
     `weight_scale`, blocks of `block`) becomes a QuantizedWeight where the model packs it (a dense family's
     projections, with `keep_quantized`), else float32 dequantized; the rest float32."""
@@ -162,7 +163,7 @@ def convert_fp8(tensors: Mapping[str, torch.Tensor], keep_quantized: bool,
             if scale is None:
                 raise ValueError(f"{name} is FP8 but the checkpoint has no {name}_scale_inv or {name}_scale")
             w = fp8_weight(t, scale, name, block)
-            out[name] = w if keep_quantized and packed_by_the_model(name) else w.dequantize()
+            out[name] = w if keep_quantized and packed_by_the_model(name) else place(w.dequantize())
         else:
-            out[name] = t.float()
+            out[name] = place(t)
     return out

@@ -23,7 +23,7 @@ from worker_svc.model import hf_awq, hf_compressed_int, hf_gptq, hf_quant
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.families.hf import ROPE_TYPES, hf_rope
 from worker_svc.model.quant import QuantizedWeight
-from worker_svc.model.safetensors_stream import HOST_FLOAT32, LazyTensors, Placement, iter_tensors, tensor_names
+from worker_svc.model.safetensors_stream import HOST_FLOAT32, LazyTensors, Placement, iter_tensors, place, tensor_names
 from worker_svc.parallel.quant_sharding import shard_quantized
 from worker_svc.parallel.sharding import (
     FULL,
@@ -401,34 +401,37 @@ def load_hf_dir(path: str, shard: Shard = FULL,
         return config, dict(iter_tensors(files, config, shard, placement))
     if quant_method is not None:
         return config, _load_hf_quantized(files, cfg["quantization_config"], config, shard,
-                                          hybrid=getattr(family, "hybrid", False))
+                                          getattr(family, "hybrid", False), placement)
     return config, dict(iter_tensors(files, config, shard, placement))
 
 
-def _load_hf_quantized(files: list[str], qc: dict, config: ModelConfig, shard: Shard, hybrid: bool) -> dict:
+def _load_hf_quantized(files: list[str], qc: dict, config: ModelConfig, shard: Shard, hybrid: bool,
+                       placement: Placement) -> dict:
     """The weights of a quantized checkpoint (its quantization_config `qc`, checked), its tensors read as stored
     (hf_quant.py), then cut to this rank's `shard` (quantized ones with their scales, quant_sharding.py)."""
-    weights = _convert_hf_quantized(files, qc, hybrid)
+    weights = _convert_hf_quantized(files, qc, hybrid, placement)
     if shard.size == 1:
         return weights
     return {name: shard_quantized(name, w, config, shard) if isinstance(w, QuantizedWeight)
             else shard_tensor(name, w, config, shard) for name, w in weights.items()}
 
 
-def _convert_hf_quantized(files: list[str], qc: dict, hybrid: bool) -> dict:
-    # Read lazily: a layer's codes, scales and zeros are read when its conversion needs them, then let go.
-    tensors = LazyTensors(files)
+def _convert_hf_quantized(files: list[str], qc: dict, hybrid: bool, placement: Placement) -> dict:
+    # Read lazily: a layer's codes, scales and zeros are read when its conversion needs them, then let go. The
+    # dense tensors go straight to --dtype on the host (no float32 copy of each kept): the model moves them.
+    tensors, host = LazyTensors(files), Placement(placement.dtype)
+    put = lambda t: place(t, host)  # noqa: E731
     # The hybrid families run their projections as dense matmuls (not quant.QuantLinear): dequantized at load.
     keep = (lambda name: False) if hybrid else hf_quant.packed_by_the_model
     if qc["quant_method"] == "gptq":
-        return hf_gptq.convert_gptq(tensors, qc, keep)
+        return hf_gptq.convert_gptq(tensors, qc, keep, put)
     if qc["quant_method"] == "awq":
-        return hf_awq.convert_awq(tensors, keep)
+        return hf_awq.convert_awq(tensors, keep, put)
     if qc.get("format") in hf_compressed_int.INT_FORMATS:
         convert = hf_compressed_int.convert_pack_quantized if qc["format"] == "pack-quantized" else \
             hf_compressed_int.convert_int_quantized
-        return convert(tensors, keep)
-    return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc))
+        return convert(tensors, keep, put)
+    return hf_quant.convert_fp8(tensors, keep_quantized=not hybrid, block=hf_quant.block_size(qc), place=put)
 
 
 def _as_id_list(value) -> list[int]:

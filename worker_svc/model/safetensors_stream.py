@@ -57,10 +57,11 @@ def iter_tensors(files: list[str], config: ModelConfig, shard: Shard = FULL,
     for file, name in tensor_names(files):
         with safe_open(file, framework="pt") as f:
             part = shard_tensor(name, f.get_slice(name), config, shard)  # slice first: only these bytes are read
-            yield name, _place(part, placement)
+            yield name, place(part, placement)
 
 
-def _place(part: torch.Tensor, placement: Placement) -> torch.Tensor:
+def place(part: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """`part` in its placement's dtype and device, in memory of its own."""
     dtype = placement.dtype_of(part.dtype, part.dim())
     if placement.device.type != "cpu":
         # A narrowing cast on the host halves the copy; a widening one is done on the device.
