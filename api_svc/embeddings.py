@@ -69,7 +69,8 @@ async def embeddings(body: EmbeddingRequest, bridge: Bridge, model_name: str, re
         raise bad_request("dimensions is not supported: the embedding has the model's hidden size", "dimensions")
     items = _inputs(body)
     client = bridge.client
-    calls = [client.stub.Embed(_request(item, f"{request_id}-{i}", body.priority), metadata=client.metadata)
+    # common.client sends an accepted input again after a lost lease or fail-over, so that is no 503 either.
+    calls = [asyncio.ensure_future(client.embed(_request(item, f"{request_id}-{i}", body.priority)))
              for i, item in enumerate(items)]
     try:
         replies = await asyncio.gather(*calls)

@@ -94,6 +94,30 @@ class Client:
                     raise
             await asyncio.sleep(REATTACH_PAUSE_S)
 
+    async def embed(self, req: pb.EmbedRequest) -> pb.EmbedResponse:
+        """One Embed call. UNAVAILABLE before the scheduler accepted the request is raised at once (the caller's
+        503); once accepted (a lost lease, a fail-over mid-call) it is sent again under a fresh request id for up
+        to `reattach_timeout` seconds: a single reply has no tokens to resume, and the vector is computed anew."""
+        deadline, attempt, sent = None, 0, req
+        while True:
+            call = self.stub.Embed(sent, metadata=self.metadata)
+            try:
+                return await call
+            except grpc.aio.AioRpcError as e:
+                # Once accepted, a scheduler standing by (UNAVAILABLE without the header) is waited out too.
+                if e.code() != grpc.StatusCode.UNAVAILABLE or (
+                        deadline is None and not accepted(await call.initial_metadata())):
+                    raise
+                deadline = deadline or time.monotonic() + self.reattach_timeout
+                if time.monotonic() + REATTACH_PAUSE_S >= deadline:
+                    raise
+            attempt += 1
+            sent = pb.EmbedRequest()
+            sent.CopyFrom(req)
+            if req.request_id:  # the first id may still be held in Redis by the request the failure interrupted
+                sent.request_id = f"{req.request_id}-retry{attempt}"
+            await asyncio.sleep(REATTACH_PAUSE_S)
+
     async def model_info(self, timeout: float = 5.0) -> pb.ModelInfoResponse:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=timeout)
 

@@ -109,6 +109,8 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids")
         _, streams = await self.admit(embed.generate_request(request, request.request_id or uuid.uuid4().hex),
                                       context, embed=True)
+        # As in Generate: from here a lost lease means "send it again", not "this server cannot take it".
+        await context.send_initial_metadata(((ACCEPTED_HEADER, "1"),))
         return await embed.wait(self.driver, streams[0].pub, context)
 
     async def refuse_unless_leading(self, context) -> None:

@@ -284,3 +284,41 @@ def test_abort_while_standing_by_is_unavailable_and_reaches_the_request_after(st
     live.thread.join(120)
     assert live.finish == "abort" and len(live.tokens) < LONG_TOKENS, (live.finish, live.error)
     assert_clean(stack)
+
+
+def running(st: Stack) -> int:
+    return st.vllm.GetLoads(vpb.GetLoadsRequest(), timeout=RPC_TIMEOUT_S).loads[0].num_running_reqs
+
+
+def test_embed_accepted_before_the_outage_is_sent_again_and_returns_the_undisturbed_vector(stack, reference):
+    # The worker is stopped, so the accepted embedding's step waits in it; Redis is stopped before the worker
+    # answers, so the step's commit fails and the scheduler stands by with the request in hand: the call ends
+    # UNAVAILABLE after the accepted header, and common/client.py sends it again until the scheduler leads.
+    result: dict = {}
+
+    async def run() -> None:
+        async with Client(stack.sched.address, reattach_timeout=180) as client:
+            result["embedding"] = list((await client.embed(pb.EmbedRequest(request_id="held-embed",
+                                                                          text=PROMPT))).embedding)
+
+    def follow() -> None:
+        try:
+            asyncio.run(run())
+        except BaseException as e:  # noqa: BLE001  (the assertion below reports it)
+            result["error"] = e
+
+    os.kill(stack.worker.pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        wait_for("the embedding's step sent to the stopped worker", lambda: running(stack) or "error" in result)
+        with stack.redis_stopped():
+            os.kill(stack.worker.pid, signal.SIGCONT)
+            wait_for("the scheduler standing by", lambda: stack.health() == "NOT_SERVING" or "error" in result)
+    finally:
+        os.kill(stack.worker.pid, signal.SIGCONT)
+    thread.join(300)
+    assert not thread.is_alive() and "error" not in result, result.get("error")
+    assert result["embedding"] == pytest.approx(reference["embedding"], abs=1e-4)
+    wait_for("the scheduler leading again", lambda: stack.health() == "SERVING")
+    assert_clean(stack)
