@@ -18,6 +18,7 @@ from tests.e2e.test_scheduler_e2e import (
 )
 from tests.e2e.test_speculative import CASES, SPEC, run, scheduler
 from tests.support import cluster
+from tests.support.module_worker import running_worker
 
 # On the CPU wherever it runs: three ranks need three devices on CUDA (tests/service/test_cuda_graphs.py is the GPU's).
 POOL = ["--device", "cpu", "--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN,
@@ -63,11 +64,9 @@ def run_cases(redis_server: str, worker: cluster.Proc, flags: list[str], refs: l
 
 @pytest.fixture(scope="module")
 def compiled(inductor_cache):
-    worker = cluster.start_worker([*POOL, "-O1", "--compilation-config", SIZES], env=inductor_cache)
-    assert "compiled forward ready: sizes [4, 16, 64]" in worker.log_text()
-    yield worker
-    cluster.stop(worker)
-    assert "Traceback" not in worker.log_text()
+    with running_worker([*POOL, "-O1", "--compilation-config", SIZES], env=inductor_cache) as worker:
+        assert "compiled forward ready: sizes [4, 16, 64]" in worker.log_text()
+        yield worker
 
 
 # Without speculation is slow: the speculative run's steps hold the rows without drafts too (decodes, the regex row),
@@ -85,9 +84,7 @@ def test_compiled_worker_equals_eager_under_every_mode(redis_server, refs, compi
 @pytest.mark.slow
 def test_compiled_tensor_parallel_group_equals_eager(redis_server, refs, inductor_cache):  # noqa: F811
     """Three ranks (SmolLM2's 9 query and 3 KV heads), each compiling its shard's parts, all-reduces between them."""
-    group = cluster.start_worker([*POOL, "--tensor-parallel-size", 3, "-O1", "--compilation-config", SIZES],
-                                 env=inductor_cache)
-    assert "compiled forward ready: sizes [4, 16, 64]" in group.log_text()
-    run_cases(redis_server, group, ["--speculative-config", SPEC], refs)
-    cluster.stop(group)
-    assert "Traceback" not in group.log_text()
+    with running_worker([*POOL, "--tensor-parallel-size", 3, "-O1", "--compilation-config", SIZES],
+                        env=inductor_cache) as group:
+        assert "compiled forward ready: sizes [4, 16, 64]" in group.log_text()
+        run_cases(redis_server, group, ["--speculative-config", SPEC], refs)

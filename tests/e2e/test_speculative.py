@@ -15,10 +15,10 @@ import pytest
 
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.e2e.test_scheduler_e2e import (
-    MAX_MODEL_LEN,
     PREEMPT,
     RPC_TIMEOUT_S,
     SMALL_BLOCKS,
+    WORKERS,
     _stop_string_at,
     assert_clean_log,
     make_request,
@@ -27,6 +27,7 @@ from tests.e2e.test_scheduler_e2e import (
     wait_idle_ledger,
 )
 from tests.support import cluster
+from tests.support.module_worker import running_worker
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
@@ -51,10 +52,8 @@ def run(stub, prompt, max_tokens, **sampling) -> dict[int, tuple[list[int], str,
 
 @pytest.fixture(scope="module")
 def worker():
-    w = cluster.start_worker(["--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN,
-                              "--allow-kv-pool-below-max-model-len"])
-    yield w
-    cluster.stop(w)
+    with running_worker(WORKERS["small"]) as w:
+        yield w
 
 
 def scheduler(redis_url, worker, *flags) -> tuple[cluster.Proc, grpc.Channel]:

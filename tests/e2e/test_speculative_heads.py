@@ -14,8 +14,8 @@ import pytest
 
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.e2e.test_scheduler_e2e import (
-    MAX_MODEL_LEN,
     SMALL_BLOCKS,
+    WORKERS,
     assert_clean_log,
     metrics,
     run_concurrently,
@@ -23,6 +23,7 @@ from tests.e2e.test_scheduler_e2e import (
 )
 from tests.e2e.test_speculative import CASES, COUNT_RE, run, scheduler
 from tests.support import cluster
+from tests.support.module_worker import running_worker
 from tests.support.spec_heads import bundled_model_dims, write_eagle3_head
 
 
@@ -35,10 +36,8 @@ def spec(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def worker(spec):
-    w = cluster.start_worker(["--num-gpu-blocks-override", SMALL_BLOCKS, "--max-model-len", MAX_MODEL_LEN,
-                              "--allow-kv-pool-below-max-model-len", "--speculative-config", spec])
-    yield w
-    cluster.stop(w)
+    with running_worker([*WORKERS["small"], "--speculative-config", spec]) as w:
+        yield w
 
 
 def test_eagle3_speculation_equals_plain_decoding_with_preemption(redis_server, worker, spec):  # noqa: F811

@@ -4,14 +4,11 @@ Random-weight checkpoints written by transformers; two gloo ranks on this CPU, e
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from llmserve.processes import free_port
 from tests.e2e.test_tensor_parallel import _steps
+from tests.support.rank_pair import run_on_ranks
 from worker_svc.model import families as models
 from worker_svc.model.loader import load_hf_dir
 from worker_svc.parallel.sharding import Shard, local_config
@@ -38,29 +35,15 @@ def _load(path: str, shard: Shard, group=None):
                                                tp=group)
 
 
-def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from worker_svc.parallel.rank_group import RankGroup
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=SIZE)
-    group = RankGroup(rank, SIZE, rank, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD)
-    for i, path in enumerate(paths):
-        logits = _steps(_load(path, Shard(rank, SIZE), group))
-        if rank == 0:
-            torch.save(logits, os.path.join(out_dir, f"{i}.pt"))
-        else:
-            assert all(x is None for x in logits)
-    dist.destroy_process_group()
+def _rank_steps(path: str, shard: Shard, group) -> tuple[list[torch.Tensor | None], None]:
+    return _steps(_load(path, shard, group)), None
 
 
 def test_tp2_logits_equal_one_rank(checkpoints, tmp_path):
     expected = [_steps(_load(path, Shard(0, 1))) for path in checkpoints]
-    mp.spawn(_rank_main, args=(free_port(), checkpoints, str(tmp_path)), nprocs=SIZE, join=True)
+    got = run_on_ranks(_rank_steps, checkpoints, str(tmp_path), SIZE)
     for i, want in enumerate(expected):
-        for g, w in zip(torch.load(tmp_path / f"{i}.pt"), want, strict=True):
+        for g, w in zip(got[i][0], want, strict=True):
             assert g.shape == w.shape
             diff = (g - w).abs().max().item()
             assert diff < 1e-4 * max(1.0, w.abs().max().item()), f"{FAMILIES[i]} N=2: max abs logit diff {diff}"

@@ -5,14 +5,11 @@ Random-weight checkpoints quantized the formats' way; two gloo ranks on this CPU
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from llmserve.processes import free_port
 from tests.e2e.test_tensor_parallel import _steps
+from tests.support.rank_pair import run_on_ranks
 from worker_svc.model import families as models
 from worker_svc.model import quant
 from worker_svc.model.loader import load_hf_dir
@@ -64,31 +61,17 @@ def _load(path: str, shard: Shard, group=None):
     return model, kinds
 
 
-def _rank_main(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from worker_svc.parallel.rank_group import RankGroup
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=SIZE)
-    group = RankGroup(rank, SIZE, rank, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD)
-    for i, path in enumerate(paths):
-        model, kinds = _load(path, Shard(rank, SIZE), group)
-        logits = _steps(model)
-        if rank == 0:
-            torch.save((logits, kinds), os.path.join(out_dir, f"{i}.pt"))
-        else:
-            assert all(x is None for x in logits)
-    dist.destroy_process_group()
+def _rank_steps(path: str, shard: Shard, group) -> tuple[list[torch.Tensor | None], list[tuple[bool, int]]]:
+    model, kinds = _load(path, shard, group)
+    return _steps(model), kinds
 
 
 def test_tp2_logits_and_greedy_tokens_equal_one_rank(checkpoints, tmp_path):
     whole = [_load(path, Shard(0, 1)) for path in checkpoints]
     expected = [_steps(model) for model, _ in whole]
-    mp.spawn(_rank_main, args=(free_port(), checkpoints, str(tmp_path)), nprocs=SIZE, join=True)
+    ranks = run_on_ranks(_rank_steps, checkpoints, str(tmp_path), SIZE)
     for i, want in enumerate(expected):
-        got, kinds = torch.load(tmp_path / f"{i}.pt")
+        got, kinds = ranks[i]
         # Every format but GPTQ act-order (dequantized at load where a 32-column run mixes groups) stays quantized,
         # each rank with half of down_proj's input columns.
         ((quantized, columns),) = whole[i][1]

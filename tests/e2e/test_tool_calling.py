@@ -88,7 +88,9 @@ def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
-@pytest.mark.parametrize("sampling", SAMPLING)
+# Seeded named calls are slow: seeded sampling under the tool-call constraint is test_required_calls_validate's.
+@pytest.mark.parametrize("sampling", [SAMPLING[0], pytest.param(*SAMPLING[1].values, marks=pytest.mark.slow,
+                                                                id=SAMPLING[1].id)])
 def test_named_calls_validate_against_each_schema(st, sampling):
     for tool in TOOLS:
         name = tool["function"]["name"]
@@ -102,8 +104,12 @@ def test_named_calls_validate_against_each_schema(st, sampling):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[name])
 
 
-@pytest.mark.parametrize("sampling", SAMPLING)
-@pytest.mark.parametrize("parallel", [True, False])
+# The default run keeps one case per value of each (parallel greedy, one seeded call); the other two are slow.
+@pytest.mark.parametrize("parallel,sampling", [
+    pytest.param(True, {"temperature": 0}, id="True-greedy"),
+    pytest.param(False, {"temperature": 1.0, "seed": 7}, id="False-seeded"),
+    pytest.param(False, {"temperature": 0}, id="False-greedy", marks=pytest.mark.slow),
+    pytest.param(True, {"temperature": 1.0, "seed": 7}, id="True-seeded", marks=pytest.mark.slow)])
 def test_required_calls_validate(st, sampling, parallel):
     r = st.client.chat.completions.create(model=st.model, messages=ASK, tools=TOOLS, tool_choice="required",
                                           parallel_tool_calls=parallel, max_tokens=300, **sampling)
@@ -293,8 +299,12 @@ CUT_CALLS = [pytest.param("required", id="required"), pytest.param(named("create
              pytest.param("hermes", id="auto-hermes")]
 
 
-@pytest.mark.parametrize("max_tokens", [6, 13, 160])
-@pytest.mark.parametrize("choice", CUT_CALLS)
+# The uncut greedy `required` and named calls, streamed against whole, are the very requests of
+# test_streamed_deltas_reassemble_to_the_whole_call: slow here. The cut ones and the uncut Hermes call stay.
+@pytest.mark.parametrize("choice,max_tokens", [
+    *(pytest.param(c.values[0], n, id=f"{c.id}-{n}") for c in CUT_CALLS for n in (6, 13)),
+    pytest.param("hermes", 160, id="auto-hermes-160"),
+    *(pytest.param(c.values[0], 160, id=f"{c.id}-160", marks=pytest.mark.slow) for c in CUT_CALLS[:2])])
 def test_streamed_and_whole_calls_agree_in_every_finish_state(st, choice, max_tokens):
     """The same greedy request whole and streamed: the same finish reason, content and calls, with the streamed
     `arguments` joining to the whole one's, also where max_tokens cuts the call (finish_reason length)."""

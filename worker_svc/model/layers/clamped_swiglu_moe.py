@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from worker_svc.model.layers.linear import linear
-from worker_svc.model.layers.moe import sort_by_expert
+from worker_svc.model.layers.moe import per_expert_grouped
 from worker_svc.model.mxfp4 import Mxfp4Weight
 
 
@@ -67,18 +67,12 @@ def _matmul(x: Tensor, weight: Any, bias: Tensor) -> Tensor:
 def experts_forward(x: Tensor, w: ClampedSwiGLUExperts) -> Tensor:
     """The block's output for x [T, hidden] (post-attention-normed), in x's dtype."""
     weights, ids = route(x, w.router, w.router_bias, w.top_k)
-    top_k = ids.shape[1]
-    order, counts = sort_by_expert(ids, w.num_experts)
-    token = order // top_k
-    xs = x[token]  # [T * top_k, hidden], grouped by expert
-    out = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            rows = slice(start, start + n)
-            gate, up = _matmul(xs[rows], w.gate_up[e], w.gate_up_bias[e]).chunk(2, dim=-1)
-            out[rows] = _matmul(clamped_swiglu(gate, up, w.alpha, w.limit), w.down[e], w.down_bias[e])
-            start += n
+
+    def clamped_expert(e: int, rows: Tensor) -> Tensor:
+        gate, up = _matmul(rows, w.gate_up[e], w.gate_up_bias[e]).chunk(2, dim=-1)
+        return _matmul(clamped_swiglu(gate, up, w.alpha, w.limit), w.down[e], w.down_bias[e])
+
+    out, order, token = per_expert_grouped(x, ids, w.num_experts, clamped_expert)
     out = out * weights.reshape(-1)[order].unsqueeze(-1)
     # Pairs arrive in expert order, so each token sums its experts' outputs in ascending expert order (as transformers).
     return torch.zeros_like(x).index_add_(0, token, out)

@@ -64,24 +64,37 @@ def sort_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
 
 
-def experts_torch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor | list[Tensor],
-                  down: Tensor | list[Tensor]) -> Tensor:
-    """sum over each token's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)): [T, hidden] in x's dtype.
-
-    One host read of the per-expert counts, then two matmuls per expert that received tokens (dense or prepacked
-    weights: oneDNN's prepacked matmul measured 3-4x faster than F.linear on these small per-expert slices)."""
+def per_expert_grouped(x: Tensor, ids: Tensor, num_experts: int,
+                       expert: Callable[[int, Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, order, token): expert(e, rows) run once per expert that received tokens, over its contiguous slice of
+    the (token, slot) pairs grouped by expert. out [T * top_k, hidden] is in that grouped order; order is
+    sort_by_expert's and token[i] the row of x that pair i came from. Shared by every MoE block's torch path."""
     top_k = ids.shape[1]
-    order, counts = sort_by_expert(ids, len(gate_up))
+    order, counts = sort_by_expert(ids, num_experts)
     token = order // top_k
     xs = x[token]  # [T * top_k, hidden], grouped by expert
     out = torch.empty_like(xs)
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts.tolist()):  # one host read of the counts
         if n:
             rows = slice(start, start + n)
-            gate, up = linear(xs[rows], gate_up[e]).chunk(2, dim=-1)
-            out[rows] = linear(F.silu(gate) * up, down[e])
+            out[rows] = expert(e, xs[rows])
             start += n
+    return out, order, token
+
+
+def experts_torch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor | list[Tensor],
+                  down: Tensor | list[Tensor]) -> Tensor:
+    """sum over each token's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)): [T, hidden] in x's dtype.
+
+    Two matmuls per expert that received tokens (dense or prepacked weights: oneDNN's prepacked matmul measured
+    3-4x faster than F.linear on these small per-expert slices)."""
+
+    def swiglu_expert(e: int, rows: Tensor) -> Tensor:
+        gate, up = linear(rows, gate_up[e]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, down[e])
+
+    out, order, token = per_expert_grouped(x, ids, len(gate_up), swiglu_expert)
     # The product takes the weights' dtype first (float32 for Mixtral), then is rounded, as transformers does.
     out = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
     # Pairs arrive in expert order, so each token sums its experts' outputs in ascending expert order.
