@@ -25,6 +25,7 @@ from protos import llmserve_pb2_grpc as pb_grpc
 from tests.e2e.test_model_families_served import word_tokenizer
 from tests.e2e.test_prefix_cache import metrics, wait_for
 from tests.support import cluster
+from tests.support.concurrent_serving import request_tokens
 
 NUM_STATE_SLOTS = 4
 WORKER_ARGS = ["--num-gpu-blocks-override", 12, "--max-model-len", 256, "--allow-kv-pool-below-max-model-len",
@@ -55,15 +56,7 @@ def token_prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
 
 def generate(address: str, ids: list[int], max_tokens: int, n: int = 1, rid: str | None = None) -> list[list[int]]:
     """Greedy; one token list per sequence."""
-    req = pb.GenerateRequest(request_id=rid or uuid.uuid4().hex[:8],
-                             sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, n=n))
-    req.token_ids.SetInParent()
-    req.token_ids.ids.extend(ids)
-    seqs: dict[int, list[int]] = {}
-    with grpc.insecure_channel(address) as channel:
-        for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=TIMEOUT_S):
-            seqs.setdefault(msg.index, []).extend(msg.token_ids)
-    return [seqs[i] for i in sorted(seqs)]
+    return request_tokens(address, ids, max_tokens, dict(temperature=0.0, n=n), rid, timeout=TIMEOUT_S)
 
 
 class Stream:

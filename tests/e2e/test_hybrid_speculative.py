@@ -11,17 +11,12 @@ without speculation (the contract of speculation.verifying_draw for point-mass d
 from __future__ import annotations
 
 import json
-import threading
-import uuid
 
-import grpc
 import pytest
 
-from protos import llmserve_pb2 as pb
-from protos import llmserve_pb2_grpc as pb_grpc
-from tests.e2e.test_hybrid_serving import generate, reference, token_prompt
-from tests.e2e.test_prefix_cache import metrics
+from tests.e2e.test_hybrid_serving import reference, token_prompt
 from tests.support import cluster
+from tests.support.concurrent_serving import serve_concurrently
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 TIMEOUT_S = 600
@@ -101,71 +96,23 @@ def test_seeded_sampling_with_ngram_on_a_hybrid_equals_no_speculation(redis_serv
     assert 1 <= accepted < drafted, (accepted, drafted)  # drafts accepted and rejected (so rolled back)
 
 
-def sampled(address: str, ids: list[int], max_tokens: int, params: dict) -> list[list[int]]:
-    req = pb.GenerateRequest(request_id=uuid.uuid4().hex[:8],
-                             sampling=pb.SamplingParams(ignore_eos=True, max_tokens=max_tokens, **params))
-    req.token_ids.SetInParent()
-    req.token_ids.ids.extend(ids)
-    seqs: dict[int, list[int]] = {}
-    with grpc.insecure_channel(address) as channel:
-        for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=TIMEOUT_S):
-            seqs.setdefault(msg.index, []).extend(msg.token_ids)
-    return [seqs[i] for i in sorted(seqs)]
-
-
 def serve_sampled(redis_server, worker, flags: list) -> tuple[dict[int, list[list[int]]], tuple[float, float]]:
     """The repetitive cases() prompts, each with a SAMPLED setting, concurrently through a fresh scheduler: the
     sequences and (accepted, drafted) draft tokens."""
-    metrics_port = cluster.free_port()
-    sched = cluster.start_scheduler(redis_server, worker, ["--max-num-batched-tokens", 32, "--debug-invariants",
-                                                           "--metrics-port", metrics_port, *flags],
-                                    namespace=cluster.new_namespace("hybrid-spec-sampled"))
-    try:
-        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        results: dict[int, list[list[int]]] = {}
-        loops = cases()[:3]  # the repetitive prompts: the lookup drafts there
-        jobs = [(prompt, max_tokens, params) for (prompt, max_tokens, _), params in zip(loops, SAMPLED, strict=True)]
-
-        def run(i: int, prompt: list[int], max_tokens: int, params: dict) -> None:
-            results[i] = sampled(sched.address, prompt, max_tokens, params)
-
-        threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT_S)
-        assert len(results) == len(jobs)
-        got = metrics(metrics_port)
-        return results, (got.get("vllm:spec_decode_num_accepted_tokens_total", 0.0),
-                         got.get("vllm:spec_decode_num_draft_tokens_total", 0.0))
-    finally:
-        cluster.stop(sched)
+    loops = cases()[:3]  # the repetitive prompts: the lookup drafts there
+    jobs = [(prompt, max_tokens, params) for (prompt, max_tokens, _), params in zip(loops, SAMPLED, strict=True)]
+    results, got = serve_concurrently(redis_server, worker, jobs, flags, "hybrid-spec-sampled")
+    return results, (got.get("vllm:spec_decode_num_accepted_tokens_total", 0.0),
+                     got.get("vllm:spec_decode_num_draft_tokens_total", 0.0))
 
 
 def serve_and_compare(redis_server, hf, worker, flags: list, min_accepted: int = 1) -> None:
     """Serve cases() concurrently through a fresh scheduler: every sequence equals transformers', and of the drafts
     at least `min_accepted` were accepted and some rejected (and so rolled back)."""
-    metrics_port = cluster.free_port()
-    sched = cluster.start_scheduler(redis_server, worker, ["--max-num-batched-tokens", 32, "--debug-invariants",
-                                                           "--metrics-port", metrics_port, *flags],
-                                    namespace=cluster.new_namespace("hybrid-spec"))
-    try:
-        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        results: dict[int, list[list[int]]] = {}
-
-        def run(i: int, prompt: list[int], max_tokens: int, n: int) -> None:
-            results[i] = generate(sched.address, prompt, max_tokens, n=n)
-
-        threads = [threading.Thread(target=run, args=(i, *c)) for i, c in enumerate(cases())]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT_S)
-        for i, (prompt, max_tokens, n) in enumerate(cases()):
-            assert results[i] == [reference(hf, prompt, max_tokens)] * n, f"case {i} differs from transformers"
-        got = metrics(metrics_port)
-        drafted = got["vllm:spec_decode_num_draft_tokens_total"]
-        accepted = got["vllm:spec_decode_num_accepted_tokens_total"]
-        assert min_accepted <= accepted < drafted, (accepted, drafted)  # some drafts rolled back
-    finally:
-        cluster.stop(sched)
+    jobs = [(prompt, max_tokens, dict(temperature=0.0, n=n)) for prompt, max_tokens, n in cases()]
+    results, got = serve_concurrently(redis_server, worker, jobs, flags, "hybrid-spec")
+    for i, (prompt, max_tokens, n) in enumerate(cases()):
+        assert results[i] == [reference(hf, prompt, max_tokens)] * n, f"case {i} differs from transformers"
+    drafted = got["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = got["vllm:spec_decode_num_accepted_tokens_total"]
+    assert min_accepted <= accepted < drafted, (accepted, drafted)  # some drafts rolled back

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
@@ -33,6 +31,7 @@ from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.core.block_pool import BlockPool, hash_block
 from scheduler_svc.ledger.store import RedisLedger, StepCommit
 from tests.support import cluster
+from tests.support.concurrent_serving import summed_metrics as metrics
 
 BS = 16
 MAIN_BLOCKS = 160
@@ -156,16 +155,6 @@ class Stream:
         assert not self.thread.is_alive(), f"{self.rid} still streaming"
         assert not self.errors, (self.rid, self.errors)
         return self
-
-
-def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def wait_for(what: str, cond, timeout: float = 60.0, interval: float = 0.02):

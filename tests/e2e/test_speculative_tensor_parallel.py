@@ -15,15 +15,14 @@ prompts with chunked prefill and n = 2, while drafts are verified and counted:
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.test_hybrid_serving import generate, reference, token_prompt
-from tests.e2e.test_prefix_cache import metrics
+from tests.e2e.test_hybrid_serving import reference, token_prompt
 from tests.support import cluster
+from tests.support.concurrent_serving import serve_concurrently
 from tests.support.spec_heads import VOCAB, add_mtp_layer, write_eagle3_head, write_llama_target
 
 K = 3
@@ -100,28 +99,13 @@ def serve_and_compare(redis_server, hf, worker_flags: list, flags: list) -> tupl
     """Serve cases() concurrently through a two-rank worker and a scheduler granting draft slots: every sequence
     equals transformers'; (drafted, accepted) from the vllm:spec_decode_* metrics (some drafts verified)."""
     worker = cluster.start_worker(worker_flags, timeout=TIMEOUT_S)
-    metrics_port = cluster.free_port()
-    sched = cluster.start_scheduler(redis_server, worker, ["--max-num-batched-tokens", 32, "--debug-invariants",
-                                                           "--metrics-port", metrics_port, *flags],
-                                    namespace=cluster.new_namespace("tp-spec"))
     try:
-        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
-        results: dict[int, list[list[int]]] = {}
-
-        def run(i: int, prompt: list[int], max_tokens: int, n: int) -> None:
-            results[i] = generate(sched.address, prompt, max_tokens, n=n)
-
-        threads = [threading.Thread(target=run, args=(i, *c)) for i, c in enumerate(cases())]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT_S)
+        jobs = [(prompt, max_tokens, dict(temperature=0.0, n=n)) for prompt, max_tokens, n in cases()]
+        results, got = serve_concurrently(redis_server, worker, jobs, flags, "tp-spec")
         for i, (prompt, max_tokens, n) in enumerate(cases()):
             assert results.get(i) == [reference(hf, prompt, max_tokens)] * n, f"case {i} differs from transformers"
-        got = metrics(metrics_port)
         drafted = got["vllm:spec_decode_num_draft_tokens_total"]
         assert drafted > 0
         return drafted, got["vllm:spec_decode_num_accepted_tokens_total"]
     finally:
-        cluster.stop(sched)
         cluster.stop(worker)
