@@ -103,12 +103,12 @@ class HeldStream:
         again.CopyFrom(self.request)
         again.resume_from_token = 0  # every sequence from its first token: Replay cuts what was sent
         ids = [s.pub.request.request_id for s in self.streams]
-        why = "it stood down (lost its lease, or Redis is failing over)"
         try:
             while time.monotonic() < deadline:
                 if driver.stopping.is_set() or driver.draining.is_set():
-                    why = "it is shutting down"
-                    break
+                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, (
+                        f"this scheduler is shutting down; request {self.rid} lives on in the Redis ledger: send it "
+                        "again by the same request_id to the scheduler that leads next"))
                 if driver.ready.is_set():
                     try:
                         _, streams = await self.public.admit_or_raise(again, self.context)
@@ -122,18 +122,13 @@ class HeldStream:
                         if not store_unavailable(e):
                             raise
                 await asyncio.sleep(LEADING_POLL_S)
-        except asyncio.CancelledError:  # the client left while held: abort the request once a leader holds it
-            asyncio.get_running_loop().create_task(_abort_when_leading(driver, ids, deadline))
+        except asyncio.CancelledError:  # the client left while held: the request must not run on for no one
+            for rid in ids:
+                if not driver.abort(rid):
+                    driver.abort_at_next_lead(rid)
             raise
         await self.context.abort(grpc.StatusCode.UNAVAILABLE, (
-            f"this scheduler could not serve request {self.rid} again within --reattach-timeout {timeout:g}s: {why}; "
-            "it lives on in the Redis ledger, send it again by the same request_id"))
+            f"this scheduler stood down (lost its lease, or Redis is failing over) and did not lead again within "
+            f"--reattach-timeout {timeout:g}s; request {self.rid} lives on in the Redis ledger: send it again by the "
+            "same request_id"))
 
-
-async def _abort_when_leading(driver, seq_ids: list[str], deadline: float) -> None:
-    while time.monotonic() < deadline and not driver.stopping.is_set():
-        if driver.ready.is_set():
-            for rid in seq_ids:
-                driver.abort(rid)
-            return
-        await asyncio.sleep(LEADING_POLL_S)
