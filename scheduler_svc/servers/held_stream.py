@@ -78,7 +78,6 @@ class HeldStream:
         self.request, self.rid, self.streams = request, rid, streams
         self.context, self.rename = context, rename
         self.replay = Replay(len(streams))
-        self.stand_downs = 0
 
     async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
         while True:
@@ -92,7 +91,7 @@ class HeldStream:
                         yield out
                 return
             except HandedOver:
-                self.stand_downs += 1
+                pass  # held: the request lives on in Redis
             self.streams = await self._admit_again()
 
     async def _admit_again(self) -> list[SequenceStream]:

@@ -250,8 +250,9 @@ def _abort_when_admitted(driver: Driver):
     return abort
 
 
-def refusal_status(e: AdmissionError | SubmitError, rename: Callable[[str], str] = str) -> tuple[grpc.StatusCode,
-                                                                                                 str]:
+def refusal_status(e: AdmissionError | SubmitError,
+                   rename: Callable[[str], str] = str) -> tuple[grpc.StatusCode, str]:
+    """The status and message that answer a refused admission."""
     if isinstance(e, AdmissionError):
         return e.code, rename(str(e))
     return grpc.StatusCode[e.code], str(e)
