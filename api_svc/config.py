@@ -67,9 +67,7 @@ class APIConfig:
         None, "the scheduler's --api-key (default: --api-key, as `llmserve serve` uses one key for both)")
     served_model_name: list[str] | None = c.served_model_name()
     tokenizer: str | None = c.tokenizer()
-    reattach_timeout: float = setting(
-        60.0, "seconds a stream keeps re-attaching while the scheduler is unavailable (fail-over)",
-        check=c.at_least(0))
+    reattach_timeout: float = c.reattach_timeout()
     scheduler_metrics_url: str | None = setting(
         None, "the scheduler's Prometheus endpoint (its --metrics-port), re-served on this API's /metrics")
     log_level: str = setting("warning", "uvicorn's log level (access logs at info); vLLM's upper-case names too",

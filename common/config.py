@@ -151,6 +151,12 @@ def max_loras() -> Any:
                    check=at_least(1))
 
 
+def reattach_timeout() -> Any:
+    return setting(60.0, "seconds an accepted request outlives an unavailable scheduler (a fail-over, a lost lease): "
+                   "the HTTP API re-attaches its stream for this long, the scheduler holds a vLLM engine protocol "
+                   "stream (smg) open for this long while it stands by", check=at_least(0))
+
+
 def tokenizer() -> Any:
     return setting(None, "GGUF file or HF directory for the tokenizer (default: the model)")
 

@@ -61,6 +61,7 @@ class SchedulerConfig:
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port")
     lease_ttl_ms: int = setting(5000, "leadership lease of the pool in Redis; a standby takes over after it lapses",
                                 check=c.at_least(1))
+    reattach_timeout: float = c.reattach_timeout()
     debug_invariants: bool = setting(False, "check the block ledger after every step")
     shutdown_timeout: float = setting(
         0.0, "on SIGTERM, seconds to let requests in flight finish before aborting them; 0 hands them over to the "

@@ -51,6 +51,7 @@ class DriverConfig:
     max_num_queued_requests: int = _DEFAULTS.max_num_queued_requests
     queue_timeout: float = _DEFAULTS.queue_timeout  # seconds; 0 = wait forever
     lease_ttl_ms: int = _DEFAULTS.lease_ttl_ms
+    reattach_timeout: float = _DEFAULTS.reattach_timeout  # a vLLM engine protocol stream outlives a stand-down
     debug_invariants: bool = _DEFAULTS.debug_invariants
     worker_token: str | None = None  # sent as `authorization: Bearer <token>` on every worker call
     step_log: str | None = None  # JSONL path: one line per executed step (benchmarks, tests)

@@ -109,6 +109,13 @@ class Frontend:
         self.wake.set()
         return pubs
 
+    def abort_at_next_lead(self, rid: str, reason: str = FINISH_ABORT) -> None:
+        """Abort a request this scheduler does not hold now (it stands by): its next lead applies the abort to the
+        request it resumes from Redis, if Redis holds it."""
+        with self.lock:
+            self.inbox.append(AbortRequest(rid, reason))
+        self.wake.set()
+
     def abort(self, rid: str, reason: str = FINISH_ABORT) -> bool:
         with self.lock:
             pub = self.outbox.published.get(rid)

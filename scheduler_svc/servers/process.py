@@ -85,7 +85,8 @@ def build_driver(cfg: SchedulerConfig) -> tuple[Driver, RedisLedger]:
     dcfg = DriverConfig(policy=PolicyConfig.unsized(cfg), tokenizer=tokenizer, async_scheduling=cfg.async_scheduling,
                         worker_address=cfg.worker_address,
                         max_num_queued_requests=cfg.max_num_queued_requests, queue_timeout=cfg.queue_timeout,
-                        lease_ttl_ms=cfg.lease_ttl_ms, debug_invariants=cfg.debug_invariants,
+                        lease_ttl_ms=cfg.lease_ttl_ms, reattach_timeout=cfg.reattach_timeout,
+                        debug_invariants=cfg.debug_invariants,
                         worker_token=cfg.worker_token, step_log=cfg.step_log,
                         worker_credentials=worker_credentials, worker_server_name=cfg.worker_tls_server_name)
     return Driver(dcfg, ledger, Metrics()), ledger

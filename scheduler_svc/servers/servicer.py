@@ -43,6 +43,11 @@ from scheduler_svc.servers.store_errors import retryable_store_errors
 SERVICE_NAME = "llmserve.v1.LLMServe"
 
 
+class HandedOver(Exception):
+    """This scheduler stopped serving a request it had admitted (a lost lease, Redis failing over): the request
+    lives on in Redis and is resumed by whoever leads the pool next."""
+
+
 class LLMServeServicer(pb_grpc.LLMServeServicer):
     """The public API on one asyncio event loop (grpc.aio). Streams sleep until the outbox rings them: a committed
     step wakes only the streams whose requests got tokens or finished. Admission (tokenizing, Redis look-ups,
@@ -170,16 +175,20 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         if not driver.ready.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is registered with this scheduler yet "
                                 "(or it is a standby, or draining); retry shortly")
+        try:
+            return await self.admit_or_raise(request, context, embed)
+        except (AdmissionError, SubmitError) as e:
+            await context.abort(*refusal_status(e, rename))
+
+    async def admit_or_raise(self, request: pb.GenerateRequest, context,
+                             embed: bool = False) -> tuple[str, list[SequenceStream]]:
+        """Admit `request` off the loop; a refusal is raised (AdmissionError, SubmitError), not answered."""
         admitted = asyncio.get_running_loop().run_in_executor(None, self._admit, request,
                                                               context.invocation_metadata(), embed)
         try:
             return await asyncio.shield(admitted)
-        except AdmissionError as e:
-            await context.abort(e.code, rename(str(e)))
-        except SubmitError as e:
-            await context.abort(grpc.StatusCode[e.code], str(e))
         except asyncio.CancelledError:  # the client left while its request was being admitted
-            admitted.add_done_callback(_abort_when_admitted(driver))
+            admitted.add_done_callback(_abort_when_admitted(self.driver))
             raise
 
     @retryable_store_errors
@@ -188,11 +197,15 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
         # Queued requests may wait long for a token: say now that we hold this one, so that a lost lease or a
         # restart meanwhile makes the client re-attach instead of failing it (common/public_protocol.py).
         await context.send_initial_metadata(((ACCEPTED_HEADER, "1"),))
-        async for msg in self.stream(rid, streams, context):
-            yield msg
+        try:
+            async for msg in self.stream(rid, streams, context):
+                yield msg
+        except HandedOver as e:  # the client re-attaches by request id (common/client.py)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def stream(self, rid: str, streams: list[SequenceStream], context):
-        """Stream every sequence of a request (index i for sequence i) until all have finished."""
+        """Stream every sequence of a request (index i for sequence i) until all have finished; HandedOver when
+        this scheduler stops serving it (a lost lease, Redis failing over) while it lives on in Redis."""
         driver, outbox = self.driver, self.driver.outbox
         watch = outbox.watch([s.pub.request.request_id for s in streams])
         live = list(streams)
@@ -213,7 +226,11 @@ class LLMServeServicer(pb_grpc.LLMServeServicer):
                             yield msg
                         continue
                     live.remove(stream)
-                    if finish in (FINISH_TIMEOUT, FINISH_REJECTED, UNAVAILABLE):
+                    if finish == UNAVAILABLE:
+                        ended = True
+                        raise HandedOver(f"this scheduler lost its lease; re-attach with request_id={rid!r} and "
+                                         f"resume_from_token={stream.sent}")
+                    if finish in (FINISH_TIMEOUT, FINISH_REJECTED):
                         ended = True
                         await context.abort(*_error_status(driver, rid, stream, finish))
                     yield msg
@@ -233,13 +250,18 @@ def _abort_when_admitted(driver: Driver):
     return abort
 
 
+def refusal_status(e: AdmissionError | SubmitError,
+                   rename: Callable[[str], str] = str) -> tuple[grpc.StatusCode, str]:
+    """The status and message that answer a refused admission."""
+    if isinstance(e, AdmissionError):
+        return e.code, rename(str(e))
+    return grpc.StatusCode[e.code], str(e)
+
+
 def _error_status(driver: Driver, rid: str, stream: SequenceStream, finish: str) -> tuple[grpc.StatusCode, str]:
-    """The status that ends a stream whose request ended without a result."""
+    """The status that ends a stream whose request ended without a result (timed out in the queue, refused)."""
     if finish == FINISH_TIMEOUT:
         return (grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} waited longer than --queue-timeout "
                 f"{driver.cfg.queue_timeout:g}s before being scheduled")
-    if finish == FINISH_REJECTED:
-        return (grpc.StatusCode.INVALID_ARGUMENT, f"request {stream.pub.request.request_id} was refused by the "
-                f"worker: {stream.pub.error}")
-    return (grpc.StatusCode.UNAVAILABLE, "this scheduler lost its lease; re-attach with "
-            f"request_id={rid!r} and resume_from_token={stream.sent}")
+    return (grpc.StatusCode.INVALID_ARGUMENT, f"request {stream.pub.request.request_id} was refused by the "
+            f"worker: {stream.pub.error}")

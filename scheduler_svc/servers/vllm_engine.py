@@ -26,6 +26,7 @@ from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from scheduler_svc.driver import embed
 from scheduler_svc.driver.admission import abort_sequences
+from scheduler_svc.servers.held_stream import HeldStream
 from scheduler_svc.servers.store_errors import retryable_store_errors
 
 if TYPE_CHECKING:
@@ -141,12 +142,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             lreq = to_llmserve(request, lambda text: self.public.tokenizer().encode(text))
         except _Refused as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # An id of its own from the start: admitted again by it after a stand-down (held_stream.py).
+        lreq.request_id = lreq.request_id or uuid.uuid4().hex
         rid, streams = await self.public.admit(lreq, context, _rename)
         want_logprobs = request.sampling_params.HasField("logprobs")
         prompt_lps = None  # vLLM's InputLogProbs, from the first message (with sampling_params.prompt_logprobs)
         seqs = [_Sequence() for _ in streams]
-        async for msg in self.public.stream(rid, streams, context):
+        held = HeldStream(self.public, lreq, rid, streams, context, _rename)
+        async for msg in held:
             i = msg.index
+            streams = held.streams  # new ones after a stand-down
             req = streams[i].pub.request
             seq = seqs[i]
             seq.ids.extend(msg.token_ids)

@@ -46,7 +46,8 @@ class Stack:
         url = self.redis.url + REDIS_QUERY
         self.worker = cluster.start_worker(["--device", "cpu", "--num-gpu-blocks-override", 256,
                                             "--max-model-len", 512])
-        self.sched = cluster.start_scheduler(url, self.worker, ["--lease-ttl-ms", LEASE_TTL_MS, "--debug-invariants"])
+        self.sched = cluster.start_scheduler(url, self.worker, ["--lease-ttl-ms", LEASE_TTL_MS, "--debug-invariants",
+                                                               "--reattach-timeout", 120])
         cluster.wait_healthy(self.sched.address, timeout=120, proc=self.sched)
         self.api = cluster.start_api(self.sched.address, ["--redis-url", url, "--reattach-timeout", 120])
         self.url = f"http://127.0.0.1:{self.api.port}"
@@ -320,5 +321,68 @@ def test_embed_accepted_before_the_outage_is_sent_again_and_returns_the_undistur
     thread.join(300)
     assert not thread.is_alive() and "error" not in result, result.get("error")
     assert result["embedding"] == pytest.approx(reference["embedding"], abs=1e-4)
+    wait_for("the scheduler leading again", lambda: stack.health() == "SERVING")
+    assert_clean(stack)
+
+
+class VllmFollow:
+    """One streamed request of vLLM's engine protocol (what smg sends), read in a thread of its own: a client that
+    never re-attaches, so the scheduler must hold its stream open across a stand-down."""
+
+    def __init__(self, st: Stack, rid: str, ids: list[int], max_tokens: int):
+        self.chunks: list[int] = []  # the streamed tokens, in order
+        self.complete: vpb.GenerateComplete | None = None
+        self.error: BaseException | None = None
+        req = vpb.GenerateRequest(request_id=rid, stream=True,
+                                  tokenized=vpb.TokenizedInput(input_ids=ids, original_text=PROMPT),
+                                  sampling_params=vpb.SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                     ignore_eos=True))
+        self.thread = threading.Thread(target=self._run, args=(st, req), daemon=True)
+        self.thread.start()
+
+    def _run(self, st: Stack, req: vpb.GenerateRequest) -> None:
+        try:
+            for r in st.vllm.Generate(req, timeout=300):
+                if r.HasField("chunk"):
+                    self.chunks += r.chunk.token_ids
+                else:
+                    self.complete = r.complete
+        except BaseException as e:  # noqa: BLE001  (UNAVAILABLE before the fix: the test reports it)
+            self.error = e
+
+    def join(self, timeout: float = 300) -> list[int]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream is still running"
+        assert self.error is None, f"{type(self.error).__name__}: {self.error}"
+        assert self.complete is not None and self.complete.finish_reason == "length", self.complete
+        assert list(self.complete.output_ids) == self.chunks, "the final message differs from the streamed tokens"
+        assert self.complete.completion_tokens == len(self.chunks)
+        return self.chunks
+
+
+def test_vllm_engine_stream_is_held_across_a_stand_down_and_completes_undisturbed(stack, reference):
+    ids = reference["ids"]
+    undisturbed = VllmFollow(stack, "vheld-ref", ids, LONG_TOKENS).join()
+
+    # 1. The lease is taken away mid-generation (a lapse does it): the next commit is fenced, the scheduler stands
+    # down, takes the pool again and resumes the request by recompute; the stream goes on as if nothing happened.
+    mark = len(stack.sched.log_text())
+    lapsed = VllmFollow(stack, "vheld-lease", ids, LONG_TOKENS)
+    wait_for("tokens before the lapse", lambda: len(lapsed.chunks) >= 4 or lapsed.error)
+    stack.ledger.client.delete(stack.ledger.k_lease)
+    assert lapsed.join() == undisturbed
+    assert "lost the lease" in stack.sched.log_text()[mark:], "the scheduler kept its lease: nothing was tested"
+    assert_clean(stack)
+
+    # 2. Redis stopped mid-generation: the commit fails, the scheduler stands by (NOT_SERVING) for as long as the
+    # outage lasts, the stream is held open meanwhile and completes once Redis answers again.
+    held = VllmFollow(stack, "vheld-redis", ids, LONG_TOKENS)
+    wait_for("tokens before the outage", lambda: len(held.chunks) >= 4 or held.error)
+    with stack.redis_stopped():
+        wait_for("the scheduler standing by", lambda: stack.health() == "NOT_SERVING" or held.error)
+        time.sleep(1.0)  # held inside the outage, not only across the stand-down
+        assert held.error is None, f"{type(held.error).__name__}: {held.error}"
+        assert len(held.chunks) < LONG_TOKENS
+    assert held.join() == undisturbed
     wait_for("the scheduler leading again", lambda: stack.health() == "SERVING")
     assert_clean(stack)
