@@ -44,6 +44,8 @@ SMOKE_ARGS: dict[str, list[str]] = {
                        "--reps", "1"],
     "hybrid_serving": ["--layers", "4", "--hidden", "128", "--context", "4096", "--kv-budget-mib", "64", "--prompt-len",
                        "40", "--answer-len", "10", "--turn-len", "9", "--reps", "1"],
+    "hybrid_rollback_cost": ["--layers", "4", "--hidden", "128", "--batch", "2", "--prompt-len", "16", "--period", "4",
+                             "--max-tokens", "8"],
     "chaos": ["--primary-kills", "1", "--primary-stops", "0", "--scheduler-kills", "1", "--worker-kills", "1",
               "--concurrency", "4", "--durability", "none", "--max-tokens", "16", "--gap-s", "3", "--warmup-s", "3",
               "--duration-s", "0", *_JSON],

@@ -183,6 +183,9 @@ class ModelRunner:
                               f"takes the whole KV memory budget ({budget} bytes): lower --num-state-slots, or raise "
                               "--kv-cache-memory (CPU) / --gpu-memory-utilization (CUDA)")
         budget -= states
+        if self.rank_kv_bytes_per_block == 0:  # every layer recurrent: the budget cannot size blocks of no bytes
+            raise ConfigError(f"{self.config.architecture} has no attention layer in its {self.config.num_layers} "
+                              "layers (config.json layer types): a model with no KV is not served")
         # A block holds the proposer's KV of its tokens too (a draft model's, a head's; one ledger entry for all).
         n = budget // (self.rank_kv_bytes_per_block + speculation.kv_bytes_per_block(self.draft, self.heads))
         if n < 1:
