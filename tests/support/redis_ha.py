@@ -7,6 +7,7 @@ loopback (`redis-server FILE --sentinel`), with short Sentinel timeouts so a fai
     group.wait_failover(old_port)                  # until the Sentinels name another primary, which says so
     group.wait_settled()                           # until one primary has every other data node replicating it
     group.restart(port)                            # a killed data node, on its port and append-only file
+    group.reset()                                  # back to a fresh group's state, for the next test of a module
     group.stop()
 
 (PYTEST_DONT_REWRITE: no asserts here.)
@@ -108,6 +109,23 @@ class RedisHA:
         node = restart_redis(data_dir, port, [*self.data_args, "--replica-announce-ip", "127.0.0.1"])
         self.nodes[port] = node
         return node
+
+    def reset(self) -> int:
+        """Back to the state a fresh group starts in, without starting one (a module's tests share a group): every
+        data node running (a killed one restarted on its port and files), one primary with the other replicating it,
+        the settings a test may change at their defaults again, no keys; the primary's port. Which node is primary
+        stays the Sentinels' call, as it is in a fresh group's first fail-over."""
+        for port, node in list(self.nodes.items()):
+            if node.popen.poll() is not None:
+                self.restart(port)
+        for port in self.nodes:
+            _wait(f"{port} answering", lambda p=port: self.client(p).ping())
+            self.client(port).config_set("min-replicas-to-write", 0)
+            self.client(port).config_set("min-replicas-max-lag", 10)
+        primary = self.wait_settled()
+        self.client(primary).flushall()
+        _wait("the replicas empty", lambda: all(self.client(p).dbsize() == 0 for p in self.nodes))
+        return primary
 
     def stop(self) -> None:
         for proc in [*self.sentinels, *self.nodes.values()]:
