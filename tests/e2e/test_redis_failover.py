@@ -276,7 +276,7 @@ def test_scheduler_sigkill_during_a_failover(group, worker, reference):
                                                      "--redis-sentinel-master", group.master_name, "--port", port],
                                         namespace=sched.namespace)
         new = group.wait_failover(old)
-        group.restart(old)
+        group.restart(old, replica_of=new)
         assert_equal_reference(streams.join(), reference)
         assert_clean(ledger_on(new, sched.namespace))
         assert "16 waiting requests resumed" in sched.log_text()[sched.log_start:]  # from Redis, not resubmitted
