@@ -102,8 +102,8 @@ class RedisHA:
         return int(master["num-slaves"]) >= 1 and int(master["num-other-sentinels"]) >= 2
 
     def restart(self, port: int, replica_of: int | None = None) -> RedisServer:
-        """Start a killed data node again on its port and files; the Sentinels make it a replica of the primary, some
-        8-20 s later (they wait a few publish periods before correcting a node that says it is a primary).
+        """Start a killed data node again on its port and files; the Sentinels make it a replica of the primary,
+        seconds later (they wait a few publish periods before correcting a node that says it is a primary).
         `replica_of`: start it as that node's replica, as the Sentinels would have made it, without the wait."""
         old = self.nodes[port]
         return self._restart(port, old.data_dir, replica_of)
