@@ -295,12 +295,13 @@ def main_prompts(cl: Cluster) -> dict[str, list[int]]:
 
 SYSTEM_LEN, SYSTEM2_LEN = 130, 118  # the two shared system prompts
 SAMPLED_SEED = 4242
+N4_ABORT_LEN = 32  # sequence 2 is aborted after its third token: the others run on well past it
 # (prompt name, max_tokens, seed or None for greedy)
 MAIN_REFS = ([(f"sys-{i}", 12, None) for i in range(4)] + [(f"sys2-{i}", 12, None) for i in range(4)]
              + [("whole-128", 8, None), ("whole-133", 8, None), ("salted", 8, None)]
              + [(f"div-{x}", 10, None) for x in "abc"]
              + [("abort-0", 4, None)] + [(f"abort-{i}", 32, None) for i in (1, 2, 3)]
-             + [("n4-101", 12, None), ("n4-96", 12, None), ("n4-abort", 40, None)]
+             + [("n4-101", 12, None), ("n4-96", 12, None), ("n4-abort", N4_ABORT_LEN, None)]
              + [("n4-sampled", 12, SAMPLED_SEED + i) for i in range(4)]
              + [(f"restart-{i}", 24, None) for i in range(6)])
 
@@ -523,7 +524,7 @@ def test_n4_greedy_with_one_sequence_aborted(cl, on):
 
     def run():
         with grpc.insecure_channel(on.address) as ch:
-            for m in pb_grpc.LLMServeStub(ch).Generate(request(p, 40, n=4, rid=rid), timeout=RPC_TIMEOUT_S):
+            for m in pb_grpc.LLMServeStub(ch).Generate(request(p, N4_ABORT_LEN, n=4, rid=rid), timeout=RPC_TIMEOUT_S):
                 outs[m.index] += m.token_ids
                 finish[m.index] = m.finish_reason
 
@@ -534,10 +535,10 @@ def test_n4_greedy_with_one_sequence_aborted(cl, on):
     with grpc.insecure_channel(on.address) as ch:
         assert pb_grpc.LLMServeStub(ch).Abort(pb.AbortRequest(request_id=f"{rid}#2"), timeout=30).found
     t.join(RPC_TIMEOUT_S)
-    ref = cl.ref("main", p, 40)
+    ref = cl.ref("main", p, N4_ABORT_LEN)
     assert finish == ["length", "length", "abort", "length"]
     assert outs[0] == outs[1] == outs[3] == ref
-    assert 3 <= len(outs[2]) < 40 and outs[2] == ref[: len(outs[2])]
+    assert 3 <= len(outs[2]) < N4_ABORT_LEN and outs[2] == ref[: len(outs[2])]
 
 
 def test_n4_sampled_sequence_i_equals_a_single_run_with_seed_plus_i(cl, on):

@@ -7,6 +7,8 @@ loopback (`redis-server FILE --sentinel`), with short Sentinel timeouts so a fai
     group.wait_failover(old_port)                  # until the Sentinels name another primary, which says so
     group.wait_settled()                           # until one primary has every other data node replicating it
     group.restart(port)                            # a killed data node, on its port and append-only file
+    group.restart(port, replica_of=primary)        # the same, already replicating (what the Sentinels would make it)
+    group.reset()                                  # back to a fresh group's state, for the next test of a module
     group.stop()
 
 (PYTEST_DONT_REWRITE: no asserts here.)
@@ -99,15 +101,36 @@ class RedisHA:
         master = s.sentinel_master(MASTER)
         return int(master["num-slaves"]) >= 1 and int(master["num-other-sentinels"]) >= 2
 
-    def restart(self, port: int) -> RedisServer:
-        """Start a killed data node again on its port and files; the Sentinels make it a replica of the primary."""
+    def restart(self, port: int, replica_of: int | None = None) -> RedisServer:
+        """Start a killed data node again on its port and files; the Sentinels make it a replica of the primary,
+        seconds later (they wait a few publish periods before correcting a node that says it is a primary).
+        `replica_of`: start it as that node's replica, as the Sentinels would have made it, without the wait."""
         old = self.nodes[port]
-        return self._restart(port, old.data_dir)
+        return self._restart(port, old.data_dir, replica_of)
 
-    def _restart(self, port: int, data_dir: str) -> RedisServer:
-        node = restart_redis(data_dir, port, [*self.data_args, "--replica-announce-ip", "127.0.0.1"])
+    def _restart(self, port: int, data_dir: str, replica_of: int | None = None) -> RedisServer:
+        follow = [] if replica_of is None else ["--replicaof", "127.0.0.1", str(replica_of)]
+        node = restart_redis(data_dir, port, [*self.data_args, "--replica-announce-ip", "127.0.0.1", *follow])
         self.nodes[port] = node
         return node
+
+    def reset(self) -> int:
+        """Back to the state a fresh group starts in, without starting one (a module's tests share a group): every
+        data node running (a killed one restarted on its port and files), one primary with the other replicating it,
+        the settings a test may change at their defaults again, no keys; the primary's port. Which node is primary
+        stays the Sentinels' call, as it is in a fresh group's first fail-over."""
+        for port, node in list(self.nodes.items()):
+            if node.popen.poll() is not None:  # a test that failed before restarting what it killed
+                primary = self.master_port()
+                self.restart(port, replica_of=self.wait_failover(port) if primary == port else primary)
+        for port in self.nodes:
+            _wait(f"{port} answering", lambda p=port: self.client(p).ping())
+            self.client(port).config_set("min-replicas-to-write", 0)
+            self.client(port).config_set("min-replicas-max-lag", 10)
+        primary = self.wait_settled()
+        self.client(primary).flushall()
+        _wait("the replicas empty", lambda: all(self.client(p).dbsize() == 0 for p in self.nodes))
+        return primary
 
     def stop(self) -> None:
         for proc in [*self.sentinels, *self.nodes.values()]:
