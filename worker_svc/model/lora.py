@@ -11,8 +11,10 @@ weights alike.
 
 Under tensor parallelism an adapter is sharded like its base layer: q/k/v, gate and up are column-parallel (the
 rank's B rows, A whole), o and down row-parallel (the rank's A columns, B whole; each rank adds its partial delta
-before the layer's all-reduce, so the sum over ranks is the whole delta). Rank 0 decides slots and token rows and
-sends them with each step (`sync_message`, `follow`); the other ranks read the adapters themselves.
+before the layer's all-reduce, so the sum over ranks is the whole delta); a hybrid's own cuts (Qwen's gated
+q_proj per head, Granite's fused [gate | up] by both halves) are its base weights' (lora_targets.lora_cut). Rank 0
+decides slots and token rows and sends them with each step (`sync_message`, `follow`); the other ranks read the
+adapters themselves. Which modules a family serves, and in which layers: lora_targets.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -33,17 +34,12 @@ from worker_svc.config import WorkerConfig
 from worker_svc.core.errors import InvalidPlan
 from worker_svc.core.plan import StepPlan
 from worker_svc.model.config import ModelConfig
-from worker_svc.parallel.sharding import FULL, Shard, local_config, param_slice
+from worker_svc.model.lora_targets import KEY, check_tensor, lora_cut, lora_layout, served
+from worker_svc.parallel.sharding import FULL, Shard, local_config
 
-# PEFT target module -> (the model's projection group, its index in that group)
-MODULES: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-    "gate_proj": ("gate", 0), "up_proj": ("up", 0), "down_proj": ("down", 0),
-}
-GROUPS = ("qkv", "o", "gate", "up", "down")
+GROUPS = ("qkv", "o", "gate", "up", "down")  # a Llama-shaped model's; lora_targets.py has every family's
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
 class LoraError(ValueError):
@@ -63,10 +59,7 @@ class LoraAdapter:
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each PEFT target module of `cfg`."""
-    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
-        cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return {m: (t.fan_in, t.fan_out) for m, t in lora_layout(cfg).targets.items()}
 
 
 def load_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -84,10 +77,14 @@ def load_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> 
         raise LoraError(f"adapter {name!r}: {config_file}: r={rank} exceeds --max-lora-rank {max_rank}")
     targets = meta.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
+    layout = lora_layout(cfg)
     for t in targets:
-        if t not in MODULES:
+        if t in layout.refused:  # e.g. a recurrent layer's in_proj: named before any weight is read
+            raise LoraError(f"adapter {name!r}: {config_file}: target module {t!r} is {layout.refused[t]} of "
+                            f"{cfg.architecture}; adapters are served on {served(layout)} only")
+        if t not in layout.targets:
             raise LoraError(f"adapter {name!r}: {config_file}: target module {t!r} is not supported "
-                            f"(supported: {', '.join(MODULES)})")
+                            f"(supported: {served(layout)})")
     if meta.get("modules_to_save"):
         raise LoraError(f"adapter {name!r}: {config_file}: modules_to_save {meta['modules_to_save']!r} is not "
                         "supported (only low-rank deltas of the projections)")
@@ -100,18 +97,19 @@ def load_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> 
         tensors = load_file(weights_file)
     except (OSError, RuntimeError, ValueError) as e:
         raise LoraError(f"adapter {name!r}: cannot read {weights_file}: {e}") from None
-    shapes = module_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        m = _KEY.search(key)
-        if m is None or m.group(2) not in MODULES:
+        m = KEY.search(key)
+        if m is None:
             raise LoraError(f"adapter {name!r}: {weights_file}: tensor {key!r} is not a LoRA A/B of a supported "
-                            f"module ({', '.join(MODULES)})")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+                            f"module ({served(layout)})")
+        layer, path, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if layer >= cfg.num_layers:
             raise LoraError(f"adapter {name!r}: {weights_file}: {key!r} is for layer {layer}; the model has "
                             f"{cfg.num_layers}")
-        fan_in, fan_out = shapes[module]
+        if (why := check_tensor(layout, layer, path, module)) is not None:
+            raise LoraError(f"adapter {name!r}: {weights_file}: tensor {key!r}: {why}")
+        fan_in, fan_out = layout.targets[module].fan_in, layout.targets[module].fan_out
         want = (rank, fan_in) if ab == "A" else (fan_out, rank)
         if tuple(t.shape) != want:
             raise LoraError(f"adapter {name!r}: {weights_file}: {key!r} ({module}, layer {layer}) has shape "
@@ -131,23 +129,26 @@ def load_peft_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> 
 class LoraPool:
     """Adapters on the device, in `max_loras` slots, and the slot of each batch row.
 
-    Per group g the pool holds A_g [L, S, R_g, in_g] and B_g [L, S, out_g, R_g] (R_g = max_rank, 3 x for qkv),
-    zero where an adapter has no weights (a smaller rank, a module it does not target). `cfg` is the whole model's
-    (adapters are checked against it); in and out are this rank's (`shard`)."""
+    Per group g the pool holds A_g [L_g, S, R_g, in_g] and B_g [L_g, S, out_g, R_g] (L_g: the layers that have the
+    group, lora_targets.py; R_g = max_rank, 3 x for qkv), zero where an adapter has no weights (a smaller rank, a
+    module it does not target). `cfg` is the whole model's (adapters are checked against it); in and out are this
+    rank's (`shard`)."""
 
     def __init__(self, cfg: ModelConfig, *, max_loras: int, max_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device, shard: Shard = FULL):
         self.cfg, self.max_loras, self.max_rank, self.shard = cfg, max_loras, max_rank, shard
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.device, self.dtype = device, dtype
-        shapes = module_shapes(local_config(cfg, shard.size))
-        self.q_out, self.kv_out = shapes["q_proj"][1], shapes["k_proj"][1]
-        dims = {"qkv": (cfg.hidden_size, self.q_out + 2 * self.kv_out, 3 * max_rank),
-                "o": shapes["o_proj"] + (max_rank,), "gate": shapes["gate_proj"] + (max_rank,),
-                "up": shapes["up_proj"] + (max_rank,), "down": shapes["down_proj"] + (max_rank,)}
-        L, S = cfg.num_layers, max_loras
-        self.a = {g: torch.zeros(L, S, r, i, dtype=dtype, device=device) for g, (i, o, r) in dims.items()}
-        self.b = {g: torch.zeros(L, S, o, r, dtype=dtype, device=device) for g, (i, o, r) in dims.items()}
+        local = lora_layout(local_config(cfg, shard.size))
+        self.layout, self.qkv_offsets = lora_layout(cfg), local.qkv_offsets()
+        groups = local.groups()
+        # group -> {model layer: its row in A_g / B_g}; a hybrid's recurrent layers have no rows
+        self.rows = {g: {layer: j for j, layer in enumerate(layers)} for g, (layers, *_) in groups.items()}
+        S = max_loras
+        self.a = {g: torch.zeros(len(ls), S, k * max_rank, i, dtype=dtype, device=device)
+                  for g, (ls, i, o, k) in groups.items()}
+        self.b = {g: torch.zeros(len(ls), S, o, k * max_rank, dtype=dtype, device=device)
+                  for g, (ls, i, o, k) in groups.items()}
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU: the last is the most recent
         # Adapters on the device, LRU, by (name, directory): a name loaded again from another directory while
         # requests still run with the old weights gets a slot of its own.
@@ -210,27 +211,26 @@ class LoraPool:
         self.slot_of[key] = slot
 
     def _write(self, slot: int, a: LoraAdapter) -> None:
-        for g in GROUPS:
+        for g in self.a:
             self.a[g][:, slot].zero_()
             self.b[g][:, slot].zero_()
         r, R = a.rank, self.max_rank
-        offsets = {"qkv": (0, self.q_out, self.q_out + self.kv_out)}
         for (layer, module), (A, B) in a.weights.items():
-            g, k = MODULES[module]
-            part = "self_attn" if g in ("qkv", "o") else "mlp"
-            cut = param_slice(f"model.layers.{layer}.{part}.{module}.weight", self.cfg, self.shard)
+            t = self.layout.targets[module]
+            cut = lora_cut(self.layout.weight_name(layer, module), self.cfg, self.shard)
             if cut is not None:  # W = B @ A: the rank's output rows are B's rows, its input columns A's columns
-                dim, start, stop = cut
-                A, B = (A, B[start:stop]) if dim == 0 else (A[:, start:stop], B)
+                parts = [B[s:e] if cut.dim == 0 else A[:, s:e] for s, e in cut.ranges]
+                A, B = (A, torch.cat(parts)) if cut.dim == 0 else (torch.cat(parts, dim=1), B)
             A = A.to(self.device, self.dtype)
             B = (B * a.scaling).to(self.device, self.dtype)
-            if g == "qkv":
-                start = offsets["qkv"][k]
-                self.a[g][layer, slot, k * R : k * R + r] = A
-                self.b[g][layer, slot, start : start + B.shape[0], k * R : k * R + r] = B
+            row, k = self.rows[t.group][layer], t.index
+            if t.group == "qkv":
+                start = self.qkv_offsets[k]
+                self.a["qkv"][row, slot, k * R : k * R + r] = A
+                self.b["qkv"][row, slot, start : start + B.shape[0], k * R : k * R + r] = B
             else:
-                self.a[g][layer, slot, :r] = A
-                self.b[g][layer, slot, :, :r] = B
+                self.a[t.group][row, slot, :r] = A
+                self.b[t.group][row, slot, :, :r] = B
 
     # -- rows and steps --------------------------------------------------------------------------------------
 
@@ -305,14 +305,17 @@ class LoraPool:
         self.begin_tokens(token_slots)
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += the LoRA delta of projection `group` of `layer` for each token row of x (in place)."""
+        """y += the LoRA delta of projection `group` of `layer` for each token row of x (in place); nothing where
+        the layer has no such projection (a hybrid's recurrent layer)."""
+        row = self.rows[group].get(layer)
+        if row is None:
+            return
+        a, b = self.a[group][row], self.b[group][row]
         if self.token_slots is not None:
             from kernels.lora_triton import lora_expand, lora_shrink
 
-            s = lora_shrink(x, self.a[group][layer], self.token_slots)
-            lora_expand(s, self.b[group][layer], self.token_slots, y)
+            lora_expand(lora_shrink(x, a, self.token_slots), b, self.token_slots, y)
             return
-        a, b = self.a[group][layer], self.b[group][layer]
         if self.whole is not None:
             y.addmm_(x @ a[self.whole].T, b[self.whole].T)  # the expand adds in place: no [T, out] temporary
         elif self.stack is not None:
