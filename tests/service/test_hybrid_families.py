@@ -7,7 +7,8 @@ checkpoint written by transformers here, loaded through the registry.
 - the runner through plans (worker_svc/plan.py, as the scheduler sends them): greedy tokens equal transformers',
   a fork restored from a state snapshot continues exactly as its parent, and plans that break the state contract
   are refused, naming the request and the field;
-- config.json options the model would ignore, and settings it does not compose with yet, are refused at start.
+- config.json options the model would ignore, and settings it does not compose with yet, are refused at start
+  (LoRA on hybrids: test_hybrid_lora.py).
 """
 
 from __future__ import annotations
@@ -317,7 +318,6 @@ def test_auto_state_slots_follow_max_num_seqs_and_the_snapshot_share(family, cap
 
 @pytest.mark.parametrize("flags, named", [
     (dict(optimization_level=1), "-O 1"),
-    (dict(enable_lora=True), "--enable-lora"),
 ])
 def test_what_does_not_compose_yet_is_refused_at_start(family, flags, named):
     _, _, path = family

@@ -26,16 +26,30 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
 def write_adapter(path: str, cfg, *, rank: int, alpha: float, modules=ALL, seed: int = 0, rslora: bool = False,
                   std_b: float = 0.05, layers=None) -> str:
     """A random adapter for every layer (or `layers`) and module of `modules`; returns `path`."""
+    targets = {f"model.layers.{layer}.{'self_attn' if m in ATTN else 'mlp'}.{m}": shapes(cfg)[m]
+               for layer in (range(cfg.num_hidden_layers) if layers is None else layers) for m in modules}
+    return write_modules(path, targets, modules, rank=rank, alpha=alpha, seed=seed, rslora=rslora, std_b=std_b)
+
+
+def linear_modules(hf_model, modules, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
+    """What PEFT's `target_modules` list picks in `hf_model`: every nn.Linear whose name ends in one of `modules`
+    (and holds none of `skip`), by its module path, with its (in, out) features."""
+    return {name: (m.in_features, m.out_features) for name, m in hf_model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in modules
+            and not any(s in name for s in skip)}
+
+
+def write_modules(path: str, targets: dict[str, tuple[int, int]], modules, *, rank: int, alpha: float,
+                  seed: int = 0, rslora: bool = False, std_b: float = 0.05) -> str:
+    """A random adapter in the PEFT layout on `targets` (module path -> (in, out)), naming `modules` as its
+    target_modules; returns `path`."""
     os.makedirs(path, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(cfg.num_hidden_layers) if layers is None else layers:
-        for m in modules:
-            fan_in, fan_out = shapes(cfg)[m]
-            part = "self_attn" if m in ATTN else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std_b
+    for name, (fan_in, fan_out) in targets.items():
+        key = f"base_model.model.{name}"
+        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
+        tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std_b
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     meta = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules),
             "use_rslora": rslora, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "base"}

@@ -131,7 +131,7 @@ class ModelRunner:
             refuse_uncomposed(opts, self.config.architecture, compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
-        if opts.enable_lora and self.config.num_experts:
+        if opts.enable_lora and self.config.num_experts and not getattr(family, "hybrid", False):
             raise ConfigError(f"--enable-lora: adapters are not served on {self.config.architecture}'s sparse MoE "
                               "layers; run without --enable-lora")
         self.lora = lora.build_pool(opts, self.config, self.dtype, self.device, shard)

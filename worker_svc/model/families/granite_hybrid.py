@@ -131,20 +131,25 @@ class GraniteMoeHybrid(HybridModel):
                                    state.cu_seqlens, c.rms_norm_eps, ops.linear, ops.conv, ops.ssd_scan,
                                    state.split)
             else:
-                out = self._attention(x, *layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta)
+                out = self._attention(i, x, *layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta)
             h = h + self.reduce(out) * m  # each rank's heads' part of the out-projection, summed
             x = ops.rms_norm(h, layer.post_norm)
-            gate, up = ops.linear(x, layer.shared_in).chunk(2, dim=-1)
-            out = ops.linear(ops.silu_mul(gate, up), layer.shared_out)
+            gate_up = ops.linear(x, layer.shared_in)
+            self.add_lora(i, "shared_in", x, gate_up)
+            act = ops.silu_mul(*gate_up.chunk(2, dim=-1))
+            out = ops.linear(act, layer.shared_out)
+            self.add_lora(i, "shared_out", act, out)
             if layer.moe is not None:
                 out = moe.moe_forward(x, layer.moe, self.experts_fn) + out
             h = h + self.reduce(out) * m
         return h
 
-    def _attention(self, x, qkv, o, rope, kv, attn_meta) -> torch.Tensor:
+    def _attention(self, i, x, qkv, o, rope, kv, attn_meta) -> torch.Tensor:
         c, ops = self.config, self.ops
         t, d = x.shape[0], c.head_dim
-        q, k, v = ops.linear(x, qkv).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        qkv = ops.linear(x, qkv)
+        self.add_lora(i, "qkv", x, qkv)
+        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q, k, v = q.view(t, c.num_heads, d), k.view(t, c.num_kv_heads, d), v.reshape(t, c.num_kv_heads, d)
         if rope is not None:  # `rope` is the step's prepared rotary
             q, k = ops.rope(q, rope), ops.rope(k, rope)
@@ -152,4 +157,7 @@ class GraniteMoeHybrid(HybridModel):
         out = self.attention.paged_attention(q.contiguous(), kv[0], kv[1], attn_meta.block_tables,
                                              attn_meta.cu_seqlens_q, attn_meta.seq_lens, self.attention_multiplier,
                                              plan=attn_meta.plan)
-        return ops.linear(out.reshape(t, c.num_heads * d), o)
+        out = out.reshape(t, c.num_heads * d)
+        o_out = ops.linear(out, o)
+        self.add_lora(i, "o", out, o_out)
+        return o_out

@@ -34,13 +34,11 @@ from worker_svc.model.layers.ssd_scan import SSDScan
 
 def refuse_uncomposed(opts: WorkerConfig, architecture: str, compiled: bool) -> None:
     """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet (tensor parallelism
-    does: parallel/hybrid_sharding.py splits the recurrent layers by heads)."""
+    does: parallel/hybrid_sharding.py splits the recurrent layers by heads; LoRA does on the attention and MLP
+    projections, model/lora_targets.py)."""
     if compiled:
         raise ConfigError(f"-O {opts.optimization_level}: the compiled forward runs Llama-shaped decoders only, not "
                           f"{architecture}'s recurrent layers; run with -O0 (or --enforce-eager)")
-    if opts.enable_lora:
-        raise ConfigError(f"--enable-lora: adapters are not served on {architecture} (a hybrid model) yet; run "
-                          "without --enable-lora")
 
 
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")  # Gated DeltaNet; Mamba2: the layers with a state slot
@@ -110,11 +108,14 @@ class HybridModel(LlamaModel):
     def _build_layers(self, weights: dict, w, mat) -> None:
         raise NotImplementedError
 
-    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ weight.T, the product summed over the ranks (each holds some of weight's input columns)."""
-        if self.tp is None:
-            return self.ops.linear_add(x, weight, None, residual)
-        return residual.add_(self.reduce(self.ops.linear(x, weight)))
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                     lora: tuple[int, str] | None = None) -> torch.Tensor:
+        """residual + x @ weight.T, the product summed over the ranks (each holds some of weight's input columns);
+        `lora`: (layer, group) whose adapter delta joins the product before the sum."""
+        out = self.ops.linear_add(x, weight, None, residual) if self.tp is None else self.ops.linear(x, weight)
+        if lora is not None:
+            self.add_lora(*lora, x, out)
+        return out if self.tp is None else residual.add_(self.reduce(out))
 
     def state_shape(self) -> StateShape:
         raise NotImplementedError

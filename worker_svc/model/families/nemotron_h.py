@@ -118,20 +118,23 @@ class NemotronH(HybridModel):
                                                     state.slots, state.cu_seqlens, c.rms_norm_eps, ops.linear,
                                                     ops.conv, ops.ssd_scan, state.split)))
             elif block.kind == "full_attention":
-                h = self._attention(x, *block.w, kv_cache[self.kv_index[i]], attn_meta, h)
+                h = self._attention(i, x, *block.w, kv_cache[self.kv_index[i]], attn_meta, h)
             else:
-                up, down = block.w
-                h = self.row_parallel(F.relu(ops.linear(x, up)).square(), down, h)
+                up = ops.linear(x, block.w[0])
+                self.add_lora(i, "up", x, up)
+                h = self.row_parallel(F.relu(up).square(), block.w[1], h, (i, "down"))
         return h
 
-    def _attention(self, x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, kv: torch.Tensor, attn_meta: Any,
-                   residual: torch.Tensor) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, kv: torch.Tensor,
+                   attn_meta: Any, residual: torch.Tensor) -> torch.Tensor:
         c = self.config
         t, d = x.shape[0], c.head_dim
-        q, k, v = self.ops.linear(x, qkv).split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        qkv = self.ops.linear(x, qkv)
+        self.add_lora(i, "qkv", x, qkv)
+        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         k, v = k.view(t, c.num_kv_heads, d), v.reshape(t, c.num_kv_heads, d)
         self.attention.write_kv_cache(k, v, kv[0], kv[1], attn_meta.slot_mapping)
         out = self.attention.paged_attention(q.reshape(t, c.num_heads, d), kv[0], kv[1], attn_meta.block_tables,
                                              attn_meta.cu_seqlens_q, attn_meta.seq_lens, d ** -0.5,
                                              plan=attn_meta.plan)
-        return self.row_parallel(out.reshape(t, c.num_heads * d), o, residual)
+        return self.row_parallel(out.reshape(t, c.num_heads * d), o, residual, (i, "o"))

@@ -171,21 +171,23 @@ class Qwen3Next(HybridModel):
                 self.capture.layer_input(i, h)
             x = ops.rms_norm(h, layer.input_norm)
             if isinstance(layer.mixer, AttentionWeights):
-                h = self._attention(x, layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta, h)
+                h = self._attention(i, x, layer.mixer, rope, kv_cache[self.kv_index[i]], attn_meta, h)
             else:
                 j = self.state_index[i]
                 out = deltanet_mixer(x, layer.mixer, self.dims, state.cache.conv[j], state.cache.ssm[j], state.slots,
                                      state.cu_seqlens, self.config.rms_norm_eps, ops.linear, ops.conv, ops.delta_rule,
                                      state.split)
                 h = h.add_(self.reduce(out))  # the out-projection's partial products, summed over the ranks
-            h = self._mlp(ops.rms_norm(h, layer.post_norm), layer.ffn, h)
+            h = self._mlp(i, ops.rms_norm(h, layer.post_norm), layer.ffn, h)
         return h
 
-    def _attention(self, x: torch.Tensor, w: AttentionWeights, rope: Any, kv: torch.Tensor, attn_meta: Any,
+    def _attention(self, i: int, x: torch.Tensor, w: AttentionWeights, rope: Any, kv: torch.Tensor, attn_meta: Any,
                    residual: torch.Tensor) -> torch.Tensor:
         c, ops = self.config, self.ops
         t, d, heads = x.shape[0], c.head_dim, c.num_heads
-        qg, k, v = ops.linear(x, w.qkv).split([heads * 2 * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        qkv = ops.linear(x, w.qkv)
+        self.add_lora(i, "qkv", x, qkv)  # q_proj's adapter rows hold the query and the gate, as its weight's do
+        qg, k, v = qkv.split([heads * 2 * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q, gate = qg.view(t, heads, 2 * d).chunk(2, dim=-1)
         q = ops.rope(ops.rms_norm(q, w.q_norm), rope)
         k = ops.rope(ops.rms_norm(k.view(t, c.num_kv_heads, d), w.k_norm), rope)
@@ -195,13 +197,18 @@ class Qwen3Next(HybridModel):
                                            attn_meta.cu_seqlens_q, attn_meta.seq_lens, d ** -0.5,
                                            plan=attn_meta.plan)
         o = o.reshape(t, heads * d) * torch.sigmoid(gate.reshape(t, heads * d))
-        return self.row_parallel(o, w.o, residual)
+        return self.row_parallel(o, w.o, residual, (i, "o"))
 
-    def _mlp(self, x: torch.Tensor, w: FeedForwardWeights, residual: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, x: torch.Tensor, w: FeedForwardWeights, residual: torch.Tensor) -> torch.Tensor:
         out = None if w.moe is None else moe.moe_forward(x, w.moe, self.experts_fn)
         if w.gate is not None:
             ops = self.ops
-            dense = ops.linear(ops.silu_mul(ops.linear(x, w.gate), ops.linear(x, w.up)), w.down)
+            gate, up = ops.linear(x, w.gate), ops.linear(x, w.up)
+            self.add_lora(i, "gate", x, gate)  # a no-op in a sparse layer: adapters take its dense MLP only
+            self.add_lora(i, "up", x, up)
+            act = ops.silu_mul(gate, up)
+            dense = ops.linear(act, w.down)
+            self.add_lora(i, "down", act, dense)
             if w.shared_gate is not None:
                 dense = torch.sigmoid(ops.linear(x, w.shared_gate)) * dense
             out = dense if out is None else out + dense
