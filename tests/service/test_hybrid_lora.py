@@ -63,7 +63,7 @@ def sequences(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def chunked_logits(model, pool: LoraPool | None, ids: list[list[int]], chunk: int) -> list[torch.Tensor]:
+def chunked_logits(model, pool: LoraPool | None, ids: list[list[int]], chunk: int) -> list[torch.Tensor | None]:
     """Each sequence's logits rows, the sequences side by side in chunks of `chunk` (batch rows ROWS, state slots
     2, 0, 1); `pool` (when given) groups each step's tokens by adapter first."""
     cache = StateCache(model.state_shape(), 3, torch.float32, torch.float32, torch.device("cpu"))
@@ -71,7 +71,7 @@ def chunked_logits(model, pool: LoraPool | None, ids: list[list[int]], chunk: in
     cache.zero(torch.tensor(slots))
     kv = torch.zeros(model.kv_cache_shape(16, BLOCK))
     tables = [[0, 1], [2, 3], [4, 5]]
-    got: list[list[torch.Tensor]] = [[] for _ in ids]
+    got: list[list] = [[] for _ in ids]
     for start in range(0, max(map(len, ids)), chunk):
         on = [i for i, p in enumerate(ids) if p[start:start + chunk]]
         lens = [len(ids[i][start:start + chunk]) for i in on]
@@ -83,9 +83,9 @@ def chunked_logits(model, pool: LoraPool | None, ids: list[list[int]], chunk: in
         step = StateStep(cache, torch.tensor([slots[i] for i in on]), meta.cu_seqlens_q.long())
         tokens = torch.tensor(sum((ids[i][start:start + chunk] for i in on), []))
         logits = model.forward(tokens, positions, kv, meta, torch.arange(len(tokens)), state=step)
-        for i, rows in zip(on, logits.split(lens), strict=True):
+        for i, rows in zip(on, logits.split(lens) if logits is not None else [None] * len(on), strict=True):
             got[i].append(rows)
-    return [torch.cat(g) for g in got]
+    return [None if g[0] is None else torch.cat(g) for g in got]  # None: a tensor-parallel rank other than 0
 
 
 def with_pool(model, config, paths: dict[str, str], shard=None) -> LoraPool:
