@@ -7,7 +7,8 @@ checkpoints transformers wrote here, with random adapters in the PEFT layout giv
   adapter prompt hits its own state snapshot with the same tokens;
 - /v1/load_lora_adapter of an adapter naming a recurrent layer's module is a 400 naming the file and the module;
 - tensor parallel 2 (two gloo ranks, each holding its shard of the weights and of the adapters: Qwen's gated
-  q_proj per head, Granite's fused [gate | up] by both halves) gives one rank's logits with the adapters.
+  q_proj per head, Granite's fused [gate | up] by both halves) gives one rank's logits with the adapters, and a
+  Qwen3.5 worker on two ranks serves a mixed batch with transformers' tokens.
 """
 
 from __future__ import annotations
@@ -100,23 +101,29 @@ def generate(address: str, ids: list[int], lora: str, max_tokens: int = MAX_TOKE
         return [t for m in pb_grpc.LLMServeStub(channel).Generate(req, timeout=TIMEOUT_S) for t in m.token_ids]
 
 
-def test_mixed_batch_of_adapters_and_base_equals_transformers(stack):
-    prompts = [token_prompt(n, 500 + i) for i, n in enumerate((37, 20))]
-    jobs = [(lora, p) for p in prompts for lora in ("", "a", "b")]
-    want = [reference(stack.oracles[lora], p, MAX_TOKENS) for lora, p in jobs]
+def mixed_batch(address: str, oracles: dict, prompts: list[list[int]], what: str) -> list[list[int]]:
+    """Every prompt under the base model and each adapter, all at once: each equals its oracle's greedy tokens."""
+    jobs = [(lora, p) for p in prompts for lora in oracles]
+    want = [reference(oracles[lora], p, MAX_TOKENS) for lora, p in jobs]
     got: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        got[i] = generate(stack.sched.address, jobs[i][1], jobs[i][0])
+        got[i] = generate(address, jobs[i][1], jobs[i][0])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(TIMEOUT_S)
-    assert [got.get(i) for i in range(len(jobs))] == want, stack.name
-    for i in range(0, len(jobs), 3):  # at these margins each adapter changes the greedy tokens
-        assert want[i] != want[i + 1] and want[i] != want[i + 2], stack.name
+    assert [got.get(i) for i in range(len(jobs))] == want, what
+    for i in range(0, len(jobs), len(oracles)):  # at these margins each adapter changes the greedy tokens
+        assert all(want[i] != want[i + k] for k in range(1, len(oracles))), what
+    return want
+
+
+def test_mixed_batch_of_adapters_and_base_equals_transformers(stack):
+    prompts = [token_prompt(n, 500 + i) for i, n in enumerate((37, 20))]
+    want = mixed_batch(stack.sched.address, stack.oracles, prompts, stack.name)
     # A repeat of an adapter's prompt starts from that adapter's snapshot (the prefix hash carries the adapter).
     hits = summed_metrics(stack.metrics_port).get("vllm:prefix_cache_hits_total", 0)
     assert generate(stack.sched.address, prompts[0], "a") == want[1]
@@ -156,10 +163,11 @@ def _rank_logits(path: str, shard: Shard, group) -> tuple[list, None]:
 
 
 @pytest.fixture(scope="module")
-def tp_checkpoints(tmp_path_factory) -> list[str]:
+def tp_checkpoints(tmp_path_factory) -> list[tuple[str, torch.nn.Module]]:
+    from tests.e2e.test_model_families_served import word_tokenizer
     from tests.service.test_hybrid_families import make_checkpoint
 
-    paths = []
+    out = []
     for name in ("qwen3_5", "granitemoehybrid"):
         path = tmp_path_factory.mktemp(f"{name}-lora-tp")
         hf = make_checkpoint(name, path)
@@ -168,13 +176,15 @@ def tp_checkpoints(tmp_path_factory) -> list[str]:
                       std_b=0.3)
         write_modules(str(path / "attn"), linear_modules(hf, modules[:4]), modules[:4], rank=2, alpha=4, seed=2,
                       std_b=0.3)
-        paths.append(str(path))
-    return paths
+        word_tokenizer(path, hf.config.vocab_size)
+        out.append((str(path), hf))
+    return out
 
 
 def test_tp2_with_adapters_equals_one_rank(tp_checkpoints, tmp_path):
-    got = run_on_ranks(_rank_logits, tp_checkpoints, str(tmp_path), 2)
-    for path, (logits, _) in zip(tp_checkpoints, got, strict=True):
+    paths = [p for p, _ in tp_checkpoints]
+    got = run_on_ranks(_rank_logits, paths, str(tmp_path), 2)
+    for path, (logits, _) in zip(paths, got, strict=True):
         want, _ = _rank_logits(path, Shard(0, 1), None)
         config, weights = load_hf_dir(path)
         base = chunked_logits(models.by_name(config.architecture)(config, weights, torch.float32, "cpu"), None,
@@ -184,3 +194,24 @@ def test_tp2_with_adapters_equals_one_rank(tp_checkpoints, tmp_path):
             assert diff < 1e-4 * max(1.0, w.abs().max().item()), f"{path} sequence {i}: max abs logit diff {diff}"
             changed = (w - base[i]).abs().max().item() > 1e-2
             assert changed == (i < 2), f"{path} sequence {i}: adapter rows change, base rows do not"
+
+
+def test_served_on_two_ranks_with_adapters_equals_transformers(redis_server, tp_checkpoints):
+    """A --tensor-parallel-size 2 worker: rank 0 sends the adapters it placed and each token's slot with the step,
+    beside the plan's state ops; a mixed batch equals transformers."""
+    path, hf = tp_checkpoints[0]  # Qwen3.5
+    names = adapters(Path(path))
+    modules = [f"{n}={p}" for n, p in names.items()]
+    worker = cluster.start_worker(["--model", path, "--tensor-parallel-size", 2, "--num-gpu-blocks-override", 24,
+                                   "--max-model-len", 256, "--allow-kv-pool-below-max-model-len", "--num-state-slots",
+                                   8, *LORA, "--max-lora-rank", 4, "--lora-modules", *modules], timeout=TIMEOUT_S)
+    sched = cluster.start_scheduler(redis_server, worker, ["--max-num-batched-tokens", 32, "--debug-invariants", *LORA,
+                                                           "--lora-modules", *modules],
+                                    namespace=cluster.new_namespace("hyb-lora-tp"))
+    try:
+        cluster.wait_healthy(sched.address, timeout=120, proc=sched)
+        oracles = {"": hf, **{n: merged(hf, p) for n, p in names.items()}}
+        mixed_batch(sched.address, oracles, [token_prompt(30, 600)], "qwen3_5 on two ranks")
+    finally:
+        cluster.stop(sched)
+        cluster.stop(worker)
