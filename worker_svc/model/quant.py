@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 GROUP = 32  # the int4 group size: every GGUF 4-bit type's (sub-)block length
+_DEQUANTIZE_CHUNK = 1 << 20  # values an FP8 dequantize on the host widens at once (4 MB of float32)
 
 # GGUF type names read as exact int4 groups (block bytes per 32 or 256 values below).
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -61,10 +62,25 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, inp = self.shape
+        if self.is_fp8 and self.codes.device.type == "cpu":
+            return self._fp8_rows_dequantized(dtype)
         if self.is_fp8:  # the last block may be partial: scales repeated over the columns, cut to the width
             return (self.codes.float() * self.scale.repeat_interleave(self.group, dim=1)[:, :inp]).to(dtype)
         w = self.codes.view(out, inp // GROUP, GROUP).float() * self.scale.unsqueeze(-1)
         return (w if self.zero is None else w + self.zero.unsqueeze(-1)).reshape(out, inp).to(dtype)
+
+    def _fp8_rows_dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 dequantize on the host, a few rows at a time into the result: the float32 temporaries (codes
+        widened, scales repeated, their product) are a chunk's, not three copies of the matrix (0.2 GB for one
+        8192 x 2048 projection, beside a load's kept weights). The same values: each row's product, then cast."""
+        out, inp = self.shape
+        result = torch.empty(out, inp, dtype=dtype)
+        step = max(1, _DEQUANTIZE_CHUNK // inp)
+        for start in range(0, out, step):
+            rows = slice(start, start + step)
+            chunk = self.codes[rows].float().mul_(self.scale[rows].repeat_interleave(self.group, dim=1)[:, :inp])
+            result[rows] = chunk
+        return result
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup)."""
