@@ -11,7 +11,8 @@ Two in-memory forms, chosen by the GGUF type:
 
 A third form holds an HF FP8 checkpoint's weights (hf_quant.py): float8_e4m3fn codes with a float32 scale per row
 and per `group` columns (the checkpoint's block width, or the whole row), dequantized to the activations' dtype in
-each matmul (no fast FP8 GEMM on CPU), so the values are the checkpoint's exactly and memory stays FP8-sized.
+each matmul on CUDA, so the values are the checkpoint's exactly and memory stays FP8-sized (on the CPU, which has no
+FP8 GEMM, the loader dequantizes each projection once as it arrives).
 
 The matmuls: on CPU the project's kernels (kernels/csrc/quant_matmul.cpp: float32 or bfloat16 activations, the
 weights turned into float32 in registers), or where they are not built torch's int4 / int8 weight-packed kernels
@@ -212,7 +213,7 @@ class QuantLinear:
         self.on_cuda = device.type == "cuda"
         self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
         self.fp8: QuantizedWeight | None = None
-        if weight.is_fp8:  # dequantized per call, memory one byte a value (the CPU model dequantizes at build)
+        if weight.is_fp8:  # dequantized per call, memory one byte a value (on the CPU the loader dequantizes)
             self.ops = None  # (and the C++ layer loop, which runs `ops` kernels only, leaves it to Python)
             self.fp8 = weight.map_rows(lambda t: t.to(device))
         elif weight.bits == 8 and self.ops is not None:
