@@ -130,11 +130,13 @@ def _fp8_weights(tensors: LazyTensors, block: tuple[int, int], config: ModelConf
     host = Placement(placement.dtype)
 
     def put_fp8(name: str, w: QuantizedWeight) -> torch.Tensor | QuantizedWeight:
-        if shard.size > 1:  # cut as stored: a cut through a scale block is refused as it would be for FP8 kept
-            w = shard_quantized(name, w, config, shard)
-        if hf_quant.runs_as_fp8(name, hybrid, placement.device):
-            return w
-        return w.dequantize(host.dtype_of(torch.float32, w.codes.dim()))
+        dtype = host.dtype_of(torch.float32, w.codes.dim())
+        if hybrid or not hf_quant.packed_by_the_model(name):  # dense on every device: cut as a dense tensor
+            dense = w.dequantize(dtype)
+            return dense if shard.size == 1 else place(shard_tensor(name, dense, config, shard), host)
+        if shard.size > 1:  # a dense family's projection is cut as stored, so a cut through a block is refused alike
+            w = shard_quantized(name, w, config, shard)  # on every device
+        return w if hf_quant.runs_as_fp8(name, hybrid, placement.device) else w.dequantize(dtype)
 
     return hf_quant.convert_fp8(tensors, block, put_fp8,
                                 lambda name, t: place(shard_tensor(name, t, config, shard), host))
