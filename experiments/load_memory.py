@@ -126,13 +126,16 @@ def main() -> None:
         weights = os.path.join(model, "model.safetensors")
         if os.path.isfile(weights):
             size = os.path.getsize(weights)  # the header's few KB aside
+            with open(os.path.join(model, "config.json")) as f:  # the label from the checkpoint, not the flags
+                args.quantization = (json.load(f).get("quantization_config") or {}).get("quant_method")
         else:
             size = write_checkpoint(model, args.layers, args.hidden, args.intermediate, args.vocab, args.quantization,
                                     args.checkpoint_dtype)
         archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         rows = {args.ref: measure(old, model), "this tree": measure(here, model)}
-    kind = f"FP8 projections, {args.checkpoint_dtype} rest" if args.quantization else f"{args.checkpoint_dtype} weights"
+    kind = f"{args.quantization} projections, {args.checkpoint_dtype} rest" if args.quantization else \
+        f"{args.checkpoint_dtype} weights"
     print(f"checkpoint: {size / 1e9:.2f} GB of {kind}, {args.layers} layers, hidden {args.hidden}")
     print(f"{'loader':<12} {'peak RSS GB':>12} {'kept RSS GB':>12} {'peak/kept':>10} {'peak/ckpt':>10} {'s':>7}")
     for name, r in rows.items():

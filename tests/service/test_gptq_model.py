@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import parse
+from common.config import ConfigError, parse
 from protos import worker_pb2 as pb
 from tests.service.test_awq_model import PROJECTIONS, SHAPE
 from tests.service.test_model import PagedRunner
@@ -168,7 +168,8 @@ def test_act_order_is_exact_where_runs_keep_one_group_and_dequantized_otherwise(
 
 def test_the_worker_serves_a_gptq_checkpoint(tmp_path):
     """Through the worker's own path (ModelRunner, --quantization gptq agreeing with the checkpoint): chunked
-    prefills beside decodes give each request the int4 model's greedy tokens alone."""
+    prefills beside decodes give each request the int4 model's greedy tokens alone; the compiled forward, which
+    runs dense weights only, is refused at start for the checkpoint's int4 weights."""
     write_gptq_checkpoint(tmp_path, 64, False, False, False)
     runner = ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "--quantization", "gptq", "--dtype",
                                               "float32", "--num-gpu-blocks-override", "64"]))
@@ -185,3 +186,5 @@ def test_the_worker_serves_a_gptq_checkpoint(tmp_path):
             tokens.append(int(logits[0].argmax()))
             logits = solo.step({0: [tokens[-1]]})
         assert r.output == tokens, r.request_id
+    with pytest.raises(ConfigError, match="--optimization-level 1 runs dense weights only"):
+        ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "-O1", "--num-gpu-blocks-override", "64"]))

@@ -115,9 +115,10 @@ class LlamaModel:
             return w(name) if name in weights else None
 
         def mat(t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantLinear:
-            """A matmul weight; the dense copy is dropped once packed. An FP8 weight on the CPU is dequantized here,
-            once, into `dtype` (2 bytes a value in bfloat16 instead of 1): torch has no FP8 matmul on the CPU, and
-            dequantizing the whole matrix on every call cost several times the matmul (experiments/RESULTS.md)."""
+            """A matmul weight; the dense copy is dropped once packed. An FP8 weight on the CPU (the loader gives
+            dense ones there, hf_quant.runs_as_fp8; this covers weights built elsewhere) is dequantized here, once,
+            into `dtype`: torch has no FP8 matmul on the CPU, and dequantizing the whole matrix on every call cost
+            several times the matmul (experiments/RESULTS.md)."""
             if isinstance(t, QuantizedWeight) and t.is_fp8 and self.device.type == "cpu":
                 t = t.dequantize(dtype)
             if isinstance(t, QuantizedWeight):

@@ -2,19 +2,19 @@
 naming the field), and its FP8 tensors turned into the project's weights.
 
 FP8 (vLLM's `fp8`, and compressed-tensors' `float-quantized`): `float8_e4m3fn` weights with a scale per block
-(`weight_scale_inv`, `weight_block_size` [128, 128]), per tensor or per output channel (`weight_scale`). They load as
-FP8 (one byte a value, the scales beside). On the CPU, where torch has no FP8 GEMM, the model dequantizes each
-projection once when it is built, into the activations' dtype, and runs the dense matmul (decoder.py's `mat`: two
-bytes a value in bfloat16; dequantizing the whole matrix in every matmul had made a step several times slower). On
-CUDA they stay FP8 and are dequantized in each matmul (quant.QuantLinear). Either way the values are the checkpoint's
-dequantized ones, rounded to the dtype. Activations are not quantized ("dynamic" activation schemes are a kernel's
-choice; static scales are refused).
+(`weight_scale_inv`, `weight_block_size` [128, 128]), per tensor or per output channel (`weight_scale`). On CUDA they
+stay FP8 (one byte a value, the scales beside) and are dequantized in each matmul (quant.QuantLinear). On the CPU,
+where torch has no FP8 GEMM, each projection is dequantized into the activations' dtype as it is loaded (two bytes a
+value in bfloat16), its codes freed before the next tensor is read, and runs the dense matmul (`runs_as_fp8`).
+Either way the values are the checkpoint's dequantized ones, rounded to the dtype. Activations are not quantized
+("dynamic" activation schemes are a kernel's choice; static scales are refused).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -28,7 +28,6 @@ HF_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 
 # The matmul weights a dense family packs through quant.QuantLinear; any other FP8 tensor is dequantized at load.
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
-
 
 
 def packed_by_the_model(name: str) -> bool:
@@ -145,25 +144,34 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str,
     return QuantizedWeight(weight, scale.repeat_interleave(bn, dim=0)[:out].contiguous(), None, 8, "fp8", group=bk)
 
 
-def convert_fp8(tensors: Mapping[str, torch.Tensor], keep_quantized: bool,
-                block: tuple[int, int] = (128, 128),
-                place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
-    """The model's weights from a checkpoint's tensors: every FP8 weight with its scale (`weight_scale_inv` or
-    `weight_scale`, blocks of `block`) becomes a QuantizedWeight where the model packs it (a dense family's
-    projections, with `keep_quantized`), else float32 dequantized; the rest float32."""
+def runs_as_fp8(name: str, hybrid: bool, device: torch.device) -> bool:
+    """Whether the model runs weight `name` of an FP8 checkpoint as FP8 (quant.QuantLinear, dequantized in each
+    matmul): a dense family's projection on an accelerator. Every other FP8 weight is dequantized into --dtype as it
+    is loaded: on the CPU, which has no FP8 matmul (dequantizing a whole matrix in every matmul had made a step
+    several times slower, experiments/RESULTS.md), and in the hybrid families, whose projections are dense."""
+    return device.type != "cpu" and not hybrid and packed_by_the_model(name)
+
+
+def convert_fp8(tensors: Mapping[str, torch.Tensor], block: tuple[int, int],
+                put_fp8: Callable[[str, QuantizedWeight], Any],
+                put: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:
+    """The model's weights from a checkpoint's tensors, one at a time in the checkpoint's order: every FP8 weight
+    with its scale (`weight_scale_inv` or `weight_scale`, blocks of `block`) as a QuantizedWeight given to
+    `put_fp8(name, weight)`, every other tensor to `put(name, tensor)`; what they return is kept. Each is read
+    (`tensors` is lazy: safetensors_stream.LazyTensors) and placed before the next, so one source is held at once."""
     out: dict = {}
     for name in tensors:
         if name.endswith((".weight_scale_inv", ".weight_scale")):
             continue
-        t = tensors[name]
         if name.endswith(".input_scale"):
             raise ValueError(f"{name}: static activation scales are not read by llmserve")
+        t = tensors[name]
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale = tensors.get(name + "_scale_inv", tensors.get(name + "_scale"))
+            scale = tensors[name + "_scale_inv"] if name + "_scale_inv" in tensors else tensors.get(name + "_scale")
             if scale is None:
                 raise ValueError(f"{name} is FP8 but the checkpoint has no {name}_scale_inv or {name}_scale")
-            w = fp8_weight(t, scale, name, block)
-            out[name] = w if keep_quantized and packed_by_the_model(name) else place(w.dequantize())
+            out[name] = put_fp8(name, fp8_weight(t, scale, name, block))
         else:
-            out[name] = place(t)
+            out[name] = put(name, t)
+        del t  # the source goes before the next tensor is read
     return out

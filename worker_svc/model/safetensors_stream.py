@@ -87,6 +87,9 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         with safe_open(self._file_of[name], framework="pt") as f:
             return f.get_tensor(name).clone(memory_format=torch.contiguous_format)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of  # without reading the tensor (Mapping's default looks it up)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
 
