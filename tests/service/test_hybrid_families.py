@@ -316,7 +316,6 @@ def test_auto_state_slots_follow_max_num_seqs_and_the_snapshot_share(family, cap
 
 
 @pytest.mark.parametrize("flags, named", [
-    (dict(optimization_level=1), "-O 1"),
     (dict(enable_lora=True), "--enable-lora"),
 ])
 def test_what_does_not_compose_yet_is_refused_at_start(family, flags, named):

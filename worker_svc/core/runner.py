@@ -128,7 +128,7 @@ class ModelRunner:
                               "holds quantized weights (its quantization_config): use -O0")
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
         if getattr(family, "hybrid", False):
-            refuse_uncomposed(opts, self.config.architecture, compiled)
+            refuse_uncomposed(opts, self.config.architecture)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
         if opts.enable_lora and self.config.num_experts:

@@ -64,12 +64,27 @@ def wants_compiled(opts: WorkerConfig) -> bool:
     return True
 
 
-def compile_model(model: LlamaModel, opts: WorkerConfig) -> CompiledForward:
-    """The compiled forward of `model` (built with prepack=False), every size compiled before it returns."""
-    compiled = CompiledForward(model, CompilationConfig.parse(opts.compilation_config),
-                               cuda_graphs=(opts.optimization_level or 0) >= 2)
+def compile_model(model: LlamaModel, opts: WorkerConfig):
+    """The compiled forward of `model` (built with prepack=False), every size compiled before it returns: a hybrid
+    model's is compiled_hybrid.py's."""
+    cfg, cuda_graphs = CompilationConfig.parse(opts.compilation_config), (opts.optimization_level or 0) >= 2
+    if getattr(model, "hybrid", False):
+        from worker_svc.model.compiled_hybrid import CompiledHybridForward
+
+        compiled = CompiledHybridForward(model, cfg, cuda_graphs)
+    else:
+        compiled = CompiledForward(model, cfg, cuda_graphs)
     compiled.warm_up()
     return compiled
+
+
+def reserve_cache_entries(n: int) -> None:
+    """Room in torch.compile's per-function caches for `n` more graphs: never fall back to dynamic shapes or stop
+    compiling at serving time. The graphs guard on the model they trace, so each model built in this process adds
+    its own entries to the functions' shared caches."""
+    global _CACHE_ENTRIES
+    _CACHE_ENTRIES += n
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_ENTRIES)
 
 
 class CompiledForward:
@@ -87,12 +102,7 @@ class CompiledForward:
         traced = model.traced()  # the same weights and layer code, over the plain-torch ops
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
-        # One graph per size and function (and, with CUDA graphs, per mode); never fall back to dynamic shapes or stop
-        # compiling at serving time. The graphs guard on the model they trace (its bound methods), so each model
-        # built in this process adds its own entries to the functions' shared caches.
-        global _CACHE_ENTRIES
-        _CACHE_ENTRIES += 2 * len(self.sizes)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_ENTRIES)
+        reserve_cache_entries(2 * len(self.sizes))  # one graph per size and function (with CUDA graphs, per mode)
         self._rope = traced.rotaries[0].prepare  # the step's cos / sin rows, gathered eagerly
         self._qkv_rope = torch.compile(traced.attention_inputs, dynamic=False, fullgraph=True)
         self._o_mlp = torch.compile(traced.post_attention, dynamic=False, fullgraph=True)

@@ -32,12 +32,9 @@ from worker_svc.model.layers.rotary import PartialRotary
 from worker_svc.model.layers.ssd_scan import SSDScan
 
 
-def refuse_uncomposed(opts: WorkerConfig, architecture: str, compiled: bool) -> None:
+def refuse_uncomposed(opts: WorkerConfig, architecture: str) -> None:
     """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet (tensor parallelism
-    does: parallel/hybrid_sharding.py splits the recurrent layers by heads)."""
-    if compiled:
-        raise ConfigError(f"-O {opts.optimization_level}: the compiled forward runs Llama-shaped decoders only, not "
-                          f"{architecture}'s recurrent layers; run with -O0 (or --enforce-eager)")
+    does: parallel/hybrid_sharding.py splits the recurrent layers by heads; so does -O1: model/compiled_hybrid.py)."""
     if opts.enable_lora:
         raise ConfigError(f"--enable-lora: adapters are not served on {architecture} (a hybrid model) yet; run "
                           "without --enable-lora")
