@@ -10,22 +10,24 @@ with zeros, so a padding row never reaches a state slot, the KV cache or a captu
 result is the eager op's.
 
 What an island needs beyond tensors (the pool, the slots, the attention metadata, the real model) is the step's
-`StepContext`, registered under the compiled model's key for the duration of one graph call: the graph passes only
-the key and the layer index, both constants of the trace. The KV write and the capture return nothing; each
-"mutates" the step's order token, which the attention island reads, so the graph keeps them and keeps their order.
+`StepContext`, this thread's for the duration of one graph call (`running`): the graph passes only the layer index, a
+constant of the trace, so two models of the same shapes trace the same graph and share inductor's cache. The KV
+write and the capture return nothing; each "mutates" the step's order token, which the attention island reads, so
+the graph keeps them and keeps their order.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-_CONTEXTS: dict[int, StepContext] = {}  # compiled model key -> the step its graph is running
-_KEYS = itertools.count()
+_local = threading.local()  # .ctx: the StepContext of the graph this thread is running
 
 
 @dataclass
@@ -39,33 +41,33 @@ class StepContext:
     state: Any = None  # state_cache.StateStep
 
 
-def new_key() -> int:
-    return next(_KEYS)
+@contextlib.contextmanager
+def running(ctx: StepContext) -> Iterator[None]:
+    """The islands of the graph called inside this block read `ctx`."""
+    _local.ctx = ctx
+    try:
+        yield
+    finally:
+        _local.ctx = None
 
 
-def enter(key: int, ctx: StepContext) -> None:
-    _CONTEXTS[key] = ctx
-
-
-def leave(key: int) -> None:
-    _CONTEXTS.pop(key, None)
-
-
-def _real(key: int, *xs: torch.Tensor) -> tuple[StepContext, list[torch.Tensor]]:
-    ctx = _CONTEXTS[key]
+def _real(*xs: torch.Tensor) -> tuple[StepContext, list[torch.Tensor]]:
+    ctx = _local.ctx
     return ctx, [x[: ctx.num_real] for x in xs]
 
 
 def _padded(y: torch.Tensor, rows: int) -> torch.Tensor:
-    return y if y.shape[0] == rows else F.pad(y, (0, 0) * (y.dim() - 1) + (0, rows - y.shape[0]))
+    """y's rows then zero rows up to `rows`, contiguous as the fake kernels promise the graph (an eager op may hand
+    back a transposed layout, e.g. einsum's)."""
+    return y.contiguous() if y.shape[0] == rows else F.pad(y, (0, 0) * (y.dim() - 1) + (0, rows - y.shape[0]))
 
 
 # --- the custom ops -------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("llmserve::island_conv", mutates_args=())
-def island_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int, layer: int,
+def island_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
                 activation: str | None) -> torch.Tensor:
-    ctx, (xr,) = _real(key, x)
+    ctx, (xr,) = _real(x)
     if ctx.model is None:
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
     s = ctx.state
@@ -74,14 +76,14 @@ def island_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @island_conv.register_fake
-def _(x, weight, bias, key, layer, activation):
+def _(x, weight, bias, layer, activation):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("llmserve::island_delta_rule", mutates_args=())
 def island_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      key: int, layer: int) -> torch.Tensor:
-    ctx, real = _real(key, q, k, v, g, beta)
+                      layer: int) -> torch.Tensor:
+    ctx, real = _real(q, k, v, g, beta)
     if ctx.model is None:
         return v.new_zeros(v.shape, dtype=torch.float32)
     s = ctx.state
@@ -89,14 +91,14 @@ def island_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 @island_delta_rule.register_fake
-def _(q, k, v, g, beta, key, layer):
+def _(q, k, v, g, beta, layer):
     return v.new_empty(v.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("llmserve::island_ssd_scan", mutates_args=())
 def island_ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                    d: torch.Tensor, key: int, layer: int) -> torch.Tensor:
-    ctx, (xr, dtr, br, cr) = _real(key, x, dt, b, c)
+                    d: torch.Tensor, layer: int) -> torch.Tensor:
+    ctx, (xr, dtr, br, cr) = _real(x, dt, b, c)
     if ctx.model is None:
         return x.new_zeros(x.shape, dtype=torch.float32)
     s = ctx.state
@@ -105,21 +107,21 @@ def island_ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch
 
 
 @island_ssd_scan.register_fake
-def _(x, dt, a, b, c, d, key, layer):
+def _(x, dt, a, b, c, d, layer):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("llmserve::island_write_kv", mutates_args=("order",))
-def island_write_kv(k: torch.Tensor, v: torch.Tensor, order: torch.Tensor, key: int, layer: int) -> None:
-    ctx, (kr, vr) = _real(key, k, v)
+def island_write_kv(k: torch.Tensor, v: torch.Tensor, order: torch.Tensor, layer: int) -> None:
+    ctx, (kr, vr) = _real(k, v)
     if ctx.model is not None:
         kv = ctx.kv_cache[layer]
         ctx.model.attention.write_kv_cache(kr, vr, kv[0], kv[1], ctx.attn_meta.slot_mapping)
 
 
 @torch.library.custom_op("llmserve::island_attention", mutates_args=())
-def island_attention(q: torch.Tensor, order: torch.Tensor, key: int, layer: int, scale: float) -> torch.Tensor:
-    ctx, (qr,) = _real(key, q)
+def island_attention(q: torch.Tensor, order: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    ctx, (qr,) = _real(q)
     if ctx.model is None:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     kv, m = ctx.kv_cache[layer], ctx.attn_meta
@@ -129,109 +131,89 @@ def island_attention(q: torch.Tensor, order: torch.Tensor, key: int, layer: int,
 
 
 @island_attention.register_fake
-def _(q, order, key, layer, scale):
+def _(q, order, layer, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("llmserve::island_experts", mutates_args=())
 def island_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, key: int) -> torch.Tensor:
-    ctx, real = _real(key, x, weights, ids)
+                   down: torch.Tensor) -> torch.Tensor:
+    ctx, real = _real(x, weights, ids)
     if ctx.model is None:
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
     return _padded(ctx.model.experts_fn(*real, gate_up, down), x.shape[0])
 
 
 @island_experts.register_fake
-def _(x, weights, ids, gate_up, down, key):
+def _(x, weights, ids, gate_up, down):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("llmserve::island_capture", mutates_args=("order",))
-def island_capture(h: torch.Tensor, order: torch.Tensor, key: int, layer: int) -> None:
-    ctx, (hr,) = _real(key, h)
+def island_capture(h: torch.Tensor, order: torch.Tensor, layer: int) -> None:
+    ctx, (hr,) = _real(h)
     if ctx.model is not None and ctx.model.capture is not None:
         ctx.model.capture.layer_input(layer, hr)
 
 
 @torch.library.custom_op("llmserve::island_all_reduce", mutates_args=("t",))
-def island_all_reduce(t: torch.Tensor, key: int) -> None:
-    ctx = _CONTEXTS[key]
+def island_all_reduce(t: torch.Tensor) -> None:
+    ctx = _local.ctx
     if ctx.model is not None:  # every rank pads alike: the padding rows are summed too, harmlessly
         ctx.model.tp.all_reduce(t)
 
 
 # --- what the traced twin calls instead of the eager ops ------------------------------------------------------------
+# The twin's pool and KV stand-ins hold each layer's index where the eager forward holds its tensors: `states`,
+# `key_cache` below are those indices.
 
-class Conv:
-    """In place of HybridOps.conv: `states` is the state layer's index (the twin's pool stand-in holds indices)."""
-
-    def __init__(self, key: int):
-        self.key = key
-
-    def __call__(self, x, weight, bias, states: int, slots, cu_seqlens, activation: str | None = "silu"):
-        return torch.ops.llmserve.island_conv(x, weight, bias, self.key, states, activation)
+def conv(x, weight, bias, states: int, slots, cu_seqlens, activation: str | None = "silu"):
+    return torch.ops.llmserve.island_conv(x, weight, bias, states, activation)
 
 
-class DeltaRule:
-    def __init__(self, key: int):
-        self.key = key
-
-    def __call__(self, q, k, v, g, beta, states: int, slots, cu_seqlens, split=None):
-        return torch.ops.llmserve.island_delta_rule(q, k, v, g, beta, self.key, states)
+def delta_rule(q, k, v, g, beta, states: int, slots, cu_seqlens, split=None):
+    return torch.ops.llmserve.island_delta_rule(q, k, v, g, beta, states)
 
 
-class SSDScan:
-    def __init__(self, key: int):
-        self.key = key
+def ssd_scan(x, dt, a, b, c, d, states: int, slots, cu_seqlens, split=None):
+    return torch.ops.llmserve.island_ssd_scan(x, dt, a, b, c, d, states)
 
-    def __call__(self, x, dt, a, b, c, d, states: int, slots, cu_seqlens, split=None):
-        return torch.ops.llmserve.island_ssd_scan(x, dt, a, b, c, d, self.key, states)
+
+def experts(x, weights, ids, gate_up, down):
+    """In place of the model's experts_fn (moe.py): the routing stays in the graph, the experts' loop is eager."""
+    return torch.ops.llmserve.island_experts(x, weights, ids, gate_up, down)
 
 
 class Attention:
-    """In place of the attention backend (kernels.reference / triton): the key / value caches are the KV layer's
-    index (the twin's KV stand-in holds indices)."""
+    """In place of the attention backend (kernels.reference / triton)."""
 
-    def __init__(self, key: int, order: torch.Tensor):
-        self.key, self.order = key, order
+    def __init__(self, order: torch.Tensor):
+        self.order = order
 
     def write_kv_cache(self, k, v, key_cache: int, value_cache: int, slot_mapping) -> None:
-        torch.ops.llmserve.island_write_kv(k, v, self.order, self.key, key_cache)
+        torch.ops.llmserve.island_write_kv(k, v, self.order, key_cache)
 
     def paged_attention(self, q, key_cache: int, value_cache: int, block_tables, cu_seqlens_q, seq_lens,
                         scale: float, plan=None):
-        return torch.ops.llmserve.island_attention(q, self.order, self.key, key_cache, scale)
-
-
-class Experts:
-    """In place of the model's experts_fn (moe.py): the routing stays in the graph, the experts' loop is eager."""
-
-    def __init__(self, key: int):
-        self.key = key
-
-    def __call__(self, x, weights, ids, gate_up, down):
-        if not isinstance(gate_up, torch.Tensor):
-            raise ValueError("the compiled forward needs the experts' stacked weights (not prepacked per expert)")
-        return torch.ops.llmserve.island_experts(x, weights, ids, gate_up, down, self.key)
+        return torch.ops.llmserve.island_attention(q, self.order, key_cache, scale)
 
 
 class Capture:
     """In place of HiddenCapture: the layers a head reads go to the real capture, eagerly, from the real rows."""
 
-    def __init__(self, key: int, order: torch.Tensor, aux_layers: tuple[int, ...]):
-        self.key, self.order, self.aux_layers = key, order, aux_layers
+    def __init__(self, order: torch.Tensor, aux_layers: tuple[int, ...]):
+        self.order, self.aux_layers = order, aux_layers
 
     def layer_input(self, i: int, h: torch.Tensor) -> None:
         if i in self.aux_layers:
-            torch.ops.llmserve.island_capture(h, self.order, self.key, i)
+            torch.ops.llmserve.island_capture(h, self.order, i)
 
 
 class Collectives:
     """In place of the rank group (decoder.Collectives): the all-reduce runs eagerly, in place."""
 
-    def __init__(self, key: int, rank: int, size: int):
-        self.key, self.rank, self.size = key, rank, size
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        torch.ops.llmserve.island_all_reduce(t, self.key)
+        torch.ops.llmserve.island_all_reduce(t)
