@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
@@ -27,23 +26,11 @@ import torch.nn.functional as F
 
 from common.validation import ConfigError
 from worker_svc.config import CompilationConfig, WorkerConfig
+from worker_svc.model.compiled_hybrid import CompiledHybridForward
 from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.inductor_cache import reserve_cache_entries, use_cache_dir
 
 log = logging.getLogger(__name__)
-
-_CACHE_ENTRIES = 0  # the compiled functions' cache entries the models of this process may need
-
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor")
-
-
-def use_cache_dir(path: str | None) -> str:
-    """Persist inductor's compiled graphs under `path` (default DEFAULT_CACHE_DIR): read by every compile after
-    this call, so a restart loads them instead of compiling again. $TORCHINDUCTOR_CACHE_DIR, if set, wins."""
-    path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path or DEFAULT_CACHE_DIR)
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = True
-    return path
 
 
 def wants_compiled(opts: WorkerConfig) -> bool:
@@ -69,22 +56,11 @@ def compile_model(model: LlamaModel, opts: WorkerConfig):
     model's is compiled_hybrid.py's."""
     cfg, cuda_graphs = CompilationConfig.parse(opts.compilation_config), (opts.optimization_level or 0) >= 2
     if getattr(model, "hybrid", False):
-        from worker_svc.model.compiled_hybrid import CompiledHybridForward
-
         compiled = CompiledHybridForward(model, cfg, cuda_graphs)
     else:
         compiled = CompiledForward(model, cfg, cuda_graphs)
     compiled.warm_up()
     return compiled
-
-
-def reserve_cache_entries(n: int) -> None:
-    """Room in torch.compile's per-function caches for `n` more graphs: never fall back to dynamic shapes or stop
-    compiling at serving time. The graphs guard on the model they trace, so each model built in this process adds
-    its own entries to the functions' shared caches."""
-    global _CACHE_ENTRIES
-    _CACHE_ENTRIES += n
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_ENTRIES)
 
 
 class CompiledForward:

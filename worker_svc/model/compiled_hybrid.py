@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from worker_svc.config import CompilationConfig
 from worker_svc.model import eager_islands as islands
+from worker_svc.model.inductor_cache import reserve_cache_entries, use_cache_dir
 from worker_svc.model.layers.op import NATIVE
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ class CompiledHybridForward:
     """HybridModel.forward's signature and results, run through a compiled graph at the configured step sizes."""
 
     def __init__(self, model: Any, cfg: CompilationConfig, cuda_graphs: bool = False):
-        from worker_svc.model.compiled import reserve_cache_entries, use_cache_dir
-
         if model.prepacked or not all(isinstance(w, torch.Tensor) for w in (model.embed, model.lm_head)):
             raise ValueError("the compiled forward needs dense weights (no prepacked or quantized weights)")
         if cuda_graphs and model.device.type == "cuda":
@@ -74,7 +73,6 @@ class CompiledHybridForward:
                         "state reads run eagerly between the compiled parts); running the -O1 graphs",
                         model.config.architecture)
         self.model = model
-        self.key = islands.new_key()
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
         self.twin = self._twin(model)
@@ -89,18 +87,17 @@ class CompiledHybridForward:
         """The model over plain-torch dense ops and eager islands (same weights)."""
         twin = copy.copy(model)
         twin.use_ops(NATIVE)
-        key = self.key
         self._order = torch.zeros(1, device=model.device)  # the islands' order token (eager_islands.py)
-        twin.ops = dataclasses.replace(twin.ops, conv=islands.Conv(key), delta_rule=islands.DeltaRule(key),
-                                       ssd_scan=islands.SSDScan(key))
-        twin.attention = islands.Attention(key, self._order)
+        twin.ops = dataclasses.replace(twin.ops, conv=islands.conv, delta_rule=islands.delta_rule,
+                                       ssd_scan=islands.ssd_scan)
+        twin.attention = islands.Attention(self._order)
         if hasattr(model, "experts_fn"):
-            twin.experts_fn = islands.Experts(key)
+            twin.experts_fn = islands.experts
         capture = model.capture
         twin.capture = None if capture is None or not capture.aux_layers else \
-            islands.Capture(key, self._order, tuple(capture.aux_layers))
+            islands.Capture(self._order, tuple(capture.aux_layers))
         if model.tp is not None:
-            twin.tp = islands.Collectives(key, model.tp.rank, model.tp.size)
+            twin.tp = islands.Collectives(model.tp.rank, model.tp.size)
         return twin
 
     def padded_size(self, num_tokens: int) -> int | None:
@@ -134,11 +131,8 @@ class CompiledHybridForward:
 
     @torch.inference_mode()
     def _call(self, ctx: islands.StepContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        islands.enter(self.key, ctx)
-        try:
+        with islands.running(ctx):
             return self._graph(input_ids, positions)
-        finally:
-            islands.leave(self.key)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What the graph holds: the twin's embedding and layers (HybridModel.forward up to the head)."""
