@@ -1,5 +1,6 @@
 """The compiled forward (-O1) on hybrid models (Qwen3.5: Gated DeltaNet beside attention; Nemotron-H: Mamba2 beside
-attention), on random-weight checkpoints transformers wrote here, against the eager forward and transformers float32:
+attention; slow: Qwen3-Next and Granite 4.0 hybrid with their MoE), on random-weight checkpoints transformers wrote
+here, against the eager forward and transformers float32:
 
 - the model: two sequences prefilled in chunks while the other decodes, every step padded to the compiled size (the
   first step, above it, runs eager); every row's logits equal the eager forward's and transformers', greedy tokens
@@ -78,7 +79,9 @@ class PoolRun:
         return list(logits.split(lens))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+# The MoE hybrids (their experts' loop an island) compile longer: slow.
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", pytest.param("qwen3_next", marks=pytest.mark.slow),
+                                    pytest.param("granitemoehybrid", marks=pytest.mark.slow)])
 def test_compiled_equals_eager_and_transformers_and_padding_writes_nothing(family, tmp_path, inductor_cache):
     hf = make_checkpoint(family, tmp_path)
     compiled = CompiledHybridForward(build(str(tmp_path), prepack=False), CompilationConfig((SIZE,)))
