@@ -75,6 +75,7 @@ class CompiledHybridForward:
         self.model = model
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
+        self._order = torch.zeros(1, device=model.device)  # the islands' order token (eager_islands.py)
         self.twin = self._twin(model)
         num_kv, num_state = len(model.kv_index), len(model.state_index)
         self._kv = tuple((j, j) for j in range(num_kv))  # kv_cache[j] -> (K, V) of KV layer j: its index
@@ -87,7 +88,6 @@ class CompiledHybridForward:
         """The model over plain-torch dense ops and eager islands (same weights)."""
         twin = copy.copy(model)
         twin.use_ops(NATIVE)
-        self._order = torch.zeros(1, device=model.device)  # the islands' order token (eager_islands.py)
         twin.ops = dataclasses.replace(twin.ops, conv=islands.conv, delta_rule=islands.delta_rule,
                                        ssd_scan=islands.ssd_scan)
         twin.attention = islands.Attention(self._order)
