@@ -21,6 +21,7 @@ from functools import partial
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import kernels
 from protos import worker_pb2 as pb
@@ -146,6 +147,7 @@ def test_greedy_with_head_drafts_on_the_compiled_forward_equals_plain_decoding(m
     compiled = ModelRunner(WorkerConfig(**opts, speculative_config=json.dumps(spec), optimization_level=1,
                                         compilation_config=SIZES))
     assert isinstance(compiled.model, CompiledHybridForward) and compiled.heads is not None
+    graphs = counters["stats"]["unique_graphs"]
     rng = random.Random(7)
     ids = [[rng.randrange(300) for _ in range(n)] for n in (5, 17, 40, 9)]
     params = pb.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -158,5 +160,7 @@ def test_greedy_with_head_drafts_on_the_compiled_forward_equals_plain_decoding(m
                  block_size=compiled.block_size, first_step_id=compiled.batch.last_step_id + 1, num_draft_slots=2,
                  spec_results=results, state_slots=True)
     assert [r.output for r in ref] == [r.output for r in got]
+    # Small steps ran on one thread fewer at times (the runner's choice): no graph was compiled for them.
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph while serving"
     drafts = sum(sum(r.spec_num_draft_tokens) for r in results)
     assert drafts > 0 and sum(sum(r.spec_num_accepted_tokens) for r in results) < drafts, "rejections roll back"

@@ -76,6 +76,7 @@ class CompiledHybridForward:
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
         self._order = torch.zeros(1, device=model.device)  # the islands' order token (eager_islands.py)
+        self._threads = torch.get_num_threads()
         self.twin = self._twin(model)
         num_kv, num_state = len(model.kv_index), len(model.state_index)
         self._kv = tuple((j, j) for j in range(num_kv))  # kv_cache[j] -> (K, V) of KV layer j: its index
@@ -131,8 +132,17 @@ class CompiledHybridForward:
 
     @torch.inference_mode()
     def _call(self, ctx: islands.StepContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with islands.running(ctx):
-            return self._graph(input_ids, positions)
+        # On the thread count the graphs were built for: inductor's CPU code is made for one, and dynamo would
+        # compile anew for another (the runner runs small CPU steps on one thread fewer at times, cpu/threads.py).
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            with islands.running(ctx):
+                return self._graph(input_ids, positions)
+        finally:
+            if threads != self._threads:
+                torch.set_num_threads(threads)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What the graph holds: the twin's embedding and layers (HybridModel.forward up to the head)."""
