@@ -110,8 +110,8 @@ class CompiledHybridForward:
         """Compile (or load from the cache) every size before the worker serves; returns the seconds taken."""
         t0 = time.perf_counter()
         for size in self.sizes:
-            ids = torch.zeros(size, dtype=torch.int64, device=self.model.device)
-            self._call(islands.StepContext(size), ids, ids)
+            ids, positions = (torch.zeros(size, dtype=torch.int64, device=self.model.device) for _ in range(2))
+            self._call(islands.StepContext(size), ids, positions)
         seconds = time.perf_counter() - t0
         log.info("compiled forward ready: sizes %s in %.1f s (cache %s; %s: recurrent ops, attention and experts "
                  "eager)", list(self.sizes), seconds, self.cache_dir, self.model.config.architecture)
@@ -134,6 +134,9 @@ class CompiledHybridForward:
     def _call(self, ctx: islands.StepContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # On the thread count the graphs were built for: inductor's CPU code is made for one, and dynamo would
         # compile anew for another (the runner runs small CPU steps on one thread fewer at times, cpu/threads.py).
+        # Inference tensors both: the graphs guard on the inputs' dispatch keys (a step padded here makes them in
+        # inference mode, one at a compiled size arrives from the runner as it built it).
+        input_ids, positions = (x if x.is_inference() else x.clone() for x in (input_ids, positions))
         threads = torch.get_num_threads()
         if threads != self._threads:
             torch.set_num_threads(self._threads)
