@@ -8,8 +8,8 @@ one compiled size:
   eager worker's, tests/e2e/test_hybrid_serving.py);
 - Qwen3.5 with MTP drafts through a second scheduler on the same worker: the same tokens;
 - once idle, no request holds a state slot and the ledger's slots add up;
-- on two gloo ranks, each compiling its shard (the all-reduces eager between the compiled parts): the logits of
-  chunked prefill and decode steps equal one eager rank's.
+- (slow) on two gloo ranks, each compiling its shard (the all-reduces eager between the compiled parts): the logits
+  of chunked prefill and decode steps equal one eager rank's.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def _compiled_rank_steps(path: str, shard: Shard, group):
     return _steps(compiled), None
 
 
+@pytest.mark.slow  # two ranks compiling on two cores: ~2.5 min
 def test_compiled_on_two_ranks_equals_one_eager_rank(tmp_path, inductor_cache, monkeypatch):
     from tests.e2e.test_tensor_parallel_hybrid import _load, _steps
     from tests.service.test_hybrid_families import make_checkpoint
