@@ -151,8 +151,9 @@ class WorkerConfig:
                                   "-O says")
     optimization_level: int | None = setting(
         None, "0: eager forward; 1-3: torch.compile (inductor) of the decoder layers, steps padded to the "
-        "--compilation-config sizes and compiled during start-up; on CUDA, 2-3 also replay CUDA graphs for "
-        "decode-only steps", aliases=("-O",), device_default={"cpu": 0, "cuda": 0}, check=_check_optimization_level)
+        "--compilation-config sizes and compiled during start-up (a hybrid model's recurrent ops and attention stay "
+        "eager between the compiled parts); on CUDA, 2-3 also replay CUDA graphs for decode-only steps (not on a "
+        "hybrid model)", aliases=("-O",), device_default={"cpu": 0, "cuda": 0}, check=_check_optimization_level)
     compilation_config: str | None = setting(
         None, 'compiled forward (vLLM\'s flag): {"cudagraph_capture_sizes": [1, 2, 4, 8]} (the step sizes compiled; '
         'default 1, 2, 4, then multiples of 8 up to "max_cudagraph_capture_size", default 64; larger steps run '

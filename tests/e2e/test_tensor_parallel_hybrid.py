@@ -43,10 +43,10 @@ def checkpoints(tmp_path_factory) -> list[str]:
     return paths
 
 
-def _load(path: str, shard: Shard, group=None):
+def _load(path: str, shard: Shard, group=None, **kwargs):
     config, weights = load_hf_dir(path, shard)
     return models.by_name(config.architecture)(local_config(config, shard.size), weights, torch.float32, "cpu",
-                                               tp=group)
+                                               tp=group, **kwargs)
 
 
 def _steps(model) -> list[torch.Tensor | None]:

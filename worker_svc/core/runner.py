@@ -32,7 +32,6 @@ from worker_svc.model import families as models
 from worker_svc.model import lora, quant
 from worker_svc.model.compiled import compile_model, wants_compiled
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.families.hybrid import refuse_uncomposed
 from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
 from worker_svc.model.layers.recurrent_split import RecurrentSplit
 from worker_svc.model.loader import load_model_weights
@@ -127,8 +126,6 @@ class ModelRunner:
             raise ConfigError(f"--optimization-level {opts.optimization_level} runs dense weights only; {opts.model} "
                               "holds quantized weights (its quantization_config): use -O0")
         family = models.by_name(self.config.architecture)  # the registry's class for this architecture
-        if getattr(family, "hybrid", False):
-            refuse_uncomposed(opts, self.config.architecture, compiled)
         self.model = family(self.local_config, weights, self.dtype, self.device, prepack=False if compiled else None,
                             attention=kernels.get_backend(self.attention_backend), tp=group)
         if opts.enable_lora and self.config.num_experts and not getattr(family, "hybrid", False):

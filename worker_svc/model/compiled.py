@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
@@ -27,23 +26,11 @@ import torch.nn.functional as F
 
 from common.validation import ConfigError
 from worker_svc.config import CompilationConfig, WorkerConfig
+from worker_svc.model.compiled_hybrid import CompiledHybridForward
 from worker_svc.model.decoder import LlamaModel
+from worker_svc.model.inductor_cache import reserve_cache_entries, use_cache_dir
 
 log = logging.getLogger(__name__)
-
-_CACHE_ENTRIES = 0  # the compiled functions' cache entries the models of this process may need
-
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "inductor")
-
-
-def use_cache_dir(path: str | None) -> str:
-    """Persist inductor's compiled graphs under `path` (default DEFAULT_CACHE_DIR): read by every compile after
-    this call, so a restart loads them instead of compiling again. $TORCHINDUCTOR_CACHE_DIR, if set, wins."""
-    path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path or DEFAULT_CACHE_DIR)
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = True
-    return path
 
 
 def wants_compiled(opts: WorkerConfig) -> bool:
@@ -64,10 +51,14 @@ def wants_compiled(opts: WorkerConfig) -> bool:
     return True
 
 
-def compile_model(model: LlamaModel, opts: WorkerConfig) -> CompiledForward:
-    """The compiled forward of `model` (built with prepack=False), every size compiled before it returns."""
-    compiled = CompiledForward(model, CompilationConfig.parse(opts.compilation_config),
-                               cuda_graphs=(opts.optimization_level or 0) >= 2)
+def compile_model(model: LlamaModel, opts: WorkerConfig):
+    """The compiled forward of `model` (built with prepack=False), every size compiled before it returns: a hybrid
+    model's is compiled_hybrid.py's."""
+    cfg, cuda_graphs = CompilationConfig.parse(opts.compilation_config), (opts.optimization_level or 0) >= 2
+    if getattr(model, "hybrid", False):
+        compiled = CompiledHybridForward(model, cfg, cuda_graphs)
+    else:
+        compiled = CompiledForward(model, cfg, cuda_graphs)
     compiled.warm_up()
     return compiled
 
@@ -87,12 +78,7 @@ class CompiledForward:
         traced = model.traced()  # the same weights and layer code, over the plain-torch ops
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
-        # One graph per size and function (and, with CUDA graphs, per mode); never fall back to dynamic shapes or stop
-        # compiling at serving time. The graphs guard on the model they trace (its bound methods), so each model
-        # built in this process adds its own entries to the functions' shared caches.
-        global _CACHE_ENTRIES
-        _CACHE_ENTRIES += 2 * len(self.sizes)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _CACHE_ENTRIES)
+        reserve_cache_entries(2 * len(self.sizes))  # one graph per size and function (with CUDA graphs, per mode)
         self._rope = traced.rotaries[0].prepare  # the step's cos / sin rows, gathered eagerly
         self._qkv_rope = torch.compile(traced.attention_inputs, dynamic=False, fullgraph=True)
         self._o_mlp = torch.compile(traced.post_attention, dynamic=False, fullgraph=True)

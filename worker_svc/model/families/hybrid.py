@@ -16,8 +16,6 @@ from typing import Any, ClassVar
 import torch
 
 import kernels
-from common.config import ConfigError
-from worker_svc.config import WorkerConfig
 from worker_svc.core.kv_cache import ATTENTION_LAYER_TYPES
 from worker_svc.core.state_cache import StateShape, StateStep
 from worker_svc.model.config import ModelConfig
@@ -30,16 +28,6 @@ from worker_svc.model.layers.norm import Float32RMSNorm
 from worker_svc.model.layers.op import op_mode
 from worker_svc.model.layers.rotary import PartialRotary
 from worker_svc.model.layers.ssd_scan import SSDScan
-
-
-def refuse_uncomposed(opts: WorkerConfig, architecture: str, compiled: bool) -> None:
-    """ConfigError at start, naming the flag, for what a hybrid model does not compose with yet (tensor parallelism
-    does: parallel/hybrid_sharding.py splits the recurrent layers by heads; LoRA does on the attention and MLP
-    projections, model/lora_targets.py)."""
-    if compiled:
-        raise ConfigError(f"-O {opts.optimization_level}: the compiled forward runs Llama-shaped decoders only, not "
-                          f"{architecture}'s recurrent layers; run with -O0 (or --enforce-eager)")
-
 
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")  # Gated DeltaNet; Mamba2: the layers with a state slot
 
