@@ -88,6 +88,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
 # server named by --target is one the test started ({target}, {metrics_url}).
 SMOKE_VALUES: dict[tuple[str, str], list[str]] = {
     ("worker_forward", "--profile"): ["1"],
+    ("hybrid_serving", "--attention-every"): ["4"],  # the smoke size has 4 layers
     ("worker_host_path", "--baseline-ref"): ["HEAD"],
     ("worker_host_path", "--rounds"): ["1"],
     ("worker_wire", "--baseline-ref"): ["HEAD"],
