@@ -47,13 +47,15 @@ VOCAB = 8192
 HITS = "vllm:prefix_cache_hits_total"
 
 
-def write_checkpoint(family: str, path: Path, layers: int, hidden: int, max_len: int) -> None:
-    """A random-weight checkpoint and a word-per-id tokenizer (the scheduler loads the directory's tokenizer)."""
+def write_checkpoint(family: str, path: Path, layers: int, hidden: int, max_len: int,
+                     attention_every: int = 4) -> None:
+    """A random-weight checkpoint and a word-per-id tokenizer (the scheduler loads the directory's tokenizer); the
+    hybrid's every `attention_every`-th layer is full attention (Qwen3.5's own pattern is 4)."""
     common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_len)
     torch.manual_seed(0)
     if family == "qwen3_5":
-        types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+        types = ["full_attention" if (i + 1) % attention_every == 0 else "linear_attention" for i in range(layers)]
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
             **common, layer_types=types, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
             linear_value_head_dim=64))
@@ -153,7 +155,8 @@ def serve_ttft(path: Path, tmp: Path, args) -> dict[bool, dict[str, list[tuple[f
 def print_capacity(rows, args) -> None:
     full = rows[0][2]
     print(f"\nCapacity: --kv-cache-memory {args.kv_budget_mib} MiB, float32, sequences of {args.context} tokens "
-          f"({math.ceil(args.context / BLOCK)} blocks of {BLOCK})\n")
+          f"({math.ceil(args.context / BLOCK)} blocks of {BLOCK}); the hybrid has "
+          f"{args.layers // args.attention_every} attention layers of {args.layers}\n")
     print("| model | num_blocks | kv_bytes_per_block | num_state_slots | state_bytes_per_slot | sequences that fit "
           "| vs full attention |")
     print("|---|---|---|---|---|---|---|")
@@ -185,6 +188,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--attention-every", type=int, default=4,
+                   help="the hybrid's every N-th layer is full attention (4: Qwen3.5's pattern; 10 with --layers 10: "
+                   "one attention layer in ten)")
     p.add_argument("--context", type=int, default=32768, help="tokens per sequence for the capacity count")
     p.add_argument("--kv-budget-mib", type=int, default=1024, help="--kv-cache-memory of every worker (MiB)")
     p.add_argument("--prompt-len", type=int, default=400)
@@ -194,11 +200,13 @@ def main() -> None:
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
+    if not 1 <= args.attention_every <= args.layers:
+        raise SystemExit(f"--attention-every must be in 1..--layers ({args.layers}), got {args.attention_every}")
 
     with tempfile.TemporaryDirectory(prefix="hybrid-serving-") as tmp:
         dirs = {family: Path(tmp) / family for family in ("qwen3_5", "qwen3")}
         for family, path in dirs.items():
-            write_checkpoint(family, path, args.layers, args.hidden, args.context)
+            write_checkpoint(family, path, args.layers, args.hidden, args.context, args.attention_every)
         rows = capacity(dirs, args)
         print_capacity(rows, args)
         results: dict[bool, dict[str, list[tuple[float, int]]]] = {}

