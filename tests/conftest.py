@@ -28,6 +28,12 @@ _OWN_GGUF_CACHE = "LLMSERVE_GGUF_CACHE_DIR" not in os.environ
 if _OWN_GGUF_CACHE:
     os.environ["LLMSERVE_GGUF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-gguf-cache-")
 
+# The HF reference likewise (tests/support/hf_reference.py): built once per run, read by every pytest process (the
+# variable is set before pytest-xdist starts them, so they inherit it). Set it to keep one across runs.
+_OWN_HF_CACHE = "LLMSERVE_TEST_HF_CACHE_DIR" not in os.environ
+if _OWN_HF_CACHE:
+    os.environ["LLMSERVE_TEST_HF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-hf-reference-")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _stop_leftover_processes():
@@ -51,6 +57,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     if _OWN_GGUF_CACHE:
         shutil.rmtree(os.environ["LLMSERVE_GGUF_CACHE_DIR"], ignore_errors=True)
+    if _OWN_HF_CACHE:
+        shutil.rmtree(os.environ["LLMSERVE_TEST_HF_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -61,20 +69,25 @@ def bundled_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(bundled_model_path):
-    from transformers import AutoTokenizer
+def hf_reference_folder(bundled_model_path):
+    """transformers' float32 load of the bundled GGUF, written once per run for every pytest process."""
+    from tests.support.hf_reference import reference_folder
 
-    d, f = os.path.split(bundled_model_path)
-    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return reference_folder(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
-def hf_model(bundled_model_path):
-    from transformers import AutoModelForCausalLM
+def hf_tokenizer(hf_reference_folder):
+    from tests.support.hf_reference import load_tokenizer
 
-    d, f = os.path.split(bundled_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    return model.eval()
+    return load_tokenizer(hf_reference_folder)
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_reference_folder):
+    from tests.support.hf_reference import load_model
+
+    return load_model(hf_reference_folder)
 
 
 @pytest.fixture(scope="session")
