@@ -29,6 +29,7 @@ from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from tests.support import cluster
+from tests.support.waiting import wait_for
 
 PROMPT = "Once upon a time, in a small village,"
 MAX_TOKENS = 24
@@ -126,14 +127,6 @@ def rpc_code(call) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as e:
         return e.code(), e.details()
     return grpc.StatusCode.OK, ""
-
-
-def wait_for(what: str, cond, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def assert_clean(st: Stack) -> None:
