@@ -69,25 +69,19 @@ def bundled_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_reference_folder(bundled_model_path):
-    """transformers' float32 load of the bundled GGUF, written once per run for every pytest process."""
-    from tests.support.hf_reference import reference_folder
-
-    return reference_folder(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
-
-
-@pytest.fixture(scope="session")
-def hf_tokenizer(hf_reference_folder):
+def hf_tokenizer(bundled_model_path):
+    """transformers' tokenizer of the bundled GGUF (loaded from it once per run for every pytest process)."""
     from tests.support.hf_reference import load_tokenizer
 
-    return load_tokenizer(hf_reference_folder)
+    return load_tokenizer(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
-def hf_model(hf_reference_folder):
+def hf_model(bundled_model_path):
+    """transformers' float32 model of the bundled GGUF (loaded from it once per run for every pytest process)."""
     from tests.support.hf_reference import load_model
 
-    return load_model(hf_reference_folder)
+    return load_model(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")

@@ -3,14 +3,16 @@
 transformers loading the bundled GGUF is the correctness oracle, but the load dequantizes every tensor and walks the
 49k-string vocabulary (30-60 s on the 2-core box), and under `-n 2` each pytest process paid it. The first process
 to ask loads it through transformers' GGUF path and writes the float32 weights (safetensors), the config and the
-tokenizer to `<root>/<sha256 of the GGUF>/`; the others wait on a file lock and read that folder back in a second
-or two. The writer also keeps the GGUF-loaded model's logits on a probe prompt, and every reader checks its model
-gives the same bits, so the copy cannot drift from the oracle.
+tokenizer to `<root>/<sha256 of the GGUF>/{model,tokenizer}/` (each built only when first asked for); the others
+wait on a file lock and read the folder back in a second or two. The writer also keeps the GGUF-loaded model's
+logits on probe ids (and the tokenizer's ids of a probe text), and every reader checks it gives the same bits, so
+the copy cannot drift from the oracle.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -20,9 +22,11 @@ import safetensors.torch
 import torch
 
 PROBE_TEXT = "The capital of France is Paris. 1 + 1 = 2; def f(x): return x * 2  # ünïcode"
+PROBE_IDS = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 33, 1232, 216, 33, 446, 216, 34, 43, 3014, 275, 17, 104]
 _DONE = "complete"
 
 
+@functools.cache
 def checkpoint_hash(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -45,50 +49,58 @@ def save_hf_checkpoint(model, path: Path) -> None:
     safetensors.torch.save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _probe_logits(model, ids: list[int]) -> torch.Tensor:
+def _probe_logits(model) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
+        return model(torch.tensor([PROBE_IDS])).logits[0]
 
 
-def _build(gguf_path: str, folder: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _build_model(gguf_path: str, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
 
     d, f = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     save_hf_checkpoint(model, folder)
+    torch.save(_probe_logits(model), folder / "probe.pt")
+
+
+def _build_tokenizer(gguf_path: str, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    d, f = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     tokenizer.save_pretrained(str(folder))
-    ids = tokenizer(PROBE_TEXT).input_ids
-    probe = {"ids": ids, "logits": _probe_logits(model, ids)}
-    torch.save(probe, folder / "probe.pt")
-    (folder / _DONE).write_text(gguf_path)
+    (folder / "probe.json").write_text(json.dumps(tokenizer(PROBE_TEXT).input_ids))
 
 
-def reference_folder(gguf_path: str, root: str) -> Path:
-    """`<root>/<hash>/`, built by whichever process gets the lock first; a half-written folder (a killed run) is
-    built again."""
-    os.makedirs(root, exist_ok=True)
-    folder = Path(root) / checkpoint_hash(gguf_path)
-    with open(f"{folder}.lock", "w") as lock:
+def _built(gguf_path: str, root: str, part: str, build) -> Path:
+    """`<root>/<hash of the GGUF>/<part>/`, built by whichever process takes the lock first; a half-written one (a
+    killed run) is built again."""
+    folder = Path(root) / checkpoint_hash(gguf_path) / part
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if not (folder / _DONE).exists():
-            _build(gguf_path, folder)
+            build(gguf_path, folder)
+            (folder / _DONE).write_text(gguf_path)
     return folder
 
 
-def load_tokenizer(folder: Path):
+def load_tokenizer(gguf_path: str, root: str):
+    """transformers' tokenizer of the GGUF, as its first load in this run saved it."""
     from transformers import AutoTokenizer
 
+    folder = _built(gguf_path, root, "tokenizer", _build_tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    probe = torch.load(folder / "probe.pt")
-    assert tokenizer(PROBE_TEXT).input_ids == probe["ids"], "the cached tokenizer encodes unlike the GGUF one"
+    want = json.loads((folder / "probe.json").read_text())
+    assert tokenizer(PROBE_TEXT).input_ids == want, "the saved tokenizer encodes unlike the GGUF one"
     return tokenizer
 
 
-def load_model(folder: Path):
+def load_model(gguf_path: str, root: str):
+    """transformers' float32 model of the GGUF, as its first load in this run saved it."""
     from transformers import AutoModelForCausalLM
 
+    folder = _built(gguf_path, root, "model", _build_model)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    probe = torch.load(folder / "probe.pt")
-    assert torch.equal(_probe_logits(model, probe["ids"]), probe["logits"]), "cached model != the GGUF one"
+    assert torch.equal(_probe_logits(model), torch.load(folder / "probe.pt")), "saved model != the GGUF one"
     return model
