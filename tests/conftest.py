@@ -50,8 +50,10 @@ def _stop_leftover_processes():
 
 def pytest_sessionfinish(session, exitstatus):
     from llmserve.processes import stop_all
+    from tests.support.cli_forks import close_shared
 
     stop_all(everything=True)
+    close_shared()
 
 
 def pytest_unconfigure(config):

@@ -39,8 +39,8 @@ from llmserve import processes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.servers.process import LISTENING_LINE
-from tests.support import cluster
-from tests.support.cli_forks import CliForks
+from tests.support import cli_forks, cluster
+from tests.support.cli_forks import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REDIS_PASSWORD = "Redis-pw-7f3a9"  # must never appear in a scheduler's output
@@ -99,13 +99,10 @@ def pki(tmp_path_factory) -> dict[str, str]:
 # ---- helpers --------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
-def run_cli():
-    """`llmserve ARGS...` run like subprocess.run, each a process of its own forked from one that imported the CLI
-    once (tests/support/cli_forks.py): the file's 20 command lines no longer pay an interpreter start each. Started
-    with the module, so that its imports overlap the worker's start."""
-    forks = CliForks()
-    yield forks.run
-    forks.close()
+def _cli_preloaded():
+    """The file's 20 command lines run in processes forked from one that imported the CLI once
+    (tests/support/cli_forks.py); started with the module, so that its imports overlap the worker's start."""
+    cli_forks.run_cli("--help")
 
 
 def assert_fails(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -240,7 +237,7 @@ def test_public_tls_refuses_plaintext_and_untrusting_clients(tls_scheduler, pki)
     assert health(tls_scheduler.address, tls.channel_credentials(pki["other_ca"])) == "UNAVAILABLE"
 
 
-def test_cli_health_and_generate_over_tls(tls_scheduler, pki, run_cli):
+def test_cli_health_and_generate_over_tls(tls_scheduler, pki):
     ok = run_cli("health", "--address", tls_scheduler.address, "--tls-ca", pki["ca"])
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING"), ok.stderr
     plain = run_cli("health", "--address", tls_scheduler.address)
@@ -253,7 +250,7 @@ def test_cli_health_and_generate_over_tls(tls_scheduler, pki, run_cli):
     assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
 
 
-def test_public_mutual_tls_needs_a_client_certificate(redis_pw, pki, run_cli):
+def test_public_mutual_tls_needs_a_client_certificate(redis_pw, pki):
     """--tls-client-ca on the scheduler: no certificate, no answer (the worker address is unused: NOT_SERVING)."""
     url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_pw}/0"
     s = cluster.start_scheduler(url, f"127.0.0.1:{cluster.free_port()}",
@@ -286,7 +283,7 @@ def test_redis_password_in_the_url_works(redis_pw):
 
 
 @pytest.mark.parametrize("case", ["wrong password", "no password", "plaintext to TLS port", "untrusted CA"])
-def test_scheduler_exits_when_redis_refuses(redis_pw, redis_tls, pki, case, run_cli):
+def test_scheduler_exits_when_redis_refuses(redis_pw, redis_tls, pki, case):
     url, needles = {
         "wrong password": (f"redis://:{REDIS_PASSWORD}-wrong@127.0.0.1:{redis_pw}/0",
                            ["--redis-url", ":***@", "refused the credentials"]),
@@ -306,7 +303,7 @@ def test_scheduler_exits_when_redis_refuses(redis_pw, redis_tls, pki, case, run_
 
 # ---- flag combinations ----------------------------------------------------------------------------------------
 
-def test_tls_flags_that_cannot_work_fail_at_start(pki, run_cli):
+def test_tls_flags_that_cannot_work_fail_at_start(pki):
     redis_url = "redis://127.0.0.1:1/0"  # never reached: the flags are checked first
     assert_fails(run_cli("worker", "--port", 0, "--tls-cert", pki["server_cert"]), "--tls-cert", "--tls-key")
     assert_fails(run_cli("worker", "--port", 0, "--tls-client-ca", pki["ca"]), "--tls-client-ca", "--tls-cert")
@@ -455,7 +452,7 @@ def test_api_presents_a_client_certificate_to_a_mutual_tls_scheduler(redis_pw, p
         cluster.stop(s)
 
 
-def test_api_tls_flags_that_cannot_work_fail_at_start(pki, run_cli):
+def test_api_tls_flags_that_cannot_work_fail_at_start(pki):
     assert_fails(run_cli("api", "--port", 0, "--ssl-keyfile", pki["server_key"]), "--ssl-keyfile", "--ssl-certfile")
     assert_fails(run_cli("api", "--port", 0, "--ssl-certfile", pki["server_cert"], "--ssl-keyfile", pki["client_key"]),
                  "cannot use", "--ssl-certfile")
@@ -495,6 +492,6 @@ def test_serve_with_mutual_tls_answers_a_chat_completion_over_https(pki):
         assert cluster.stop(s, timeout=30) == 0, s.log_tail()
 
 
-def test_serve_checks_its_https_files_at_start(pki, run_cli):
+def test_serve_checks_its_https_files_at_start(pki):
     assert_fails(run_cli("serve", "--redis-url", "redis://127.0.0.1:1/0", "--ssl-certfile", pki["server_cert"]),
                  "--ssl-keyfile", "--ssl-certfile")

@@ -7,8 +7,10 @@ process imports `llmserve.cli` and the services once; for each command line it f
 script would give (0, the code of a SystemExit, 1 and a traceback on an exception). The child is a separate process:
 what the command does (flag checks, connecting to Redis, exiting) is real; only the imports are shared.
 
-Run as `python -m tests.support.cli_forks`: one JSON line in per command line ({"argv": [...], "timeout": s}), one
-JSON line out ({"returncode", "stdout", "stderr"}).
+`run_cli(*args)` runs one in this pytest process's shared preloaded process (started at the first call, ended with
+the session). The preloaded process is `python -m tests.support.cli_forks`: one JSON line in per command line
+({"argv": [...], "timeout": s, "env": {...}}: the caller's environment at the call), one JSON line out
+({"returncode", "stdout", "stderr"}).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class CliForks:
 
     def run(self, *args, timeout: float = 60) -> subprocess.CompletedProcess:
         argv = [str(a) for a in args]
-        self.proc.stdin.write(json.dumps({"argv": argv, "timeout": timeout}) + "\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "timeout": timeout, "env": dict(os.environ)}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         assert line, f"the command-line process ended (status {self.proc.poll()}) running llmserve {argv}"
@@ -52,10 +54,31 @@ class CliForks:
             self.proc.wait()
 
 
-def _child(argv: list[str], out_path: str, err_path: str) -> None:
-    """In the forked child: the command line's own streams, then the console script's exit status."""
+_shared: CliForks | None = None
+
+
+def run_cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`llmserve ARGS...` like subprocess.run(capture_output=True, text=True), in a process of its own."""
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = CliForks()
+    return _shared.run(*args, timeout=timeout)
+
+
+def close_shared() -> None:
+    global _shared
+    if _shared is not None:
+        _shared.close()
+        _shared = None
+
+
+def _child(argv: list[str], env: dict[str, str], out_path: str, err_path: str) -> None:
+    """In the forked child: the caller's environment, the command line's own streams, then the console script's
+    exit status."""
     from llmserve.cli import main
 
+    os.environ.clear()
+    os.environ.update(env)
     os.setpgid(0, 0)  # its own group: a timeout ends what it started as well
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out_path, os.O_WRONLY), (2, err_path, os.O_WRONLY)):
         os.dup2(os.open(path, mode), fd)
@@ -77,7 +100,7 @@ def _child(argv: list[str], out_path: str, err_path: str) -> None:
     os._exit(code)
 
 
-def _run_one(argv: list[str], timeout: float) -> dict:
+def _run_one(argv: list[str], env: dict[str, str], timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="llmserve-cli-") as d:
         out_path, err_path = os.path.join(d, "out"), os.path.join(d, "err")
         open(out_path, "w").close()
@@ -85,7 +108,7 @@ def _run_one(argv: list[str], timeout: float) -> dict:
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            _child(argv, out_path, err_path)
+            _child(argv, env, out_path, err_path)
         deadline = time.monotonic() + timeout
         status = None
         while status is None and time.monotonic() < deadline:
@@ -111,7 +134,7 @@ def serve_forever() -> None:
 
     for line in sys.stdin:
         request = json.loads(line)
-        print(json.dumps(_run_one(request["argv"], request["timeout"])), flush=True)
+        print(json.dumps(_run_one(request["argv"], request["env"], request["timeout"])), flush=True)
 
 
 if __name__ == "__main__":
