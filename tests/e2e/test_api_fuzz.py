@@ -43,7 +43,7 @@ from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support import cluster
 from tests.support.stack import Stack
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 128  # bounds the longest drawn generation (a valid body may ask for every token left)
 BODY_LIMIT = 4 << 20
 MAX_PROMPTS = 8
 # Drawn examples: per operation and mode (valid bodies, invalid bodies) for the HTTP API, and gRPC Generate

@@ -103,4 +103,26 @@ def load_model(gguf_path: str, root: str):
     folder = _built(gguf_path, root, "model", _build_model)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     assert torch.equal(_probe_logits(model), torch.load(folder / "probe.pt")), "saved model != the GGUF one"
+    _LOADED[id(model)] = (model, folder)  # by identity: a copy (merged, cast) is another model
     return model
+
+
+_LOADED: dict[int, tuple] = {}  # id -> (the model, its folder): what `shared_result` may share
+
+
+def shared_result(model, kind: str, key, compute):
+    """`compute()` for the session's HF model, computed once per run by whichever pytest process asks first and
+    read back by the others (JSON, under `kind`/sha256 of `key`); any other model computes it here."""
+    loaded = _LOADED.get(id(model))
+    if loaded is None or loaded[0] is not model:
+        return compute()
+    folder = loaded[1]
+    path = folder / kind / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json"
+    path.parent.mkdir(exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(compute()))
+            tmp.rename(path)
+        return json.loads(path.read_text())
