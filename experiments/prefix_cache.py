@@ -41,10 +41,9 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 
 from llmserve import processes
-from llmserve.bench.metrics import percentile
+from llmserve.bench.metrics import percentile, summed_metrics
 
 BLOCK_SIZE = 16
 
@@ -129,18 +128,6 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def scrape(port: int) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
 # ---- one run ----------------------------------------------------------------------------------------------
 
 
@@ -178,14 +165,14 @@ def run(bench: Bench, caching: bool, prompts: list[list[int]], max_tokens: int, 
             stream_all(address, fill, max_tokens, f"fill-{bench.runs}")
         ledger = bench.ledger()
         cached_before = ledger.check_ledger()["evictable"]
-        before = scrape(mport)
+        before = summed_metrics(mport)
         pids = {"scheduler": proc.pid, "redis": bench.redis.pid, "worker": bench.worker.pid}
         cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
         t0 = time.perf_counter()
         res = stream_all(address, prompts, max_tokens, f"{label}-{bench.runs}")
         wall = time.perf_counter() - t0
         cpu = {k: cpu_s(pid) - cpu0[k] for k, pid in pids.items()}
-        after = scrape(mport)
+        after = summed_metrics(mport)
         cached_after = ledger.check_ledger()["evictable"]
     finally:
         processes.stop(proc, timeout=30)

@@ -28,6 +28,12 @@ _OWN_GGUF_CACHE = "LLMSERVE_GGUF_CACHE_DIR" not in os.environ
 if _OWN_GGUF_CACHE:
     os.environ["LLMSERVE_GGUF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-gguf-cache-")
 
+# The HF reference likewise (tests/support/hf_reference.py): built once per run, read by every pytest process (the
+# variable is set before pytest-xdist starts them, so they inherit it). Set it to keep one across runs.
+_OWN_HF_CACHE = "LLMSERVE_TEST_HF_CACHE_DIR" not in os.environ
+if _OWN_HF_CACHE:
+    os.environ["LLMSERVE_TEST_HF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-hf-reference-")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _stop_leftover_processes():
@@ -44,13 +50,17 @@ def _stop_leftover_processes():
 
 def pytest_sessionfinish(session, exitstatus):
     from llmserve.processes import stop_all
+    from tests.support.cli_forks import close_shared
 
     stop_all(everything=True)
+    close_shared()
 
 
 def pytest_unconfigure(config):
     if _OWN_GGUF_CACHE:
         shutil.rmtree(os.environ["LLMSERVE_GGUF_CACHE_DIR"], ignore_errors=True)
+    if _OWN_HF_CACHE:
+        shutil.rmtree(os.environ["LLMSERVE_TEST_HF_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -62,19 +72,18 @@ def bundled_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(bundled_model_path):
-    from transformers import AutoTokenizer
+    """transformers' tokenizer of the bundled GGUF (loaded from it once per run for every pytest process)."""
+    from tests.support.hf_reference import load_tokenizer
 
-    d, f = os.path.split(bundled_model_path)
-    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return load_tokenizer(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
 def hf_model(bundled_model_path):
-    from transformers import AutoModelForCausalLM
+    """transformers' float32 model of the bundled GGUF (loaded from it once per run for every pytest process)."""
+    from tests.support.hf_reference import load_model
 
-    d, f = os.path.split(bundled_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    return model.eval()
+    return load_model(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")

@@ -174,6 +174,17 @@ def metric_sum(sample: Sample, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in sample.items() if n == name and set(labels.items()) <= set(ls))
 
 
+def summed_metrics(port: int, by_label: bool = False) -> dict[str, float]:
+    """Every series of the /metrics page on `port`, its samples summed over labels: {sample name: value}; with
+    `by_label` also {"name|label=value": value} per label other than model_name (e.g. one finished_reason)."""
+    out: dict[str, float] = {}
+    for (name, labels), value in scrape(f"http://127.0.0.1:{port}/metrics", timeout=10).items():
+        keys = [name] + ([f"{name}|{k}={v}" for k, v in labels if k != "model_name"] if by_label else [])
+        for key in keys:
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def histogram_buckets(before: Sample, after: Sample, name: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of histogram `name` for what happened between two scrapes, summed over
     every other label (e.g. model_name)."""

@@ -16,9 +16,9 @@ import time
 
 import httpx
 import pytest
-import safetensors.torch
 
 from tests.support import cluster
+from tests.support.hf_reference import save_hf_checkpoint
 from tests.support.stack import Stack
 
 TASK = "llmserve_mc"
@@ -62,20 +62,6 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
-
-
-def save_hf_checkpoint(model, path) -> None:
-    """The dequantized float32 weights and a config without the GGUF quantization entry (save_pretrained refuses a
-    model loaded from a GGUF)."""
-    path.mkdir()
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["torch_dtype"] = "float32"
-    config["architectures"] = [type(model).__name__]
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    tied = model.config.tie_word_embeddings
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    safetensors.torch.save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import grpc
 import pytest
 import redis
 
+from llmserve.bench.metrics import summed_metrics as metrics
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from protos import worker_pb2 as wpb
@@ -31,7 +32,7 @@ from protos import worker_pb2_grpc as wpb_grpc
 from scheduler_svc.core.block_pool import BlockPool, hash_block
 from scheduler_svc.ledger.store import RedisLedger, StepCommit
 from tests.support import cluster
-from tests.support.concurrent_serving import summed_metrics as metrics
+from tests.support.waiting import wait_for
 
 BS = 16
 MAIN_BLOCKS = 160
@@ -155,17 +156,6 @@ class Stream:
         assert not self.thread.is_alive(), f"{self.rid} still streaming"
         assert not self.errors, (self.rid, self.errors)
         return self
-
-
-def wait_for(what: str, cond, timeout: float = 60.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 # ---- the processes --------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from protos import llmserve_pb2_grpc as pb_grpc
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from tests.support import cluster
+from tests.support.waiting import wait_for
 
 PROMPT = "Once upon a time, in a small village,"
 MAX_TOKENS = 24
@@ -44,12 +45,18 @@ class Stack:
     def __init__(self, root: str):
         self.redis = start_redis(os.path.join(root, "redis"))
         url = self.redis.url + REDIS_QUERY
+        # The three start side by side (the scheduler waits for the worker, the API for the scheduler): on a loaded
+        # box each start is mostly imports, so together they take about the longest one's time.
+        worker_port = cluster.free_port()
         self.worker = cluster.start_worker(["--device", "cpu", "--num-gpu-blocks-override", 256,
-                                            "--max-model-len", 512])
-        self.sched = cluster.start_scheduler(url, self.worker, ["--lease-ttl-ms", LEASE_TTL_MS, "--debug-invariants",
-                                                               "--reattach-timeout", 120])
+                                            "--max-model-len", 512, "--port", worker_port], wait=False)
+        self.sched = cluster.start_scheduler(url, f"127.0.0.1:{worker_port}",
+                                             ["--lease-ttl-ms", LEASE_TTL_MS, "--debug-invariants",
+                                              "--reattach-timeout", 120])
+        self.api = cluster.start_api(self.sched.address, ["--redis-url", url, "--reattach-timeout", 120], wait=False)
+        cluster.wait_ready(self.worker)
         cluster.wait_healthy(self.sched.address, timeout=120, proc=self.sched)
-        self.api = cluster.start_api(self.sched.address, ["--redis-url", url, "--reattach-timeout", 120])
+        cluster.wait_ready(self.api)
         self.url = f"http://127.0.0.1:{self.api.port}"
         self.channel = grpc.insecure_channel(self.sched.address)
         self.llmserve = pb_grpc.LLMServeStub(self.channel)
@@ -126,14 +133,6 @@ def rpc_code(call) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as e:
         return e.code(), e.details()
     return grpc.StatusCode.OK, ""
-
-
-def wait_for(what: str, cond, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def assert_clean(st: Stack) -> None:

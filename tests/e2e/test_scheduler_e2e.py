@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,8 +29,8 @@ import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import Message
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.bench.metrics import summed_metrics
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support import cluster
@@ -154,18 +153,7 @@ def run_concurrently(fns, start_together: bool = True) -> list:
 
 
 def metrics(port: int) -> dict[str, float]:
-    """Prometheus samples summed over labels: {sample name: value}, plus {name|label=value: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-            for k, v in s.labels.items():
-                if k != "model_name":
-                    key = f"{s.name}|{k}={v}"
-                    out[key] = out.get(key, 0.0) + s.value
-    return out
+    return summed_metrics(port, by_label=True)
 
 
 # ---- the processes -------------------------------------------------------------------------------------------

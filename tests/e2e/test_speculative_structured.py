@@ -48,6 +48,21 @@ def assert_valid(name: str, sampling: dict, text: str, finish: str) -> None:
         assert ARITHMETIC_RE.match(text), (name, text)
 
 
+def run_cases(redis_server, worker, cases: list[tuple], *flags) -> tuple[list, dict[str, float]]:
+    """The (prompt, max_tokens, sampling) cases at once through a scheduler started for them (`flags` added) and
+    stopped after, its log clean: the outputs in order and the scheduler's metrics."""
+    proc, ch = scheduler(redis_server, worker, *flags)
+    try:
+        stub = pb_grpc.LLMServeStub(ch)
+        outs = run_concurrently([lambda p=p, m=m, kw=kw: run(stub, p, m, **kw) for p, m, kw in cases])
+        got = metrics(proc.extra["metrics_port"])
+    finally:
+        ch.close()
+        cluster.stop(proc)
+    assert_clean_log(proc)
+    return outs, got
+
+
 @pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle3"])
 def spec(request, tmp_path_factory, bundled_model_path) -> str:
     method = request.param
@@ -72,13 +87,7 @@ def test_structured_outputs_with_drafts_are_valid_and_equal_plain_decoding(redis
         assert_clean_log(plain)
         for (name, _, _, kw), ref in zip(CASES, refs, strict=True):
             assert_valid(name, kw, ref[0][1], ref[0][2])
-        proc, ch = scheduler(redis_server, worker, "--speculative-config", spec)
-        stub = pb_grpc.LLMServeStub(ch)
-        outs = run_concurrently([lambda p=p, m=m, kw=kw: run(stub, p, m, **kw) for _, p, m, kw in CASES])
-        got = metrics(proc.extra["metrics_port"])
-        ch.close()
-        cluster.stop(proc)
-        assert_clean_log(proc)
+        outs, got = run_cases(redis_server, worker, [case[1:] for case in CASES], "--speculative-config", spec)
     finally:
         cluster.stop(worker)
     for (name, _, _, kw), out, ref in zip(CASES, outs, refs, strict=True):
@@ -114,19 +123,10 @@ def test_structured_outputs_with_mtp_drafts_equal_plain_decoding(redis_server, t
              for n, kw in ((9, {}), (30, {}), (17, {"temperature": 0.9, "seed": 4}))]
     cases.append((token_prompt(12, 820), 16, {}))  # beside an unconstrained request
     try:
-        outs = []
-        for flags in ((), ("--speculative-config", mtp)):
-            proc, ch = scheduler(redis_server, worker, *flags)
-            stub = pb_grpc.LLMServeStub(ch)
-            outs.append(run_concurrently([lambda p=p, m=m, kw=kw, stub=stub: run(stub, p, m, **kw)
-                                          for p, m, kw in cases]))
-            got = metrics(proc.extra["metrics_port"])
-            ch.close()
-            cluster.stop(proc)
-            assert_clean_log(proc)
+        plain, _ = run_cases(redis_server, worker, cases)
+        spec_out, got = run_cases(redis_server, worker, cases, "--speculative-config", mtp)
     finally:
         cluster.stop(worker)
-    plain, spec_out = outs
     assert spec_out == plain
     for (_, _, kw), out in zip(cases, spec_out, strict=True):
         if "regex" in kw:

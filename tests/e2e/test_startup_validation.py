@@ -1,22 +1,14 @@
 """Start-up validation with real processes: impossible settings exit non-zero with a message naming the flags
 and the values."""
 
-import os
 import subprocess
-import sys
 
 import pytest
 import redis
 
 from scheduler_svc.ledger.store import SCHEMA_VERSION
 from tests.support import cluster
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmserve.cli", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+from tests.support.cli_forks import run_cli
 
 
 def assert_fails(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -39,7 +39,8 @@ from llmserve import processes
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from scheduler_svc.servers.process import LISTENING_LINE
-from tests.support import cluster
+from tests.support import cli_forks, cluster
+from tests.support.cli_forks import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REDIS_PASSWORD = "Redis-pw-7f3a9"  # must never appear in a scheduler's output
@@ -97,9 +98,11 @@ def pki(tmp_path_factory) -> dict[str, str]:
 
 # ---- helpers --------------------------------------------------------------------------------------------------
 
-def run_cli(*args, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmserve.cli", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+@pytest.fixture(scope="module", autouse=True)
+def _cli_preloaded():
+    """The file's 20 command lines run in processes forked from one that imported the CLI once
+    (tests/support/cli_forks.py); started with the module, so that its imports overlap the worker's start."""
+    cli_forks.run_cli("--help")
 
 
 def assert_fails(proc: subprocess.CompletedProcess, *needles: str) -> str:

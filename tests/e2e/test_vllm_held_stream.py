@@ -11,7 +11,6 @@ tests/e2e/test_redis_outage.py.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from tests.support import cluster
+from tests.support.waiting import wait_for
 
 MAX_TOKENS = 96  # long enough to be interrupted mid-generation
 REATTACH_TIMEOUT_S = 2
@@ -64,14 +64,6 @@ class Follow:
                     self.tokens += r.chunk.token_ids
         except grpc.RpcError as e:
             self.error = e
-
-
-def wait_for(what: str, cond, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def test_a_held_stream_ends_unavailable_naming_the_bound_and_a_cancelled_one_is_aborted(stack):

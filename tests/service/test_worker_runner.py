@@ -8,6 +8,7 @@ import torch
 
 from protos import worker_pb2 as pb
 from tests.support.driver import DriverRequest, run_requests
+from tests.support.hf_reference import shared_result
 from worker_svc.server import execute_step
 
 PROMPTS = [
@@ -28,8 +29,8 @@ _HF_GREEDY: dict[tuple, list[int]] = {}  # the session's HF model is shared: eac
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Hugging Face forward with its own KV cache, argmax each step (no EOS stop)."""
     key = (id(model), tuple(ids), n)
-    if key not in _HF_GREEDY:
-        _HF_GREEDY[key] = _hf_greedy(model, ids, n)
+    if key not in _HF_GREEDY:  # the session's model: once per run for every pytest process
+        _HF_GREEDY[key] = shared_result(model, "greedy", [list(ids), n], lambda: _hf_greedy(model, ids, n))
     return list(_HF_GREEDY[key])
 
 

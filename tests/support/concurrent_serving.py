@@ -4,12 +4,11 @@ compare every sequence against a reference and read the draft counters (vllm:spe
 from __future__ import annotations
 
 import threading
-import urllib.request
 import uuid
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.bench.metrics import summed_metrics
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support import cluster
@@ -30,17 +29,6 @@ def request_tokens(address: str, ids: list[int], max_tokens: int, params: dict, 
         for msg in pb_grpc.LLMServeStub(channel).Generate(req, timeout=timeout):
             seqs.setdefault(msg.index, []).extend(msg.token_ids)
     return [seqs[i] for i in sorted(seqs)]
-
-
-def summed_metrics(port: int) -> dict[str, float]:
-    """Every series of a /metrics page, its samples summed over labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def serve_concurrently(redis_server, worker, jobs: list[Job], flags: list,
