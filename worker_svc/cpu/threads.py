@@ -13,9 +13,9 @@ use every thread. The choice does not change a result: the bundled model's forwa
 threads (bfloat16 and float32, batches of 1 to 64 decodes).
 
 Times are kept per size class (1, 2-3, 4-7, 8-15, 16-31 tokens), so a step of 16 decodes is never compared with one
-of 1; and each count serves `first_steps` steps of a class, in turns, before either is preferred there. Judged on
-one step each, the first decode of a 1.2B model (1.9 s on 2 threads, its pages still cold) lost to the second
-(0.9 s on 1), and every later step ran on 1 thread, with the other trialled once in 32.
+of 1; and each count serves `first_steps` steps of a class, in turns, before either is preferred there. A 1.2B
+model's first decode after its prefills took 1.57 s on 2 threads where the next three took 0.68-0.73 s: judged on
+that one step, as this chose before, every later decode ran on 1 thread, the other tried once in 32 steps.
 """
 
 from __future__ import annotations
