@@ -192,10 +192,7 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
   });
   return y;
 #endif
-  // The panels are taken from a shared counter (shared_chunks.h), not split up front: on a busy 2-core AVX2 box a
-  // static split made every matmul wait for the thread whose core another process held, and a 1.2B model's steps
-  // ran slower on 2 threads than on 1.
-  llmserve::share_chunks(panels.size(0), [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {  // one panel (K x 64 bytes) stays in L1/L2 across the row tiles
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
       for (int64_t m = 0; m < M; m += kRows) {
