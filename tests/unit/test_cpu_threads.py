@@ -23,10 +23,34 @@ def test_large_steps_use_every_thread_and_are_not_timed():
     assert choice.recent_s == {} and choice.small_steps == 0
 
 
-def test_each_count_is_timed_once_then_the_faster_serves():
+def test_size_classes():
+    from worker_svc.cpu.threads import size_class
+
+    assert [size_class(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def test_each_count_is_timed_three_times_in_turns_then_the_faster_serves():
     chosen = _serve(SmallStepThreads(most=2, trial_every=8), {2: 0.019, 1: 0.024}, 32)
-    assert chosen[:2] == [2, 1]
-    assert chosen[2:] == [1 if k % 8 == 0 else 2 for k in range(3, 33)]  # the slower count on every 8th step
+    assert chosen[:6] == [2, 1, 2, 1, 2, 1]
+    assert chosen[6:] == [1 if k % 8 == 0 else 2 for k in range(7, 33)]  # the slower count on every 8th step
+
+
+def test_a_cold_first_step_does_not_decide():
+    """A large model's first decode is slow whatever the count (its pages cold): one step each would pick the other
+    count for good."""
+    choice = SmallStepThreads(most=2, trial_every=16)
+    choice.record(1, choice.choose(1), 1.9)  # 2 threads, cold
+    assert _serve(choice, {2: 0.20, 1: 0.26}, 20)[-10:].count(2) >= 9
+
+
+def test_steps_of_another_size_are_not_compared():
+    """16 decodes on 2 threads take longer than 1 decode on 1: that says nothing about which count is faster."""
+    choice = SmallStepThreads(most=2, trial_every=16)
+    _serve(choice, {2: 0.20, 1: 0.26}, 10, tokens=1)
+    assert choice.choose(16) == 2  # a class not timed yet starts in turns, every thread first
+    chosen = _serve(choice, {2: 0.50, 1: 0.90}, 16, tokens=16)
+    assert chosen[-8:].count(2) >= 7
+    assert _serve(choice, {2: 0.20, 1: 0.26}, 8, tokens=1).count(2) >= 7
 
 
 def test_a_busier_box_moves_small_steps_to_one_thread_fewer_and_back():
