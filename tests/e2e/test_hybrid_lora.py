@@ -13,10 +13,7 @@ checkpoints transformers wrote here, with random adapters in the PEFT layout giv
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import torch
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.e2e.test_hybrid_serving import reference, token_prompt
+from tests.e2e.test_lora_e2e import post
 from tests.service.test_hybrid_lora import SERVED, adapters, chunked_logits, sequences, with_pool
 from tests.support import cluster
 from tests.support.concurrent_serving import summed_metrics
@@ -128,15 +126,6 @@ def test_mixed_batch_of_adapters_and_base_equals_transformers(stack):
     hits = summed_metrics(stack.metrics_port).get("vllm:prefix_cache_hits_total", 0)
     assert generate(stack.sched.address, prompts[0], "a") == want[1]
     assert summed_metrics(stack.metrics_port)["vllm:prefix_cache_hits_total"] - hits == 32
-
-
-def post(url: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_adapter_on_a_recurrent_module_is_refused_at_load(stack):
