@@ -8,7 +8,8 @@ SERVING; the HTTP API. The load (chaos_kit/load.py): `--concurrency` slots runni
 primary (Sentinel fail-over), SIGSTOP/SIGCONT of the primary for 3 s (a partition), kill -9 of the leading scheduler
 (the standby takes over; the killed one comes back as standby), kill -9 of the worker (restarted on its port), and
 with `--tensor-parallel-size N` (N >= 2; the bundled SmolLM2's 9 heads need 3) kill -9 of a rank other than 0 (the
-group ends; the worker is restarted). Each fault waits until the stack serves again and a token reaches a client.
+group ends; the worker is restarted). Each fault waits until the stack serves again and every stream open then has
+had a message since (or ended).
 
 Checked at the end, per durability mode (`--redis-durability` none / local / replica, each on a fresh stack):
   lost      streams that ended with an error (UNKNOWN, a timeout, ...) instead of their tokens;
@@ -87,14 +88,18 @@ def run_mode(mode: str, args, root: str) -> dict:
                     pass
             serving = time.monotonic()
             row["recovered_s"] = round(serving - t0, 2)
-            # The next fault waits for a token to reach a client: SERVING comes before a restarted worker has
-            # recomputed the streams, and faults closer than that add up to one outage longer than any client's
-            # timeout (the streams then lost are the schedule's, not the recovery's).
-            row["progress_s"] = (round(time.monotonic() - t0, 2)
-                                 if load.progress.wait_after(serving, RECOVER_TIMEOUT_S) else None)
+            # The next fault waits until every open stream has had a message again: SERVING comes before the new
+            # leader has recomputed its queue, which it does from the front, and faults that come as soon as the
+            # head has a token add up, for the streams at the tail, to one outage longer than any client's timeout
+            # (the streams then lost are the schedule's, not the recovery's).
+            caught_up = load.progress.wait_after(serving, RECOVER_TIMEOUT_S)
+            row["progress_s"] = round(time.monotonic() - t0, 2) if caught_up else None
+            if not caught_up:
+                row["streams_behind"] = load.progress.behind(serving)
             faults.append(row)
-            print(f"[{mode}] fault {i + 1}/{len(schedule)}: {kind} recovered in {row['recovered_s']:.1f}s, tokens "
-                  f"again after {row['progress_s'] or float('nan'):.1f}s"
+            print(f"[{mode}] fault {i + 1}/{len(schedule)}: {kind} recovered in {row['recovered_s']:.1f}s, every "
+                  f"stream had a message again after {row['progress_s'] or float('nan'):.1f}s"
+                  + (f" ({row['streams_behind']} streams still without one)" if not caught_up else "")
                   + (f" ({row['error']})" if "error" in row else ""), flush=True)
         while args.duration_s and time.monotonic() - started < args.duration_s:
             time.sleep(1)
@@ -173,7 +178,10 @@ def markdown(report: dict) -> str:
             serving = [f["recovered_s"] for f in rows]
             tokens = [f["progress_s"] for f in rows if f.get("progress_s") is not None]
             lines.append(f"- {kind} x{len(rows)}: SERVING again after {min(serving):.1f}-{max(serving):.1f} s"
-                         + (f", tokens to clients again after {min(tokens):.1f}-{max(tokens):.1f} s" if tokens else ""))
+                         + (f", every stream had a message again after {min(tokens):.1f}-{max(tokens):.1f} s"
+                            if tokens else "")
+                         + (f", {len(rows) - len(tokens)} waits past {RECOVER_TIMEOUT_S:.0f} s"
+                            if len(tokens) < len(rows) else ""))
         for x in (m["lost"] + m["changed"])[:8]:
             lines.append(f"- stream {x['index']} ({x['kind']}): {x['why'][:200]}")
         mem = m["memory"]

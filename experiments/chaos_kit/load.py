@@ -34,22 +34,44 @@ RETRY_503_S = 0.5
 
 
 class Progress:
-    """When any stream of the load last received a message (monotonic clock): a fault has passed only once a token
-    reaches a client again, not when health says SERVING (a restarted worker still recomputes every stream)."""
+    """When the streams of the load last received a message (monotonic clock). A fault has passed only once every
+    stream that was open when the stack served again has had a message since (or ended), not when health says
+    SERVING, nor when the first stream moves: a new leader recomputes its queue from the front, and faults that
+    come as soon as the head of the queue has a token leave the streams at its tail without one for good."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self.last = 0.0
+        self._open: dict[object, float] = {}  # open stream -> its last message (its start before the first)
 
-    def mark(self) -> None:
+    def open(self, key: object) -> None:
+        with self._cond:
+            self._open[key] = time.monotonic()
+
+    def close(self, key: object) -> None:
+        with self._cond:
+            self._open.pop(key, None)
+            self._cond.notify_all()
+
+    def mark(self, key: object = None) -> None:
         with self._cond:
             self.last = time.monotonic()
+            if key in self._open:
+                self._open[key] = self.last
             self._cond.notify_all()
 
     def wait_after(self, since: float, timeout: float) -> bool:
-        """Until a message arrives later than `since` (True), or `timeout` seconds pass (False)."""
+        """Until a message arrives later than `since` and every stream open then without a message since has had
+        one or ended (True), or `timeout` seconds pass (False)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.last > since, timeout)
+            behind = [k for k, t in self._open.items() if t <= since]
+            return self._cond.wait_for(
+                lambda: self.last > since and all(self._open.get(k, since + 1) > since for k in behind), timeout)
+
+    def behind(self, since: float) -> int:
+        """Open streams without a message since `since`."""
+        with self._cond:
+            return sum(t <= since for t in self._open.values())
 
 
 @dataclass
@@ -135,6 +157,7 @@ class Load:
     async def _slot(self, client: Client, http: httpx.AsyncClient) -> None:
         while (spec := self._take()) is not None:
             res = Result(spec, start=time.time())
+            self.progress.open(spec.index)
             try:
                 if spec.kind in ("json", "http"):
                     await self._http(http, spec, res)
@@ -146,6 +169,8 @@ class Load:
                 res.error = f"{e.code().name}: {e.details()}"
             except Exception as e:  # a lost stream of any other kind: reported, never hidden
                 res.error = f"{type(e).__name__}: {e}"
+            finally:
+                self.progress.close(spec.index)
             res.end = time.time()
             self.results.append(res)
 
@@ -159,7 +184,7 @@ class Load:
         stream = client.generate(req)
         try:
             async for msg in stream:
-                self.progress.mark()
+                self.progress.mark(spec.index)
                 now = time.monotonic()
                 res.max_gap_s, last = max(res.max_gap_s, now - last), now
                 res.tokens[msg.index] += msg.token_ids
@@ -204,7 +229,7 @@ class Load:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            self.progress.mark()
+            self.progress.mark(res.spec.index)
             now = time.monotonic()
             res.max_gap_s, last = max(res.max_gap_s, now - last), now
             for choice in chunk.get("choices", []):

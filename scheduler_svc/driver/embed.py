@@ -38,8 +38,8 @@ def generate_request(req: pb.EmbedRequest, request_id: str) -> pb.GenerateReques
     return out
 
 
-async def wait(driver: Driver, pub: Published, context) -> pb.EmbedResponse:
-    """Until the request finishes; its vector, or the call ends with the status its finish means. A client that
+async def until_finished(driver: Driver, pub: Published) -> tuple[str, list[float] | None]:
+    """Until the request finishes: its finish reason and vector (None unless it was computed). A client that
     leaves aborts the request."""
     outbox, rid = driver.outbox, pub.request.request_id
     watch = outbox.watch([rid])
@@ -49,15 +49,25 @@ async def wait(driver: Driver, pub: Published, context) -> pb.EmbedResponse:
             with driver.lock:
                 finish, vector = pub.finish_reason, pub.embedding
             if finish is not None:
-                break
+                return finish, vector
             await watch.wait()
     finally:
         outbox.unwatch(watch)
         if finish is None:
             driver.abort(rid)
+
+
+def failure_status(pub: Published, finish: str) -> tuple[grpc.StatusCode, str]:
+    """The status that ends an Embed call whose request finished without a vector."""
+    code = {FINISH_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED, FINISH_REJECTED: grpc.StatusCode.INVALID_ARGUMENT,
+            UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}.get(finish, grpc.StatusCode.ABORTED)
+    return code, (f"embedding request {pub.request.request_id} ended without a vector ({finish}"
+                  f"{': ' + pub.error if pub.error else ''})")
+
+
+async def wait(driver: Driver, pub: Published, context) -> pb.EmbedResponse:
+    """Until the request finishes; its vector, or the call ends with the status its finish means."""
+    finish, vector = await until_finished(driver, pub)
     if vector is None:
-        code = {FINISH_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED, FINISH_REJECTED: grpc.StatusCode.INVALID_ARGUMENT,
-                UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}.get(finish, grpc.StatusCode.ABORTED)
-        await context.abort(code, f"embedding request {rid} ended without a vector ({finish}"
-                            f"{': ' + pub.error if pub.error else ''})")
+        await context.abort(*failure_status(pub, finish))
     return pb.EmbedResponse(embedding=vector, prompt_tokens=pub.request.num_prompt_tokens)

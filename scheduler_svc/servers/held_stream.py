@@ -95,39 +95,46 @@ class HeldStream:
             self.streams = await self._admit_again()
 
     async def _admit_again(self) -> list[SequenceStream]:
-        """Wait until this scheduler leads again and admit the request again, or end the call UNAVAILABLE."""
-        driver, timeout = self.driver, self.driver.cfg.reattach_timeout
-        deadline = time.monotonic() + timeout
         again = pb.GenerateRequest()
         again.CopyFrom(self.request)
         again.resume_from_token = 0  # every sequence from its first token: Replay cuts what was sent
-        ids = [s.pub.request.request_id for s in self.streams]
-        try:
-            while time.monotonic() < deadline:
-                if driver.stopping.is_set() or driver.draining.is_set():
-                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, (
-                        f"this scheduler is shutting down; request {self.rid} lives on in the Redis ledger: send it "
-                        "again by the same request_id to the scheduler that leads next"))
-                if driver.ready.is_set():
-                    try:
-                        _, streams = await self.public.admit_or_raise(again, self.context)
-                        return streams
-                    except SubmitError as e:
-                        if e.code != "UNAVAILABLE":
-                            await self.context.abort(*refusal_status(e))
-                    except AdmissionError as e:
-                        await self.context.abort(*refusal_status(e, self.rename))
-                    except Exception as e:
-                        if not store_unavailable(e):
-                            raise
-                await asyncio.sleep(LEADING_POLL_S)
-        except asyncio.CancelledError:  # the client left while held: the request must not run on for no one
-            for rid in ids:
-                if not driver.abort(rid):
-                    driver.abort_at_next_lead(rid)
-            raise
-        await self.context.abort(grpc.StatusCode.UNAVAILABLE, (
-            f"this scheduler stood down (lost its lease, or Redis is failing over) and did not lead again within "
-            f"--reattach-timeout {timeout:g}s; request {self.rid} lives on in the Redis ledger: send it again by the "
-            "same request_id"))
+        return await admit_when_leading(self.public, again, self.context, self.rename,
+                                        [s.pub.request.request_id for s in self.streams])
 
+
+async def admit_when_leading(public: LLMServeServicer, again: pb.GenerateRequest, context,
+                             rename: Callable[[str], str], ids: list[str], embed: bool = False) -> list[SequenceStream]:
+    """Wait until this scheduler leads again and admit `again` (the request it stood down with, whose sequences
+    were `ids`), or end the call UNAVAILABLE past --reattach-timeout. A client that leaves meanwhile has those
+    sequences aborted, now or by the next lead."""
+    driver, timeout = public.driver, public.driver.cfg.reattach_timeout
+    deadline = time.monotonic() + timeout
+    rid = again.request_id
+    try:
+        while time.monotonic() < deadline:
+            if driver.stopping.is_set() or driver.draining.is_set():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                    f"this scheduler is shutting down; request {rid} lives on in the Redis ledger: send it "
+                    "again by the same request_id to the scheduler that leads next"))
+            if driver.ready.is_set():
+                try:
+                    _, streams = await public.admit_or_raise(again, context, embed)
+                    return streams
+                except SubmitError as e:
+                    if e.code != "UNAVAILABLE":
+                        await context.abort(*refusal_status(e))
+                except AdmissionError as e:
+                    await context.abort(*refusal_status(e, rename))
+                except Exception as e:
+                    if not store_unavailable(e):
+                        raise
+            await asyncio.sleep(LEADING_POLL_S)
+    except asyncio.CancelledError:  # the client left while held: the request must not run on for no one
+        for seq_id in ids:
+            if not driver.abort(seq_id):
+                driver.abort_at_next_lead(seq_id)
+        raise
+    await context.abort(grpc.StatusCode.UNAVAILABLE, (
+        f"this scheduler stood down (lost its lease, or Redis is failing over) and did not lead again within "
+        f"--reattach-timeout {timeout:g}s; request {rid} lives on in the Redis ledger: send it again by the "
+        "same request_id"))

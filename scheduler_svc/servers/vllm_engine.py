@@ -26,6 +26,7 @@ from protos import vllm_engine_pb2 as vpb
 from protos import vllm_engine_pb2_grpc as vpb_grpc
 from scheduler_svc.driver import embed
 from scheduler_svc.driver.admission import abort_sequences
+from scheduler_svc.servers.held_embed import held_embed
 from scheduler_svc.servers.held_stream import HeldStream
 from scheduler_svc.servers.store_errors import retryable_store_errors
 
@@ -192,9 +193,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                 "prompt")
         lreq = pb.EmbedRequest(request_id=request.request_id)
         lreq.token_ids.ids.extend(request.tokenized.input_ids)
-        _, streams = await self.public.admit(embed.generate_request(lreq, request.request_id or uuid.uuid4().hex),
-                                             context, _rename, embed=True)
-        out = await embed.wait(self.driver, streams[0].pub, context)
+        # Held across a stand-down like Generate (a gateway does not send it again): servers/held_embed.py.
+        out = await held_embed(self.public, embed.generate_request(lreq, request.request_id or uuid.uuid4().hex),
+                               context, _rename)
         return vpb.EmbedResponse(embedding=out.embedding, prompt_tokens=out.prompt_tokens,
                                  embedding_dim=len(out.embedding))
 

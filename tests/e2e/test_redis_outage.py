@@ -324,6 +324,38 @@ def test_embed_accepted_before_the_outage_is_sent_again_and_returns_the_undistur
     assert_clean(stack)
 
 
+def test_vllm_embed_accepted_before_the_outage_is_held_and_returns_the_undisturbed_vector(stack, reference):
+    # As above, through vLLM's engine protocol: a gateway that never sends the call again. The scheduler holds the
+    # Embed itself across the stand-down (servers/held_embed.py) and answers it once it leads again.
+    result: dict = {}
+
+    def follow() -> None:
+        try:
+            result["embedding"] = vllm_embed(stack, "vheld-embed", reference["ids"])
+        except BaseException as e:  # noqa: BLE001  (UNAVAILABLE before the fix: the assertion below reports it)
+            result["error"] = e
+
+    mark = len(stack.sched.log_text())
+    os.kill(stack.worker.pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        wait_for("the embedding's step sent to the stopped worker", lambda: running(stack) or "error" in result)
+        with stack.redis_stopped():
+            os.kill(stack.worker.pid, signal.SIGCONT)
+            wait_for("the scheduler standing by", lambda: stack.health() == "NOT_SERVING" or "error" in result)
+            time.sleep(1.0)  # held inside the outage, not only across the stand-down
+            assert "error" not in result, result["error"]
+    finally:
+        os.kill(stack.worker.pid, signal.SIGCONT)
+    thread.join(300)
+    assert not thread.is_alive() and "error" not in result, result.get("error")
+    assert "standing by" in stack.sched.log_text()[mark:], "the scheduler never stood down: nothing was tested"
+    assert result["embedding"] == pytest.approx(reference["vllm embedding"], abs=1e-4)
+    wait_for("the scheduler leading again", lambda: stack.health() == "SERVING")
+    assert_clean(stack)
+
+
 class VllmFollow:
     """One streamed request of vLLM's engine protocol (what smg sends), read in a thread of its own: a client that
     never re-attaches, so the scheduler must hold its stream open across a stand-down."""

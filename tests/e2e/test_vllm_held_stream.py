@@ -1,15 +1,18 @@
-"""The bound on a vLLM-protocol stream held across a stand-down, --reattach-timeout (servers/held_stream.py).
+"""The bound on a vLLM-protocol call held across a stand-down, --reattach-timeout (servers/held_stream.py,
+servers/held_embed.py).
 
 A scheduler (real redis-server, worker and scheduler processes) whose lease is taken by another holder stands by
 and cannot lead again: a streamed vLLM `Generate` it had admitted is held for --reattach-timeout (2 s here) and then
-ends UNAVAILABLE naming the setting; one the gateway cancels while held is aborted once the scheduler leads again; a
-request that comes while it stands by is refused at once, as before. Once the lease is free again the scheduler
-leads, and the ledger ends with every KV block free. The happy paths (a deleted lease key, Redis stopped) are in
-tests/e2e/test_redis_outage.py.
+ends UNAVAILABLE naming the setting, and so does an admitted `Embed`; a stream the gateway cancels while held is
+aborted once the scheduler leads again; a request that comes while it stands by is refused at once, as before. Once
+the lease is free again the scheduler leads, and the ledger ends with every KV block free. The happy paths (a
+deleted lease key, Redis stopped) are in tests/e2e/test_redis_outage.py.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import grpc
@@ -35,7 +38,7 @@ def stack(redis_server):
                                                                "--debug-invariants"])
         cluster.wait_healthy(sched.address, timeout=120, proc=sched)
         channel = grpc.insecure_channel(sched.address)
-        yield sched, vpb_grpc.VllmEngineStub(channel), cluster.ledger(redis_server, sched.namespace)
+        yield sched, vpb_grpc.VllmEngineStub(channel), cluster.ledger(redis_server, sched.namespace), worker
         channel.close()
     finally:
         for proc in (sched, worker):
@@ -67,7 +70,7 @@ class Follow:
 
 
 def test_a_held_stream_ends_unavailable_naming_the_bound_and_a_cancelled_one_is_aborted(stack):
-    sched, stub, ledger = stack
+    sched, stub, ledger, _ = stack
     ended, cancelled = Follow(stub, "bound-ended"), Follow(stub, "bound-cancelled")
     wait_for("tokens before the lease is taken", lambda: len(ended.tokens) >= 4 and len(cancelled.tokens) >= 4)
     mark = len(sched.log_text())
@@ -91,9 +94,35 @@ def test_a_held_stream_ends_unavailable_naming_the_bound_and_a_cancelled_one_is_
     wait_for("the cancelled request aborted",
              lambda: (req := ledger.get_request("bound-cancelled")) is not None and req.finish_reason == "abort")
 
+    assert_idle(ledger)
+
+
+def assert_idle(ledger) -> None:
     def idle():
         state = ledger.check_ledger()
         return state if state["free"] + state["evictable"] == state["total"] and not state["active"] else None
 
     state = wait_for("an idle ledger", idle, timeout=120)
     assert state["allocated"] == 0 and state["overlap"] == 0, state
+
+
+def test_a_held_embed_ends_unavailable_naming_the_bound(stack):
+    # The worker is stopped so that the embedding's step waits in it while the lease is taken: its commit is then
+    # fenced, the scheduler stands by and holds the call (servers/held_embed.py) until --reattach-timeout.
+    sched, stub, ledger, worker = stack
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        call = stub.Embed.future(vpb.EmbedRequest(request_id="bound-embed",
+                                                  tokenized=vpb.TokenizedInput(input_ids=PROMPT_IDS)), timeout=300)
+        wait_for("the embedding's step sent to the stopped worker",
+                 lambda: stub.GetLoads(vpb.GetLoadsRequest(), timeout=30).loads[0].num_running_reqs or call.done())
+        ledger.client.set(ledger.k_lease, FOREIGN_LEASE, px=600_000)
+        os.kill(worker.pid, signal.SIGCONT)
+        error = call.exception(timeout=120)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        ledger.client.delete(ledger.k_lease)
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert f"--reattach-timeout {REATTACH_TIMEOUT_S}s" in error.details(), error.details()
+    wait_for("the scheduler leading again", lambda: cluster.health(sched.address) == "SERVING")
+    assert_idle(ledger)
