@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -290,20 +291,14 @@ def running(st: Stack) -> int:
     return st.vllm.GetLoads(vpb.GetLoadsRequest(), timeout=RPC_TIMEOUT_S).loads[0].num_running_reqs
 
 
-def test_embed_accepted_before_the_outage_is_sent_again_and_returns_the_undisturbed_vector(stack, reference):
-    # The worker is stopped, so the accepted embedding's step waits in it; Redis is stopped before the worker
-    # answers, so the step's commit fails and the scheduler stands by with the request in hand: the call ends
-    # UNAVAILABLE after the accepted header, and common/client.py sends it again until the scheduler leads.
-    result: dict = {}
-
-    async def run() -> None:
-        async with Client(stack.sched.address, reattach_timeout=180) as client:
-            result["embedding"] = list((await client.embed(pb.EmbedRequest(request_id="held-embed",
-                                                                          text=PROMPT))).embedding)
+def embed_across_a_stand_down(stack: Stack, call: Callable[[], None], result: dict, hold_s: float = 0.0) -> None:
+    """Run `call` (one embedding, its vector put in `result`) in a thread while its step waits in a stopped worker
+    and Redis is stopped under it, so that the step's commit fails and the scheduler stands by with the request in
+    hand; return once the call has ended, with no error in `result`."""
 
     def follow() -> None:
         try:
-            asyncio.run(run())
+            call()
         except BaseException as e:  # noqa: BLE001  (the assertion below reports it)
             result["error"] = e
 
@@ -315,10 +310,26 @@ def test_embed_accepted_before_the_outage_is_sent_again_and_returns_the_undistur
         with stack.redis_stopped():
             os.kill(stack.worker.pid, signal.SIGCONT)
             wait_for("the scheduler standing by", lambda: stack.health() == "NOT_SERVING" or "error" in result)
+            time.sleep(hold_s)
+            assert "error" not in result, result["error"]
     finally:
         os.kill(stack.worker.pid, signal.SIGCONT)
     thread.join(300)
     assert not thread.is_alive() and "error" not in result, result.get("error")
+
+
+def test_embed_accepted_before_the_outage_is_sent_again_and_returns_the_undisturbed_vector(stack, reference):
+    # The worker is stopped, so the accepted embedding's step waits in it; Redis is stopped before the worker
+    # answers, so the step's commit fails and the scheduler stands by with the request in hand: the call ends
+    # UNAVAILABLE after the accepted header, and common/client.py sends it again until the scheduler leads.
+    result: dict = {}
+
+    async def run() -> None:
+        async with Client(stack.sched.address, reattach_timeout=180) as client:
+            result["embedding"] = list((await client.embed(pb.EmbedRequest(request_id="held-embed",
+                                                                          text=PROMPT))).embedding)
+
+    embed_across_a_stand_down(stack, lambda: asyncio.run(run()), result)
     assert result["embedding"] == pytest.approx(reference["embedding"], abs=1e-4)
     wait_for("the scheduler leading again", lambda: stack.health() == "SERVING")
     assert_clean(stack)
@@ -329,27 +340,11 @@ def test_vllm_embed_accepted_before_the_outage_is_held_and_returns_the_undisturb
     # Embed itself across the stand-down (servers/held_embed.py) and answers it once it leads again.
     result: dict = {}
 
-    def follow() -> None:
-        try:
-            result["embedding"] = vllm_embed(stack, "vheld-embed", reference["ids"])
-        except BaseException as e:  # noqa: BLE001  (UNAVAILABLE before the fix: the assertion below reports it)
-            result["error"] = e
+    def call() -> None:
+        result["embedding"] = vllm_embed(stack, "vheld-embed", reference["ids"])
 
     mark = len(stack.sched.log_text())
-    os.kill(stack.worker.pid, signal.SIGSTOP)
-    try:
-        thread = threading.Thread(target=follow, daemon=True)
-        thread.start()
-        wait_for("the embedding's step sent to the stopped worker", lambda: running(stack) or "error" in result)
-        with stack.redis_stopped():
-            os.kill(stack.worker.pid, signal.SIGCONT)
-            wait_for("the scheduler standing by", lambda: stack.health() == "NOT_SERVING" or "error" in result)
-            time.sleep(1.0)  # held inside the outage, not only across the stand-down
-            assert "error" not in result, result["error"]
-    finally:
-        os.kill(stack.worker.pid, signal.SIGCONT)
-    thread.join(300)
-    assert not thread.is_alive() and "error" not in result, result.get("error")
+    embed_across_a_stand_down(stack, call, result, hold_s=1.0)  # held inside the outage, not only across it
     assert "standing by" in stack.sched.log_text()[mark:], "the scheduler never stood down: nothing was tested"
     assert result["embedding"] == pytest.approx(reference["vllm embedding"], abs=1e-4)
     wait_for("the scheduler leading again", lambda: stack.health() == "SERVING")
