@@ -9,6 +9,7 @@ float16 [in / group, out]; w = (q - zero) * scale. A group of 64 or 128 columns 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -59,11 +60,13 @@ def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                            zero.repeat_interleave(repeat, 1).contiguous(), 4, "awq")
 
 
-def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized,
-                place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
-    """The model's weights from an AWQ checkpoint's tensors: each `qweight` / `qzeros` / `scales` triple becomes
-    `<layer>.weight`, an int4 QuantizedWeight where `keep_quantized(name)` (the model packs it), else float32
-    dequantized (MoE experts); the rest float32."""
+def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized: Callable[[str], bool],
+                put_quantized: Callable[[str, QuantizedWeight], Any], put: Callable[[str, torch.Tensor], Any]) -> dict:
+    """The model's weights from an AWQ checkpoint's tensors, one layer at a time in the checkpoint's order: each
+    `qweight` / `qzeros` / `scales` triple becomes `<layer>.weight`, an int4 QuantizedWeight given to
+    `put_quantized(name, weight)` where `keep_quantized(name)` (the model packs it), else dequantized in float32
+    (MoE experts) and given to `put(name, tensor)` like every other tensor; what they return is kept, so a
+    tensor-parallel rank's callbacks cut each to its shard before the next layer is read."""
     out: dict = {}
     for name in tensors:
         if name.endswith((".qzeros", ".scales")):
@@ -72,7 +75,10 @@ def convert_awq(tensors: Mapping[str, torch.Tensor], keep_quantized,
         if name.endswith(".qweight"):
             layer = name.removesuffix(".qweight")
             w = awq_weight(t, tensors[layer + ".qzeros"], tensors[layer + ".scales"], name)
-            out[layer + ".weight"] = w if keep_quantized(layer + ".weight") else place(w.dequantize())
+            weight = layer + ".weight"
+            out[weight] = put_quantized(weight, w) if keep_quantized(weight) else put(weight, w.dequantize())
+            del w
         else:
-            out[name] = place(t)
+            out[name] = put(name, t)
+        del t  # the source goes before the next tensor is read
     return out

@@ -3,9 +3,11 @@ model's config and its weights keyed by HF parameter names, in the placement's d
 
 Every tensor is read, converted once and placed before the next is read (safetensors_stream.py), so the host holds
 the weights being kept plus one tensor in flight. A quantized checkpoint's tensors are read as stored (hf_quant.py,
-hf_awq.py, hf_gptq.py, hf_compressed_int.py); an FP8 projection the model will not run as FP8 (every one on the CPU,
-which has no FP8 matmul) is cut to this rank's shard and dequantized into --dtype as it arrives, its codes freed
-before the next tensor is read, instead of the whole FP8 dict being held while the model dequantizes it.
+hf_awq.py, hf_gptq.py, hf_compressed_int.py) and each layer is converted, cut to this rank's shard and placed before
+the next is read: an int4 / int8 projection the model packs is cut as stored (quant_sharding.py), any other
+(the hybrid families', MoE experts', GPTQ act-order's) dequantized in float32, cut as a dense tensor and cast to
+--dtype; an FP8 projection the model will not run as FP8 (every one on the CPU, which has no FP8 matmul) is cut and
+dequantized into --dtype as it arrives. A tensor-parallel rank so never holds the whole model's converted weights.
 """
 
 from __future__ import annotations
@@ -99,27 +101,29 @@ def load_hf_dir(path: str, shard: Shard = FULL,
 def _load_hf_quantized(files: list[str], qc: dict, config: ModelConfig, shard: Shard, hybrid: bool,
                        placement: Placement) -> dict:
     """The weights of a quantized checkpoint (its quantization_config `qc`, checked), its tensors read as stored,
-    converted and cut to this rank's `shard` (quantized ones with their scales, quant_sharding.py)."""
+    converted and cut to this rank's `shard` one layer at a time (quantized ones with their scales,
+    quant_sharding.py), so a rank never holds the whole model's converted weights."""
     # Read lazily: a layer's codes, scales and zeros are read when its conversion needs them, then let go. The
     # dense tensors go straight to --dtype on the host (no float32 copy of each kept): the model moves them.
     tensors, host = LazyTensors(files), Placement(placement.dtype)
     if qc["quant_method"] in ("fp8", "compressed-tensors") and qc.get("format") not in hf_compressed_int.INT_FORMATS:
         return _fp8_weights(tensors, hf_quant.block_size(qc), config, shard, hybrid, placement)
-    put = lambda t: place(t, host)  # noqa: E731
     # The hybrid families run their projections as dense matmuls (not quant.QuantLinear): dequantized at load.
     keep = (lambda name: False) if hybrid else hf_quant.packed_by_the_model
+
+    def put_quantized(name: str, w: QuantizedWeight) -> QuantizedWeight:
+        return shard_quantized(name, w, config, shard)  # whole groups only, else refused naming the limit
+
+    def put(name: str, t: torch.Tensor) -> torch.Tensor:  # a stored tensor, or a projection dequantized in float32
+        return place(shard_tensor(name, t, config, shard), host)  # cut first: only the rank's part is cast
+
     if qc["quant_method"] == "gptq":
-        weights = hf_gptq.convert_gptq(tensors, qc, keep, put)
-    elif qc["quant_method"] == "awq":
-        weights = hf_awq.convert_awq(tensors, keep, put)
-    else:
-        convert = hf_compressed_int.convert_pack_quantized if qc["format"] == "pack-quantized" else \
-            hf_compressed_int.convert_int_quantized
-        weights = convert(tensors, keep, put)
-    if shard.size == 1:
-        return weights
-    return {name: shard_quantized(name, w, config, shard) if isinstance(w, QuantizedWeight)
-            else shard_tensor(name, w, config, shard) for name, w in weights.items()}
+        return hf_gptq.convert_gptq(tensors, qc, keep, put_quantized, put)
+    if qc["quant_method"] == "awq":
+        return hf_awq.convert_awq(tensors, keep, put_quantized, put)
+    convert = hf_compressed_int.convert_pack_quantized if qc["format"] == "pack-quantized" else \
+        hf_compressed_int.convert_int_quantized
+    return convert(tensors, keep, put_quantized, put)
 
 
 def _fp8_weights(tensors: LazyTensors, block: tuple[int, int], config: ModelConfig, shard: Shard, hybrid: bool,

@@ -17,6 +17,7 @@ of a matmul's input int8 on the CPU kernels, a finer grain than per token); stat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -63,25 +64,29 @@ def packed_weight(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor
                            (-zero * scale).repeat_interleave(repeat, 1).contiguous(), 4, "compressed-tensors")
 
 
-def convert_pack_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized,
-                           place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
-    """The model's weights from a pack-quantized checkpoint: each `weight_packed` (with its scale, shape and zero
-    point) becomes `<layer>.weight`, int4 where `keep_quantized(name)` (the model packs it), else float32
-    dequantized; the rest float32."""
+def convert_pack_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized: Callable[[str], bool],
+                           put_quantized: Callable[[str, QuantizedWeight], Any],
+                           put: Callable[[str, torch.Tensor], Any]) -> dict:
+    """The model's weights from a pack-quantized checkpoint, one layer at a time: each `weight_packed` (with its
+    scale, shape and zero point) becomes `<layer>.weight`, int4 and given to `put_quantized(name, weight)` where
+    `keep_quantized(name)` (the model packs it), else float32 dequantized and given to `put(name, tensor)` like
+    every other tensor; what they return is kept."""
     out: dict = {}
     for name in tensors:
         if name.endswith((".weight_scale", ".weight_shape", ".weight_zero_point")):
             continue
-        t = tensors[name]
         if name.endswith(".weight_g_idx"):
             raise ValueError(f"{name}: group act-order (a g_idx) is not read by llmserve")
+        t = tensors[name]
         if name.endswith(".weight_packed"):
             layer = name.removesuffix("_packed")
             w = packed_weight(t, tensors[layer + "_scale"], tensors[layer + "_shape"],
                               tensors.get(layer + "_zero_point"), name)
-            out[layer] = w if keep_quantized(layer) else place(w.dequantize())
+            out[layer] = put_quantized(layer, w) if keep_quantized(layer) else put(layer, w.dequantize())
+            del w
         else:
-            out[name] = place(t)
+            out[name] = put(name, t)
+        del t  # the source goes before the next tensor is read
     return out
 
 
@@ -98,27 +103,31 @@ def int8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str) -> Quantiz
     return QuantizedWeight(weight, scale.expand(out, inp // GROUP).contiguous(), None, 8, "compressed-tensors")
 
 
-def convert_int_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized,
-                          place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
-    """The model's weights from an int-quantized checkpoint: each int8 `weight` with its `weight_scale` becomes an
-    int8 QuantizedWeight where `keep_quantized(name)`, else float32 dequantized; the rest float32."""
+def convert_int_quantized(tensors: Mapping[str, torch.Tensor], keep_quantized: Callable[[str], bool],
+                          put_quantized: Callable[[str, QuantizedWeight], Any],
+                          put: Callable[[str, torch.Tensor], Any]) -> dict:
+    """The model's weights from an int-quantized checkpoint, one layer at a time: each int8 `weight` with its
+    `weight_scale` becomes an int8 QuantizedWeight given to `put_quantized(name, weight)` where
+    `keep_quantized(name)`, else float32 dequantized and given to `put(name, tensor)` like every other tensor;
+    what they return is kept."""
     out: dict = {}
     for name in tensors:
         if name.endswith(".weight_scale"):
             continue
-        t = tensors[name]
         if name.endswith((".input_scale", ".input_zero_point")):
             raise ValueError(f"{name}: static activation scales are not read by llmserve")
+        t = tensors[name]
         if name.endswith(".weight_zero_point"):
             if t.any():
                 raise ValueError(f"{name}: asymmetric int8 weights are not read by llmserve")
-            continue
-        if t.dtype == torch.int8:
+        elif t.dtype == torch.int8:
             scale = tensors.get(name + "_scale")
             if scale is None:
                 raise ValueError(f"{name} is int8 but the checkpoint has no {name}_scale")
             w = int8_weight(t, scale, name)
-            out[name] = w if keep_quantized(name) else place(w.dequantize())
+            out[name] = put_quantized(name, w) if keep_quantized(name) else put(name, w.dequantize())
+            del w
         else:
-            out[name] = place(t)
+            out[name] = put(name, t)
+        del t  # the source goes before the next tensor is read
     return out

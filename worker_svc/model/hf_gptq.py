@@ -16,6 +16,7 @@ GPTQ layers are dequantized at load (float32, cast to --dtype by the model) and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -69,6 +70,24 @@ def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1).to(torch.uint8)
 
 
+def _groups_of_columns(g_idx: torch.Tensor | None, inp: int, groups: int, name: str) -> torch.Tensor:
+    """The group of each of `inp` input columns: `g_idx` checked, or (without one) runs of inp / groups."""
+    if g_idx is None:
+        if inp % groups:
+            raise ValueError(f"{name}: {inp} input columns do not split into {groups} GPTQ groups")
+        return torch.arange(inp) // (inp // groups)
+    g_idx = g_idx.long()
+    if g_idx.shape != (inp,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+        raise ValueError(f"{name}: g_idx of shape {tuple(g_idx.shape)} does not give each of {inp} input columns "
+                         f"one of {groups} groups")
+    return g_idx
+
+
+def _runs_keep_one_group(g_idx: torch.Tensor) -> bool:
+    """Whether every 32-column run of the input falls in one group (the int4 kernels' groups hold it exactly)."""
+    return g_idx.numel() % GROUP == 0 and bool((g_idx.view(-1, GROUP) == g_idx.view(-1, GROUP)[:, :1]).all())
+
+
 def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                 offset: int, name: str) -> QuantizedWeight | torch.Tensor:
     """One layer's GPTQ tensors as an int4 QuantizedWeight [out, in] with 32-groups, exactly; or, where a
@@ -77,30 +96,48 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     inp, out = codes.shape
     zeros = unpack_columns(qzeros)[:, :out].float() + offset  # [groups, out]
     scales = scales.float()
-    groups = scales.shape[0]
-    if g_idx is None:
-        if inp % groups:
-            raise ValueError(f"{name}: {inp} input columns do not split into {groups} GPTQ groups")
-        g_idx = torch.arange(inp) // (inp // groups)
-    g_idx = g_idx.long()
-    if g_idx.shape != (inp,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-        raise ValueError(f"{name}: g_idx of shape {tuple(g_idx.shape)} does not give each of {inp} input columns "
-                         f"one of {groups} groups")
-    runs = g_idx.view(-1, GROUP) if inp % GROUP == 0 else None
-    if runs is None or not bool((runs == runs[:, :1]).all()):
+    g_idx = _groups_of_columns(g_idx, inp, scales.shape[0], name)
+    if not _runs_keep_one_group(g_idx):
         return ((codes.float() - zeros[g_idx]) * scales[g_idx]).T.contiguous()
-    first = runs[:, 0]
+    first = g_idx.view(-1, GROUP)[:, 0]
     scale = scales[first].T.contiguous()  # [out, in / 32]
     return QuantizedWeight(codes.T.contiguous(), scale, (-zeros[first].T * scale).contiguous(), 4, "gptq")
 
 
-def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized,
-                 place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float) -> dict:
-    """The model's weights from a GPTQ checkpoint's tensors: each `qweight` / `qzeros` / `scales` (/ `g_idx`)
-    becomes `<layer>.weight`, an int4 QuantizedWeight where `keep_quantized(name)` (the model packs it), else
-    float32 dequantized (MoE experts); the rest float32. If any layer cannot be exact int4 (act-order), all are
-    dequantized: the model fuses q/k/v and gate/up, which must be of one form."""
+def _every_layer_int4(tensors: Mapping[str, torch.Tensor], layers: list[str], keep_quantized) -> bool:
+    """Whether every GPTQ layer is kept int4: packed by the model and exact (no 32-column run mixing groups). Read
+    before converting, from the `g_idx` vectors and the shapes alone, so each layer is placed in its final form as it
+    is converted (a rank's shard of it, never the whole model first)."""
+    if not all(keep_quantized(layer + ".weight") for layer in layers):
+        return False
+    for layer in layers:
+        if layer + ".g_idx" in tensors:
+            if not _runs_keep_one_group(tensors[layer + ".g_idx"].long()):
+                return False
+            continue
+        inp, groups = 8 * _shape(tensors, layer + ".qweight")[0], _shape(tensors, layer + ".scales")[0]
+        if not _runs_keep_one_group(_groups_of_columns(None, inp, groups, layer + ".qweight")):
+            return False
+    return True
+
+
+def _shape(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """A stored tensor's shape, without reading it where `tensors` can tell (safetensors_stream.LazyTensors)."""
+    shape_of = getattr(tensors, "shape", None)
+    return tuple(shape_of(name)) if shape_of is not None else tuple(tensors[name].shape)
+
+
+def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized: Callable[[str], bool],
+                 put_quantized: Callable[[str, QuantizedWeight], Any],
+                 put: Callable[[str, torch.Tensor], Any]) -> dict:
+    """The model's weights from a GPTQ checkpoint's tensors, one layer at a time in the checkpoint's order: each
+    `qweight` / `qzeros` / `scales` (/ `g_idx`) becomes `<layer>.weight`, an int4 QuantizedWeight given to
+    `put_quantized(name, weight)`, or float32 dequantized and given to `put(name, tensor)` like every other tensor;
+    what they return is kept. The layers stay int4 only if all do (`keep_quantized(name)` for each, and none mixes
+    groups in a 32-column run, act-order): the model fuses q/k/v and gate/up, which must be of one form."""
     offset = zero_offset(qc)
+    layers = [name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")]
+    int4 = _every_layer_int4(tensors, layers, keep_quantized)
     out: dict = {}
     for name in tensors:
         if name.endswith((".qzeros", ".scales", ".g_idx")):
@@ -110,11 +147,13 @@ def convert_gptq(tensors: Mapping[str, torch.Tensor], qc: dict, keep_quantized,
             layer = name.removesuffix(".qweight")
             w = gptq_weight(t, tensors[layer + ".qzeros"], tensors[layer + ".scales"], tensors.get(layer + ".g_idx"),
                             offset, name)
-            keep = isinstance(w, QuantizedWeight) and keep_quantized(layer + ".weight")
-            out[layer + ".weight"] = w if keep else place(w.dequantize() if isinstance(w, QuantizedWeight) else w)
+            weight = layer + ".weight"
+            if int4:
+                out[weight] = put_quantized(weight, w)
+            else:
+                out[weight] = put(weight, w.dequantize() if isinstance(w, QuantizedWeight) else w)
+            del w
         else:
-            out[name] = place(t)
-    if any(isinstance(t, torch.Tensor) and n.endswith(".weight") and n.removesuffix(".weight") + ".qweight"
-           in tensors for n, t in out.items()):
-        out = {n: place(t.dequantize()) if isinstance(t, QuantizedWeight) else t for n, t in out.items()}
+            out[name] = put(name, t)
+        del t  # the source goes before the next tensor is read
     return out

@@ -87,6 +87,13 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         with safe_open(self._file_of[name], framework="pt") as f:
             return f.get_tensor(name).clone(memory_format=torch.contiguous_format)
 
+    def shape(self, name: str) -> list[int]:
+        """A tensor's shape from the file's header, without reading its data."""
+        from safetensors import safe_open
+
+        with safe_open(self._file_of[name], framework="pt") as f:
+            return f.get_slice(name).get_shape()
+
     def __contains__(self, name: object) -> bool:
         return name in self._file_of  # without reading the tensor (Mapping's default looks it up)
 

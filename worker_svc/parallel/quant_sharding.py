@@ -23,8 +23,8 @@ def shard_quantized(name: str, weight: QuantizedWeight, cfg: ModelConfig, shard:
     if s is None:
         return weight
     dim, start, stop = s
-    if dim == 0:
-        return weight.map_rows(lambda t: t[start:stop].contiguous())
+    if dim == 0:  # a clone: a row slice is contiguous already, and as a view it would keep the whole weight alive
+        return weight.map_rows(lambda t: t[start:stop].clone())
     inp = weight.shape[1]
     if weight.is_fp8 and weight.group >= inp:  # one scale per row (per tensor or per channel): any columns
         return dataclasses.replace(weight, codes=weight.codes[:, start:stop].contiguous(), group=stop - start)
