@@ -192,6 +192,7 @@ def main() -> None:
         print(f"{name:<12} {r['peak_rss'] / 1e9:12.2f} {r['kept_rss'] / 1e9:12.2f} "
               f"{r['peak_rss'] / r['kept_rss']:10.2f} {r['peak_rss'] / size:10.2f} {r['seconds']:7.1f}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"checkpoint_bytes": size, "kind": kind, "layers": args.layers, "hidden": args.hidden,
                        "intermediate": args.intermediate, "vocab": args.vocab,
