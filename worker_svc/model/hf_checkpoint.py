@@ -3,9 +3,10 @@ model's config and its weights keyed by HF parameter names, in the placement's d
 
 Every tensor is read, converted once and placed before the next is read (safetensors_stream.py), so the host holds
 the weights being kept plus one tensor in flight. A quantized checkpoint's tensors are read as stored (hf_quant.py,
-hf_awq.py, hf_gptq.py, hf_compressed_int.py); an FP8 projection the model will not run as FP8 (every one on the CPU,
-which has no FP8 matmul) is cut to this rank's shard and dequantized into --dtype as it arrives, its codes freed
-before the next tensor is read, instead of the whole FP8 dict being held while the model dequantizes it.
+hf_awq.py, hf_gptq.py, hf_compressed_int.py); an FP8 projection the model will not run as FP8 (a hybrid family's, or
+any on a CPU without the project's FP8 kernel) is cut to this rank's shard and dequantized into --dtype as it arrives,
+its codes freed before the next tensor is read, instead of the whole FP8 dict being held while the model dequantizes
+it.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _fp8_weights(tensors: LazyTensors, block: tuple[int, int], config: ModelConf
             return dense if shard.size == 1 else place(shard_tensor(name, dense, config, shard), host)
         if shard.size > 1:  # a dense family's projection is cut as stored, so a cut through a block is refused alike
             w = shard_quantized(name, w, config, shard)  # on every device
-        return w if hf_quant.runs_as_fp8(name, hybrid, placement.device) else w.dequantize(dtype)
+        return w if hf_quant.runs_as_fp8(name, hybrid, placement.device, w, dtype) else w.dequantize(dtype)
 
     return hf_quant.convert_fp8(tensors, block, put_fp8,
                                 lambda name, t: place(shard_tensor(name, t, config, shard), host))
