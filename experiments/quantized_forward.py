@@ -6,6 +6,12 @@ variant's greedy agreement with the dequantized model in its dtype over N prompt
 after the prompt.
 
     python -m experiments.quantized_forward [--batch-sizes 1,16,64] [--prompts 16] [--tokens 64]
+
+With `--hf-fp8 DIR` (an FP8 checkpoint, e.g. one `experiments.load_memory --quantization fp8 --checkpoint DIR`
+wrote) the models are that checkpoint kept FP8 (the project's CPU kernel, bfloat16 and float32 activations) against
+its weights dequantized into bfloat16 dense, decode steps only (no greedy agreement: the tests check it).
+
+    python -m experiments.quantized_forward --hf-fp8 /tmp/fp8-1b --batch-sizes 1,16,64 --prompts 0
 """
 
 from __future__ import annotations
@@ -81,7 +87,21 @@ def step_times(models: dict[str, LlamaModel], batch: int, context: int, repeats:
 
 def weight_bytes(by_dtype: dict[str, int], model: str) -> int:
     """The bytes of weights a step of `model` reads: its dtype's dense weights, or the quantized ones."""
-    return by_dtype["quantized" if model.startswith("quantized") else model]
+    return by_dtype["quantized" if model.startswith(("quantized", "fp8")) else model]
+
+
+def fp8_models(path: str) -> tuple[dict, dict]:
+    """An HF FP8 checkpoint kept FP8 and dequantized: (weight bytes, models by name)."""
+    config, kept = load_model_weights(path)
+    if not any(isinstance(w, quant.QuantizedWeight) for w in kept.values()):
+        raise SystemExit(f"{path}: no FP8 weight stays FP8 here (no quantization_config, or the CPU kernel is absent)")
+    dense = {k: w.dequantize(torch.bfloat16) if isinstance(w, quant.QuantizedWeight) else w.to(torch.bfloat16)
+             for k, w in kept.items()}
+    sizes = {"quantized": sum(w.nbytes for w in kept.values()), "bfloat16": sum(w.nbytes for w in dense.values())}
+    models = {"bfloat16": LlamaModel(config, dense, torch.bfloat16, "cpu"),
+              "fp8": LlamaModel(config, kept, torch.bfloat16, "cpu"),
+              "fp8-float32": LlamaModel(config, kept, torch.float32, "cpu")}  # (a dense float32 one: 2x the memory)
+    return sizes, models
 
 
 def greedy_agreement(quantized: LlamaModel, dense: LlamaModel, prompts: list[list[int]], tokens: int) -> dict:
@@ -118,19 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=16, help="prompts for the greedy agreement (0: skip)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)
+    p.add_argument("--hf-fp8", default=None, metavar="DIR", help="an HF FP8 checkpoint instead of the GGUF")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
-    config, qweights = load_model_weights(path, quantization="gguf")
-    _, dense = load_model_weights(path)
-    result: dict = {"weight_bytes": {"quantized": sum(w.nbytes for w in qweights.values()),
-                                     "float32": sum(w.nbytes for w in dense.values())}}
-    result["weight_bytes"]["bfloat16"] = result["weight_bytes"]["float32"] // 2
-    models = {"float32": LlamaModel(config, dense, torch.float32, "cpu"),
-              "bfloat16": LlamaModel(config, dense, torch.bfloat16, "cpu"),
-              "quantized": LlamaModel(config, qweights, torch.bfloat16, "cpu")}
-    if torch.float32 in quant.activation_dtypes(torch.device("cpu")):  # the project's CPU kernels are built
+    if args.hf_fp8:
+        sizes, models = fp8_models(args.hf_fp8)
+        result: dict = {"weight_bytes": sizes}
+        args.prompts = 0
+    else:
+        config, qweights = load_model_weights(path, quantization="gguf")
+        _, dense = load_model_weights(path)
+        result = {"weight_bytes": {"quantized": sum(w.nbytes for w in qweights.values()),
+                                   "float32": sum(w.nbytes for w in dense.values())}}
+        result["weight_bytes"]["bfloat16"] = result["weight_bytes"]["float32"] // 2
+        models = {"float32": LlamaModel(config, dense, torch.float32, "cpu"),
+                  "bfloat16": LlamaModel(config, dense, torch.bfloat16, "cpu"),
+                  "quantized": LlamaModel(config, qweights, torch.bfloat16, "cpu")}
+    if not args.hf_fp8 and torch.float32 in quant.activation_dtypes(torch.device("cpu")):  # the CPU kernels
         models["quantized-float32"] = LlamaModel(config, qweights, torch.float32, "cpu")
         for bits in (16, 8):
             models[f"quantized-int{bits}-activations"] = LlamaModel(

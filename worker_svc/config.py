@@ -101,8 +101,9 @@ class WorkerConfig:
         None, "gguf: keep a GGUF's quantized weights quantized (int4 / int8 weight-only matmuls; activations in "
         "--dtype, auto as without it, bfloat16 where the CPU kernels are not built) instead of dequantizing them "
         "at load; fp8, compressed-tensors, awq, gptq: the format of an HF checkpoint's quantization_config (detected "
-        "without the flag; a mismatch is refused), FP8 weights kept FP8 and dequantized per matmul on CUDA (on the "
-        "CPU, dequantized into --dtype as they load), AWQ / GPTQ int4 on the int4 kernels, mxfp4 (gpt-oss) experts "
+        "without the flag; a mismatch is refused), FP8 weights kept FP8 and dequantized in each matmul (CUDA; the "
+        "CPU's FP8 kernel, float32 or bfloat16 activations; where it is not built, dequantized into --dtype as "
+        "they load), AWQ / GPTQ int4 on the int4 kernels, mxfp4 (gpt-oss) experts "
         "kept packed and dequantized per expert in its matmul",
         aliases=("-q",), choices=("gguf", "fp8", "compressed-tensors", "awq", "gptq", "mxfp4"))
     activation_quantization: str | None = setting(

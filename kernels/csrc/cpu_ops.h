@@ -36,6 +36,8 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           int64_t activation_bits, const std::optional<torch::Tensor>& residual);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits);
+torch::Tensor fp8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale, int64_t group,
+                         const std::optional<torch::Tensor>& residual);
 
 // dense_matmul.cpp
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,

@@ -28,13 +28,15 @@ torch::Tensor torch_linear(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // One matmul weight as the model holds it: float32 or bfloat16 panels (worker_svc/panel_linear.py), int4 / int8 groups
-// (worker_svc/quant.py's QuantLinear on the CPU kernels) or a bfloat16 tensor (oneDNN-prepacked or plain); or
-// (kSwiGLU) gate's and up's bfloat16 panels interleaved, whose product is already silu(gate) * up.
+// (worker_svc/quant.py's QuantLinear on the CPU kernels), an FP8 checkpoint's codes with their block scales (kFp8),
+// or a bfloat16 tensor (oneDNN-prepacked or plain); or (kSwiGLU) gate's and up's bfloat16 panels interleaved, whose
+// product is already silu(gate) * up.
 struct Matmul {
-  enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2, kTorch = 3, kSwiGLU = 4 };
+  enum Kind : int64_t { kPanels = 0, kInt4 = 1, kInt8 = 2, kTorch = 3, kSwiGLU = 4, kFp8 = 5 };
   int64_t kind;
   torch::Tensor weight, scale, zero;  // panels | codes | the tensor; the groups' scales and (int4) zeros
   int64_t out_features, activation_bits;
+  int64_t group = 0;  // kFp8: the input columns a scale covers
 
   // x @ w.T, plus `residual` when given (residual + product, as worker_svc.model.linear_add: inside the panel
   // kernels and the float32 quantized ones, which give the sum a separate add gives; else a separate in-place add,
@@ -47,6 +49,7 @@ struct Matmul {
       case kInt4: return int4_matmul(x, weight, scale, zero, activation_bits, residual);
       case kInt8: return int8_matmul(x, weight, scale, activation_bits, residual);
       case kSwiGLU: return dense_swiglu(x, weight, out_features);
+      case kFp8: return fp8_matmul(x, weight, scale, group, residual);
       default: return torch_linear(x, weight);
     }
   }
@@ -135,16 +138,18 @@ void bind_decoder_layers(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<Matmul>(m, "Matmul")
       .def(py::init([](int64_t kind, torch::Tensor weight, std::optional<torch::Tensor> scale,
-                       std::optional<torch::Tensor> zero, int64_t out_features, int64_t activation_bits) {
-             TORCH_CHECK(kind >= Matmul::kPanels && kind <= Matmul::kSwiGLU, "Matmul: kind 0 (panels), 1, 2, 3 or 4");
+                       std::optional<torch::Tensor> zero, int64_t out_features, int64_t activation_bits,
+                       int64_t group) {
+             TORCH_CHECK(kind >= Matmul::kPanels && kind <= Matmul::kFp8, "Matmul: kind 0 (panels), 1, 2, 3, 4 or 5");
              TORCH_CHECK(kind == Matmul::kPanels || kind == Matmul::kTorch || kind == Matmul::kSwiGLU || scale,
                          "Matmul: a quantized weight needs its scales");
              TORCH_CHECK(kind != Matmul::kInt4 || zero, "Matmul: an int4 weight needs its zeros");
+             TORCH_CHECK(kind != Matmul::kFp8 || group > 0, "Matmul: an FP8 weight needs its scales' group");
              return Matmul{kind, std::move(weight), scale.value_or(torch::Tensor()), zero.value_or(torch::Tensor()),
-                           out_features, activation_bits};
+                           out_features, activation_bits, group};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scale") = py::none(), py::arg("zero") = py::none(),
-           py::arg("out_features"), py::arg("activation_bits") = 0);
+           py::arg("out_features"), py::arg("activation_bits") = 0, py::arg("group") = 0);
   py::class_<DecoderLayers>(m, "DecoderLayers")
       .def(py::init<double, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>(), py::arg("eps"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("cos"),

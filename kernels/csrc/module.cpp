@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul, pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale"),
         pybind11::arg("activation_bits") = 0, pybind11::arg("residual") = pybind11::none());
   m.def("quantize_activations", &quantize_activations);
+  m.def("fp8_matmul", &fp8_matmul, pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scale"),
+        pybind11::arg("group"), pybind11::arg("residual") = pybind11::none());
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
   m.attr("dense_bfloat16") = dense_bfloat16();

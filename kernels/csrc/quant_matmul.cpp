@@ -496,6 +496,70 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& codes, co
 #endif
 }
 
+// y = x @ w.T for an FP8 checkpoint's weight (worker_svc/model/hf_quant.py): codes [N, K] float8_e4m3fn read as
+// bytes (K a multiple of 32), scale [N, S] float32, one per row and per `group` columns (a block's width, a power
+// of two times 32; or S = 1: per channel or per tensor, the scale repeated over the rows). w = scale * float(code),
+// the float32 product dequantize-then-matmul takes, exactly: e4m3's sign and low 7 bits (4 exponent, 3 mantissa)
+// placed in a float16 (sign at bit 15, the 7 bits at 13..7: exponent bias 15 where e4m3's is 7, so the float16 is
+// the code times 2^-8, subnormals included) made float32 by F16C without rounding, times scale x 2^8 (exact: a
+// power of two). Code 0x7f / 0xff (e4m3fn's NaN) reads as +-480; a checkpoint holds none.
+torch::Tensor fp8_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale, int64_t group,
+                         const std::optional<torch::Tensor>& residual) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1 && K % kGroup == 0,
+              "fp8_matmul: codes must be [N, K] float8_e4m3fn (or its bytes) contiguous, K a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == N && group > 0 && scale.size(1) == (K + group - 1) / group,
+              "fp8_matmul: scale must be [N, ceil(K / group)] float32 contiguous");
+  // a 32-group's scale column is g >> shift: a block a power of two of 32-groups wide, or one column for all
+  const int64_t S = scale.size(1);
+  int shift = 31;  // S == 1: every g < 2^31 is column 0
+  if (S > 1) {
+    TORCH_CHECK(group % kGroup == 0 && ((group / kGroup) & (group / kGroup - 1)) == 0,
+                "fp8_matmul: group must be 32 times a power of two, or cover all K columns; it is ", group);
+    shift = __builtin_ctzll(group / kGroup);
+  }
+  const torch::Tensor xf = check_rows(x, K, "fp8_matmul");
+  const float* res = residual_rows(residual, x, N, "fp8_matmul");
+  const uint8_t* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* s = scale.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
+  const auto ahead = [&](int64_t n) {
+    prefetch_bytes(c + n * K, K);
+    prefetch_bytes(s + n * S, S * 4);
+  };
+  // 16 codes (u8) -> 16 float16 bit patterns of code x 2^-8
+  const auto halves = [](__m128i b) {
+    const __m256i v = _mm256_cvtepu8_epi16(b);
+    return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(int16_t(0x8000))),
+                           _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3f80)));
+  };
+#ifdef __AVX512F__
+  const auto weights512 = [&](int64_t n, int64_t g, __m512 w[2]) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(c + n * K + g * kGroup);
+    const __m512 sv = _mm512_set1_ps(s[n * S + (g >> shift)] * 256.0f);
+    w[0] = _mm512_mul_ps(_mm512_cvtph_ps(halves(_mm_loadu_si128(q))), sv);
+    w[1] = _mm512_mul_ps(_mm512_cvtph_ps(halves(_mm_loadu_si128(q + 1))), sv);
+  };
+  return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+    llmserve::with_count<4>(R, [&](auto r) { float_tile512<r()>(xp + m * K, K, weights512, ahead, n0, n1, yr, N); });
+  });
+#else
+  const auto weights = [&](int64_t n, int64_t g, __m256 w[4]) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(c + n * K + g * kGroup);
+    const __m256 sv = _mm256_set1_ps(s[n * S + (g >> shift)] * 256.0f);
+    const __m256i h0 = halves(_mm_loadu_si128(q)), h1 = halves(_mm_loadu_si128(q + 1));
+    w[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), sv);
+    w[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), sv);
+    w[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), sv);
+    w[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), sv);
+  };
+  return over_rows(xf.size(0), N, x.scalar_type(), res, [&](int64_t R, int64_t m, int64_t n0, int64_t n1, float* yr) {
+    llmserve::with_count<4>(R, [&](auto r) { float_tile<r()>(xp + m * K, K, weights, ahead, n0, n1, yr, N); });
+  });
+#endif
+}
+
 // x's 32-groups as the integer paths see them: (codes int8 or int16 [M, K], step [M, K / 32], float sum
 // [M, K / 32]).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t bits) {

@@ -1,6 +1,7 @@
 """The decoder layers in one C++ call (worker_svc/cpu/layer_loop.py, kernels/csrc/decoder_layers.cpp) against the Python
 layer loop on the bundled model's first layers: the same logits bit for bit over prefill chunks, decodes and mixed
-steps, dense float32 and bfloat16 and quantized (float and int8 activations, float32 and bfloat16); steps the decode
+steps, dense float32 and bfloat16 and quantized (GGUF with float and int8 activations, and FP8 block-scaled, float32
+and bfloat16); steps the decode
 kernel does not wholly serve, LoRA steps and models the loop does not cover keep the Python loop (the model's own
 forward, which the loop falls back to)."""
 
@@ -66,13 +67,23 @@ def run(model: LlamaModel, loop: layer_loop.LayerLoop | None = None) -> tuple[li
         del model.forward
 
 
-@pytest.fixture(scope="module", params=["dense", "quantized", "int8-activations", "dense-bfloat16",
-                                        "quantized-bfloat16", "int8-activations-bfloat16"])
+def fp8_layers() -> tuple:
+    """first_layers' projections made FP8 with 128 x 128 block scales (an HF FP8 checkpoint's, hf_quant.py)."""
+    from tests.service.test_fp8_model import fp8_quantize
+    from worker_svc.model.hf_quant import fp8_weight, packed_by_the_model
+
+    config, weights = first_layers(None)
+    return config, {k: fp8_weight(*fp8_quantize(w, "block"), k) if packed_by_the_model(k) else w
+                    for k, w in weights.items()}
+
+
+@pytest.fixture(scope="module", params=["dense", "quantized", "int8-activations", "fp8", "dense-bfloat16",
+                                        "quantized-bfloat16", "int8-activations-bfloat16", "fp8-bfloat16"])
 def model(request) -> LlamaModel:
     # bfloat16 dense weights are oneDNN's packed copies on a CPU with native bfloat16, plain tensors elsewhere
     kind = request.param.removesuffix("-bfloat16")
     quantization = None if kind == "dense" else "gguf"
-    config, weights = first_layers(quantization)
+    config, weights = fp8_layers() if kind == "fp8" else first_layers(quantization)
     if kind == "int8-activations":
         weights = quant.with_integer_activations(weights, 8, torch.device("cpu"))
     return LlamaModel(config, weights, torch.bfloat16 if request.param.endswith("bfloat16") else torch.float32, "cpu")

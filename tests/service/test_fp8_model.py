@@ -1,9 +1,9 @@
 """FP8 checkpoints (vLLM's `fp8` with 128x128 block scales or a per-tensor scale; compressed-tensors'
 `float-quantized` per tensor, channel or block) written here from a random transformers Llama, quantized by the
 format's own rules (amax / 448 scales), against transformers on the dequantized model: logits within a stated
-tolerance and greedy tokens equal where transformers' top-2 margin is clear; on the CPU each projection dequantized
-into --dtype as it loads (the checkpoint's values exactly), on an accelerator kept FP8; the FP8 matmul against
-dequantize-then-matmul."""
+tolerance and greedy tokens equal where transformers' top-2 margin is clear; each projection kept FP8 (on the CPU
+run by the project's FP8 kernel; dequantized into --dtype as it loads where that kernel is absent); the FP8 matmul
+against dequantize-then-matmul; -O1 on the CPU serving the checkpoint dense with the same tokens as -O0."""
 
 from __future__ import annotations
 
@@ -119,29 +119,41 @@ def pair(written):
     return hf, models.by_name(config.architecture)(config, weights, torch.float32, "cpu")
 
 
-def test_the_cpu_loader_dequantizes_each_projection_as_it_loads(pair, request):
-    """On the CPU (no FP8 matmul there) each FP8 projection is dequantized into the placement's dtype as it is read,
-    its codes freed before the next tensor: the loaded weights are the checkpoint's dequantized values exactly,
-    rounded to the dtype, and the model runs dense matmuls. On an accelerator a dense family's projections stay FP8
-    (dequantized in each matmul); a hybrid family's are dense everywhere."""
+def test_the_cpu_loader_keeps_each_projection_fp8_where_the_kernel_runs(pair, request, monkeypatch):
+    """On the CPU with the project's FP8 kernel built, each FP8 projection stays FP8 (the checkpoint's codes and
+    scales, one byte a value) and the model runs it through quant.QuantLinear's kernel; without the kernel it is
+    dequantized into the placement's dtype as it is read, its codes freed before the next tensor: the checkpoint's
+    dequantized values exactly, rounded to the dtype, on dense matmuls. A hybrid family's are dense everywhere."""
     _, ours = pair
     path = request.getfixturevalue("pair_path")
-    _, weights = load_hf_dir(str(path), placement=Placement(torch.bfloat16))
     stored = load_file(next(path.glob("*.safetensors")))
-    projections = [name for name in weights if ".layers." in name and name.endswith("_proj.weight")]
+    assert quant.cpu_kernels() is not None and hasattr(quant.cpu_kernels(), "fp8_matmul")
+    _, kept = load_hf_dir(str(path), placement=Placement(torch.bfloat16))
+    projections = [name for name in kept if ".layers." in name and name.endswith("_proj.weight")]
     assert projections
+    for name in projections:
+        assert isinstance(kept[name], quant.QuantizedWeight) and kept[name].is_fp8, name
+        assert torch.equal(kept[name].codes.view(torch.uint8), stored[name].view(torch.uint8)), name
+    for layer in ours.layers:
+        for w in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
+            assert isinstance(w, quant.QuantLinear) and w.is_fp8 and w.ops is not None and w.fp8 is None
+
+    monkeypatch.setattr(quant, "cpu_kernels", lambda: None)  # a CPU without the kernel: dequantized at load
+    _, weights = load_hf_dir(str(path), placement=Placement(torch.bfloat16))
     for name in projections:
         scale = stored[name + "_scale_inv"] if name + "_scale_inv" in stored else stored[name + "_scale"]
         strategy = "block" if scale.dim() == 2 and scale.shape[1] > 1 else "tensor"  # "channel" reads as "tensor"
         want = dequantize(stored[name], scale.float(), strategy).to(torch.bfloat16)
         assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], want), name
-    for layer in ours.layers:
-        for w in (layer.qkv, layer.o, layer.gate, layer.up, layer.down):
-            assert not isinstance(w, quant.QuantLinear)
     down = "model.layers.0.mlp.down_proj.weight"
     assert runs_as_fp8(down, False, torch.device("cuda"))
-    assert not runs_as_fp8(down, False, torch.device("cpu")) and not runs_as_fp8(down, True, torch.device("cuda"))
+    assert not runs_as_fp8(down, False, torch.device("cpu"), kept[down]) and not runs_as_fp8(down, True,
+                                                                                            torch.device("cuda"))
     assert not runs_as_fp8("model.embed_tokens.weight", False, torch.device("cuda"))
+    monkeypatch.undo()
+    assert runs_as_fp8(down, False, torch.device("cpu"), kept[down], torch.float32)
+    assert not runs_as_fp8(down, False, torch.device("cpu"), kept[down], torch.float16)  # not a dtype it takes
+    assert not runs_as_fp8(down, True, torch.device("cpu"), kept[down])
 
 
 def test_logits_and_greedy_tokens_match_the_dequantized_model(pair):
@@ -156,7 +168,8 @@ def test_fp8_matmul_equals_dequantize_then_matmul(strategy, dtype):
     codes, scale = fp8_quantize(w, strategy)
     weight = fp8_weight(codes, scale, "w")
     x = torch.randn(5, 320, generator=gen).to(dtype)
-    want = x @ dequantize(codes, scale, strategy).to(dtype).T
+    # the weights exactly (float32 in the kernel's registers), the float32 product rounded once to x's dtype
+    want = (x.float() @ dequantize(codes, scale, strategy).T).to(dtype)
     got = quant.QuantLinear(weight, dtype, torch.device("cpu"))(x)
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype != torch.float32
                                                  else 1e-5, atol=1e-4)
@@ -174,7 +187,7 @@ def test_the_worker_serves_an_fp8_checkpoint_and_refuses_what_it_does_not_apply(
     """Through the worker's own path (ModelRunner, --quantization fp8 agreeing with the checkpoint): chunked prefills
     beside decodes give each request the FP8 model's greedy tokens alone; a worker given a static activation scheme
     fails at start naming the field, and so does --quantization naming another format. (-O1's refusal of weights
-    that stay quantized: test_gptq_model.py; on the CPU an FP8 checkpoint's weights are dense once loaded.)"""
+    that stay quantized: test_gptq_model.py; on the CPU -O1 serves an FP8 checkpoint dense: below.)"""
     write_fp8_checkpoint(tmp_path, "fp8_block")
     runner = ModelRunner(parse(WorkerConfig, ["--model", str(tmp_path), "--quantization", "fp8", "--dtype",
                                               "float32", "--num-gpu-blocks-override", "64"]))
@@ -201,3 +214,28 @@ def test_the_worker_serves_an_fp8_checkpoint_and_refuses_what_it_does_not_apply(
     config_path.write_text(json.dumps(config_json))
     assert_fails(run_cli("worker", "--port", 0, "--device", "cpu", "--model", str(tmp_path)),
                  "quantization_config.activation_scheme='static'")
+
+
+def test_o1_serves_an_fp8_checkpoint_on_the_cpu_with_the_tokens_of_o0(tmp_path, monkeypatch):
+    """-O1 (the compiled forward: inductor traces dense matmuls, not the FP8 kernel) on the CPU dequantizes the FP8
+    projections into --dtype at start (hf_quant.dequantize_fp8_in_place) and serves: greedy tokens equal the -O0
+    runner's, which keeps them FP8, over staggered arrivals and 3-token chunks."""
+    from worker_svc.model.compiled import CompiledForward
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    write_fp8_checkpoint(path, "fp8_block")
+    outputs = []
+    for argv in ([], ["-O1", "--compilation-config", '{"cudagraph_capture_sizes": [4, 8]}']):
+        runner = ModelRunner(parse(WorkerConfig, ["--model", str(path), "--dtype", "float32",
+                                                  "--num-gpu-blocks-override", "64", *argv]))
+        assert isinstance(runner.model, CompiledForward) == bool(argv)
+        layer = getattr(runner.model, "model", runner.model).layers[0]
+        assert isinstance(layer.down, quant.QuantLinear) != bool(argv)
+        reqs = [DriverRequest(f"r{i}", p, pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                              arrival_step=i) for i, p in enumerate(prompts(runner.config.vocab_size, (12, 7, 5)))]
+        run_requests(partial(execute_step, runner), reqs, chunk=3, num_blocks=runner.num_blocks,
+                     block_size=runner.block_size)
+        outputs.append([r.output for r in reqs])
+    assert outputs[0] == outputs[1] and all(len(o) == 6 for o in outputs[0])

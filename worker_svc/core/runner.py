@@ -29,7 +29,7 @@ from worker_svc.core.step_output import FINISH_NONE, StepOutput
 from worker_svc.cpu import layer_loop
 from worker_svc.cpu.threads import SmallStepThreads
 from worker_svc.model import families as models
-from worker_svc.model import lora, quant
+from worker_svc.model import hf_quant, lora, quant
 from worker_svc.model.compiled import compile_model, wants_compiled
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.layers.linear import cpu_has_native_bf16, cpu_has_native_fp16
@@ -122,6 +122,8 @@ class ModelRunner:
         # The process's intra-op threads (all cores unless told); small steps may run on one fewer (cpu/threads.py).
         self.small_step_threads = SmallStepThreads(torch.get_num_threads())
         compiled = wants_compiled(opts)  # inductor cannot trace CPU-packed weights
+        if compiled and self.device.type == "cpu":  # an FP8 checkpoint's projections: dense, as the graphs trace
+            weights = hf_quant.dequantize_fp8_in_place(weights, self.dtype)
         if compiled and any(isinstance(w, quant.QuantizedWeight) for w in weights.values()):  # detected, no flag
             raise ConfigError(f"--optimization-level {opts.optimization_level} runs dense weights only; {opts.model} "
                               "holds quantized weights (its quantization_config): use -O0")

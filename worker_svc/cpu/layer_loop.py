@@ -5,7 +5,8 @@ asks `build` whether a model's layers can run here and then calls the `LayerLoop
 The C++ loop calls the kernels the Python loop calls, in the same order, so the hidden states are bit-identical; it
 saves the Python and torch dispatch around them (about 2 ms of a 10 ms batch-1 step of SmolLM2-135M on two cores,
 ~40 us a layer) and runs without the GIL. Built only where the Python loop would run nothing else: float32 or bfloat16
-with every matmul weight in panels, on the quantized CPU kernels or (bfloat16) a plain or oneDNN-prepacked tensor,
+with every matmul weight in panels, on the quantized CPU kernels (GGUF int4 / int8, an HF checkpoint's FP8) or
+(bfloat16) a plain or oneDNN-prepacked tensor,
 no biases, q/k norms, sliding windows, soft-capping,
 sparse layers, tensor parallelism or family overrides (`LlamaModel.runs_llama_layers`); per step, no LoRA adapters.
 """
@@ -22,24 +23,28 @@ from worker_svc.model.quant import QuantLinear
 
 TORCH = 3  # the C++ Matmul kind of a bfloat16 tensor: oneDNN's matmul for a prepacked copy, F.linear for a plain one
 SWIGLU = 4  # gate's and up's bfloat16 panels interleaved: the matmul gives silu(gate) * up (dense_swiglu)
+FP8 = 5  # an FP8 checkpoint's codes and block scales (fp8_matmul)
 
 
 def _form(weight: Any) -> tuple[int, tuple[str, ...]] | None:
     """(the C++ Matmul kind, the weight's tensor attributes it takes) for a matmul weight the C++ loop runs, else
-    None: float32 or bfloat16 panels, int4 / int8 groups on the project's CPU kernels with float32 or bfloat16
-    activations, or a bfloat16 CPU tensor (no attributes: the weight is the tensor)."""
+    None: float32 or bfloat16 panels, int4 / int8 groups or FP8 codes on the project's CPU kernels with float32 or
+    bfloat16 activations, or a bfloat16 CPU tensor (no attributes: the weight is the tensor)."""
     if isinstance(weight, PanelLinear):
         return 0, ("panels",)
     if isinstance(weight, QuantLinear) and weight.ops is not None and weight.dtype in (torch.float32, torch.bfloat16):
+        if weight.is_fp8:
+            return FP8, ("codes", "scale")
         return (1, ("codes", "scale", "zero")) if weight.bits == 4 else (2, ("codes", "scale"))
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         return TORCH, ()
     return None
 
 
-def _cpp(ops: Any, kind: int, tensors: list[torch.Tensor], out_features: int, activation_bits: int) -> Any:
+def _cpp(ops: Any, kind: int, tensors: list[torch.Tensor], out_features: int, activation_bits: int,
+         group: int = 0) -> Any:
     padded = [*tensors, *[None] * (3 - len(tensors))]  # weight, scale, zero
-    return ops.Matmul(kind, *padded, out_features, activation_bits)
+    return ops.Matmul(kind, *padded, out_features, activation_bits, group)  # group: an FP8 scale's columns
 
 
 def _matmul(ops: Any, weight: Any) -> Any | None:
@@ -50,7 +55,7 @@ def _matmul(ops: Any, weight: Any) -> Any | None:
     if kind == TORCH:
         return _cpp(ops, kind, [weight], weight.shape[0], 0)
     return _cpp(ops, kind, [getattr(weight, n) for n in names], weight.out_features,
-                getattr(weight, "activation_bits", 0))
+                getattr(weight, "activation_bits", 0), weight.group if kind == FP8 else 0)
 
 
 def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
@@ -62,7 +67,7 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
     form = _form(gate)
     bits = getattr(gate, "activation_bits", 0)
     if form is None or form[0] == TORCH or form != _form(up) or bits != getattr(up, "activation_bits", 0) \
-            or gate.in_features != up.in_features \
+            or gate.in_features != up.in_features or getattr(gate, "group", 0) != getattr(up, "group", 0) \
             or gate.out_features % getattr(gate, "panel_width", PANEL_WIDTH[torch.float32]):
         return None
     kind, names = form
@@ -79,7 +84,7 @@ def _gate_up(ops: Any, gate: Any, up: Any) -> Any | None:
         setattr(gate, name, both[:split])
         setattr(up, name, both[split:])
         joined.append(both)
-    return _cpp(ops, kind, joined, gate.out_features + up.out_features, bits)
+    return _cpp(ops, kind, joined, gate.out_features + up.out_features, bits, gate.group if kind == FP8 else 0)
 
 
 def build(model: Any) -> LayerLoop | None:

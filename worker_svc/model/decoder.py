@@ -30,7 +30,7 @@ from worker_svc.model.layers.linear import Linear, LinearAdd, pack_linear_weight
 from worker_svc.model.layers.norm import RMSNorm, head_rms_norm
 from worker_svc.model.layers.op import NATIVE, op_mode
 from worker_svc.model.layers.rotary import Rotary, rope_tables
-from worker_svc.model.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype
+from worker_svc.model.quant import QuantizedWeight, QuantLinear, cat_rows, check_activation_dtype, fp8_kernel_takes
 
 
 @dataclass
@@ -115,11 +115,12 @@ class LlamaModel:
             return w(name) if name in weights else None
 
         def mat(t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantLinear:
-            """A matmul weight; the dense copy is dropped once packed. An FP8 weight on the CPU (the loader gives
-            dense ones there, hf_quant.runs_as_fp8; this covers weights built elsewhere) is dequantized here, once,
-            into `dtype`: torch has no FP8 matmul on the CPU, and dequantizing the whole matrix on every call cost
-            several times the matmul (experiments/RESULTS.md)."""
-            if isinstance(t, QuantizedWeight) and t.is_fp8 and self.device.type == "cpu":
+            """A matmul weight; the dense copy is dropped once packed. An FP8 weight on the CPU that the project's
+            FP8 kernel does not take (the loader dequantizes those, hf_quant.runs_as_fp8; this covers weights built
+            elsewhere) is dequantized here, once, into `dtype`: torch has no FP8 matmul on the CPU, and dequantizing
+            the whole matrix on every call cost 10-15x the matmul (experiments/fp8_matmul_cost.py)."""
+            if isinstance(t, QuantizedWeight) and t.is_fp8 and self.device.type == "cpu" \
+                    and not (dtype in (torch.float32, torch.bfloat16) and fp8_kernel_takes(t)):
                 t = t.dequantize(dtype)
             if isinstance(t, QuantizedWeight):
                 return QuantLinear(t, dtype, self.device)

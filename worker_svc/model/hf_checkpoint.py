@@ -6,8 +6,9 @@ the weights being kept plus one tensor in flight. A quantized checkpoint's tenso
 hf_awq.py, hf_gptq.py, hf_compressed_int.py) and each layer is converted, cut to this rank's shard and placed before
 the next is read: an int4 / int8 projection the model packs is cut as stored (quant_sharding.py), any other
 (the hybrid families', MoE experts', GPTQ act-order's) dequantized in float32, cut as a dense tensor and cast to
---dtype; an FP8 projection the model will not run as FP8 (every one on the CPU, which has no FP8 matmul) is cut and
-dequantized into --dtype as it arrives. A tensor-parallel rank so never holds the whole model's converted weights.
+--dtype; an FP8 projection the model will not run as FP8 (a hybrid family's, or any on a CPU without the project's
+FP8 kernel) is cut and dequantized into --dtype as it arrives. A tensor-parallel rank so never holds the whole
+model's converted weights.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _fp8_weights(tensors: LazyTensors, block: tuple[int, int], config: ModelConf
             return dense if shard.size == 1 else place(shard_tensor(name, dense, config, shard), host)
         if shard.size > 1:  # a dense family's projection is cut as stored, so a cut through a block is refused alike
             w = shard_quantized(name, w, config, shard)  # on every device
-        return w if hf_quant.runs_as_fp8(name, hybrid, placement.device) else w.dequantize(dtype)
+        return w if hf_quant.runs_as_fp8(name, hybrid, placement.device, w, dtype) else w.dequantize(dtype)
 
     return hf_quant.convert_fp8(tensors, block, put_fp8,
                                 lambda name, t: place(shard_tensor(name, t, config, shard), host))

@@ -3,10 +3,12 @@ naming the field), and its FP8 tensors turned into the project's weights.
 
 FP8 (vLLM's `fp8`, and compressed-tensors' `float-quantized`): `float8_e4m3fn` weights with a scale per block
 (`weight_scale_inv`, `weight_block_size` [128, 128]), per tensor or per output channel (`weight_scale`). On CUDA they
-stay FP8 (one byte a value, the scales beside) and are dequantized in each matmul (quant.QuantLinear). On the CPU,
-where torch has no FP8 GEMM, each projection is dequantized into the activations' dtype as it is loaded (two bytes a
-value in bfloat16), its codes freed before the next tensor is read, and runs the dense matmul (`runs_as_fp8`).
-Either way the values are the checkpoint's dequantized ones, rounded to the dtype. Activations are not quantized
+stay FP8 (one byte a value, the scales beside) and are dequantized in each matmul (quant.QuantLinear): on CUDA by
+torch into the activations' dtype, on the CPU into float32 registers by the project's kernel (`fp8_matmul`,
+kernels/csrc/quant_matmul.cpp; float32 or bfloat16 activations). Where that kernel is not built (or --dtype is
+another), and in the hybrid families, whose projections are dense, each projection is dequantized into --dtype as it
+is loaded (two bytes a value in bfloat16), its codes freed before the next tensor is read (`runs_as_fp8`). The values
+are the checkpoint's dequantized ones (rounded to the dtype where dequantized at load). Activations are not quantized
 ("dynamic" activation schemes are a kernel's choice; static scales are refused).
 """
 
@@ -21,7 +23,7 @@ import torch
 from worker_svc.model.hf_awq import check_awq
 from worker_svc.model.hf_compressed_int import INT_FORMATS, check_int_weights
 from worker_svc.model.hf_gptq import check_gptq
-from worker_svc.model.quant import QuantizedWeight
+from worker_svc.model.quant import QuantizedWeight, fp8_kernel_takes
 
 # --quantization's names (vLLM's) that an HF checkpoint can carry and llmserve applies.
 HF_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
@@ -144,12 +146,27 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, name: str,
     return QuantizedWeight(weight, scale.repeat_interleave(bn, dim=0)[:out].contiguous(), None, 8, "fp8", group=bk)
 
 
-def runs_as_fp8(name: str, hybrid: bool, device: torch.device) -> bool:
+def runs_as_fp8(name: str, hybrid: bool, device: torch.device, weight: QuantizedWeight | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the model runs weight `name` of an FP8 checkpoint as FP8 (quant.QuantLinear, dequantized in each
-    matmul): a dense family's projection on an accelerator. Every other FP8 weight is dequantized into --dtype as it
-    is loaded: on the CPU, which has no FP8 matmul (dequantizing a whole matrix in every matmul had made a step
-    several times slower, experiments/RESULTS.md), and in the hybrid families, whose projections are dense."""
-    return device.type != "cpu" and not hybrid and packed_by_the_model(name)
+    matmul): a dense family's projection on an accelerator, or on the CPU where the project's FP8 kernel takes
+    `weight` and `dtype` (float32, bfloat16). Every other FP8 weight is dequantized into --dtype as it is loaded: on
+    a CPU without the kernel (torch has no FP8 matmul there, and dequantizing a whole matrix in every matmul made a
+    layer 10-15x slower, experiments/fp8_matmul_cost.py), and in the hybrid families, whose projections are dense."""
+    if hybrid or not packed_by_the_model(name):
+        return False
+    if device.type != "cpu":
+        return True
+    return weight is not None and dtype in (torch.float32, torch.bfloat16) and fp8_kernel_takes(weight)
+
+
+def dequantize_fp8_in_place(weights: dict, dtype: torch.dtype) -> dict:
+    """Every FP8 weight of `weights` dense in `dtype`, one at a time (each one's codes freed as it is replaced): for
+    the compiled forward on the CPU (-O1..3), whose inductor graphs trace dense matmuls, not the FP8 kernel."""
+    for name, w in weights.items():
+        if isinstance(w, QuantizedWeight) and w.is_fp8:
+            weights[name] = w.dequantize(dtype)
+    return weights
 
 
 def convert_fp8(tensors: Mapping[str, torch.Tensor], block: tuple[int, int],

@@ -10,9 +10,10 @@ Two in-memory forms, chosen by the GGUF type:
   it runs instead of the project's kernels, `QuantLinear` requantizes per row once more.)
 
 A third form holds an HF FP8 checkpoint's weights (hf_quant.py): float8_e4m3fn codes with a float32 scale per row
-and per `group` columns (the checkpoint's block width, or the whole row), dequantized to the activations' dtype in
-each matmul on CUDA, so the values are the checkpoint's exactly and memory stays FP8-sized (on the CPU, which has no
-FP8 GEMM, the loader dequantizes each projection once as it arrives).
+and per `group` columns (the checkpoint's block width, or the whole row), dequantized in each matmul, so the values
+are the checkpoint's exactly and memory stays FP8-sized: on CUDA into the activations' dtype, on the CPU into float32
+registers by the project's kernel (`fp8_matmul`; where it is not built, the loader dequantizes each projection once as
+it arrives).
 
 The matmuls: on CPU the project's kernels (kernels/csrc/quant_matmul.cpp: float32 or bfloat16 activations, the
 weights turned into float32 in registers), or where they are not built torch's int4 / int8 weight-packed kernels
@@ -196,6 +197,16 @@ def cpu_kernels():
     return ops if ops is not None and hasattr(ops, "int4_matmul") else None
 
 
+def fp8_kernel_takes(weight: QuantizedWeight) -> bool:
+    """Whether the CPU kernel `fp8_matmul` runs this FP8 weight: it is built here, the input columns are whole
+    32-groups, and a scale covers all of them (per tensor, per channel) or a block 32 x 2^k columns wide."""
+    ops = cpu_kernels()
+    if ops is None or not hasattr(ops, "fp8_matmul") or weight.shape[1] % GROUP:
+        return False
+    blocks = weight.group // GROUP
+    return weight.scale.shape[1] == 1 or (weight.group % GROUP == 0 and blocks & (blocks - 1) == 0)
+
+
 def activation_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     """The activation dtypes the quantized matmuls take on `device`."""
     if device.type == "cuda":
@@ -219,8 +230,11 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.on_cuda = device.type == "cuda"
         self.ops = cpu_kernels() if device.type == "cpu" else None  # every GGUF block is a multiple of 32 long
-        self.fp8: QuantizedWeight | None = None
-        if weight.is_fp8:  # dequantized per call, memory one byte a value (on the CPU the loader dequantizes)
+        self.fp8: QuantizedWeight | None = None  # CUDA: dequantized per call by torch
+        self.is_fp8, self.group = weight.is_fp8, weight.group
+        if weight.is_fp8 and self.ops is not None and fp8_kernel_takes(weight):  # the codes as bytes (cat-able)
+            self.codes, self.scale = weight.codes.view(torch.uint8).contiguous(), weight.scale.float().contiguous()
+        elif weight.is_fp8:  # dequantized per call, memory one byte a value
             self.ops = None  # (and the C++ layer loop, which runs `ops` kernels only, leaves it to Python)
             self.fp8 = weight.map_rows(lambda t: t.to(device))
         elif weight.bits == 8 and self.ops is not None:
@@ -251,6 +265,8 @@ class QuantLinear:
         if self.fp8 is not None:
             return torch.nn.functional.linear(x, self.fp8.dequantize(x.dtype))
         if self.ops is not None and x.dim() == 2:  # the model's case, without the reshapes (a decode step's ~150 calls)
+            if self.is_fp8:
+                return self.ops.fp8_matmul(x, self.codes, self.scale, self.group, residual)
             if self.bits == 8:
                 return self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits, residual)
             return self.ops.int4_matmul(x, self.codes, self.scale, self.zero, self.activation_bits, residual)
@@ -258,7 +274,8 @@ class QuantLinear:
         x = x.reshape(-1, shape[-1])
         if self.ops is not None:
             res = None if residual is None else residual.reshape(-1, self.out_features)
-            y = self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits, res) if self.bits == 8 else \
+            y = self.ops.fp8_matmul(x, self.codes, self.scale, self.group, res) if self.is_fp8 else \
+                self.ops.int8_matmul(x, self.codes, self.scale, self.activation_bits, res) if self.bits == 8 else \
                 self.ops.int4_matmul(x, self.codes, self.scale, self.zero, self.activation_bits, res)
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
