@@ -43,16 +43,18 @@ TIMEOUT_S = 600
 START_S = 600  # three ranks each dequantizing the GGUF, on a loaded 2-core box
 
 
-def _request(ids: list[int], rid: str) -> pb.GenerateRequest:
+def _request(ids: list[int], rid: str, resume_from: int = 0) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=rid, sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True,
-                                                                        max_tokens=MAX_TOKENS))
+                                                                        max_tokens=MAX_TOKENS),
+                             resume_from_token=resume_from)
     req.token_ids.SetInParent()
     req.token_ids.ids.extend(ids)
     return req
 
 
 class Stream(threading.Thread):
-    """One Generate call, re-attached by request id after UNAVAILABLE (while the scheduler has no worker)."""
+    """One Generate call, re-attached by request id after UNAVAILABLE (while the scheduler has no worker), from the
+    tokens it has (a loaded box can outlast the scheduler's hold, and a re-attach without them starts over)."""
 
     def __init__(self, address: str, ids: list[int], rid: str):
         super().__init__(daemon=True)
@@ -66,7 +68,8 @@ class Stream(threading.Thread):
         while not self.finish and time.monotonic() < deadline:
             try:
                 with grpc.insecure_channel(self.address) as channel:
-                    for msg in pb_grpc.LLMServeStub(channel).Generate(_request(self.ids, self.rid), timeout=TIMEOUT_S):
+                    for msg in pb_grpc.LLMServeStub(channel).Generate(_request(self.ids, self.rid, len(self.tokens)),
+                                                                      timeout=TIMEOUT_S):
                         if msg.token_ids and msg.first_token_index != len(self.tokens):
                             self.problems.append(f"first_token_index {msg.first_token_index} after "
                                                  f"{len(self.tokens)} tokens")
