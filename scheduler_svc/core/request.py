@@ -68,6 +68,9 @@ class Request:
     # logprobs by position (index 0 stays None), and an embed request's pooled vector.
     prompt_logprobs: list[Any] | None = field(default=None, repr=False)
     embedding: list[float] | None = field(default=None, repr=False)
+    # Read back from the ledger only (a request that asked for logprobs): its output tokens' logprobs, which a new
+    # leader re-sends with the tokens; a running request's go from the step result to the stream, not through here.
+    output_logprobs: list[Any] | None = field(default=None, repr=False, compare=False)
     # Tracing (never persisted): the caller's W3C context from Generate, and this request's open span.
     trace_context: Any = field(default=None, repr=False, compare=False)
     span: Any = field(default=None, repr=False, compare=False)

@@ -235,6 +235,8 @@ class SchedulerCore:
         commit = StepCommit(
             step_id=step_id, arrival_seq=self.arrival_seq, new_requests=self._new, updated=updated,
             appended={r.request_id: [t.token_id for t in toks] for r, toks in (outcome.appended if outcome else [])},
+            logprobs={r.request_id: [t.logprobs for t in toks] for r, toks in (outcome.appended if outcome else [])
+                      if r.sampling.logprobs is not None},
             finished=finished, block_changes=self.pool.take_changes(),
             state_changes=self.states.take_changes() if self.states is not None else {},
             check_invariant=check_invariant,

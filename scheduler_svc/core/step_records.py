@@ -163,6 +163,9 @@ class StepCommit:
     new_requests: list[Request] = field(default_factory=list)  # full spec + state; out:{rid} starts empty
     updated: list[Request] = field(default_factory=list)  # status, num_computed_tokens, block_ids, ...
     appended: dict[str, list[int]] = field(default_factory=dict)  # rid -> tokens produced this step
+    # rid -> those tokens' logprobs, for the requests that asked for them (sampling.logprobs set): stored so that a
+    # stream re-attached to a new leader gets them with the tokens it re-sends.
+    logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
     finished: list[Request] = field(default_factory=list)  # final state, then expire
     block_changes: dict[int, BlockState] = field(default_factory=dict)  # from BlockPool.take_changes()
     state_changes: dict[int, str] = field(default_factory=dict)  # from StateSlotPool.take_changes() (hybrids)

@@ -46,8 +46,9 @@ class Published:
 
     @classmethod
     def of_stored(cls, req: Request, finished: bool) -> Published:
-        """A request read back from Redis (its logprobs are not stored)."""
-        return cls(req, list(req.output_ids), [None] * len(req.output_ids),
+        """A request read back from Redis, with its stored logprobs (None where none are stored)."""
+        n, stored = len(req.output_ids), req.output_logprobs or []
+        return cls(req, list(req.output_ids), list(stored[:n]) + [None] * (n - len(stored)),
                    req.finish_reason if finished else None)
 
 

@@ -10,6 +10,7 @@ encoder remembers what it last wrote for each active request (`Written`), so the
     blk_add   [seq, packed ids, ...]            block ids appended to a table (the common growth)
     blk_set   [seq, packed ids, ...]            a table rewritten whole (preemption, copy-on-write, resume)
     out       [seq, packed ids, ...]            tokens appended to a request's output
+    lp        [seq, packed logprobs, ...]       those tokens' logprobs, for requests that asked (`pack_logprobs`)
     fin       [[rid, seq, field, value, ...]]   a finishing request's final state
     blocks    [block, ref_count, lru_tick, hash record, ...]   the pool's block changes ("" = no cached content)
     states    [slot, owner record, ...]         hybrid models' state slot changes ("" = free; state_pool.py)
@@ -17,7 +18,8 @@ encoder remembers what it last wrote for each active request (`Written`), so the
 `seq` is the request's arrival_seq (unique in a pool): the per-step keys are addressed by it, so a decode step
 carries a few bytes per request whatever the length of its id. Token and block ids are packed little-endian uint32
 (`pack_ids`), appended to Redis strings as they are. Floats travel as repr() strings: Redis would format a Lua
-number with 14 significant digits.
+number with 14 significant digits. Logprobs are float32 on the wire from the worker and stored as such, so what a new
+leader re-sends equals what the first one sent.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import msgpack
 
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.step_records import StepCommit
+from scheduler_svc.core.step_records import Logprobs, StepCommit
 
 HASH_BYTES = 16  # block_pool.hash_block's digest size: a cached block's record is hash bytes + packed tokens
 
@@ -40,6 +42,36 @@ def pack_ids(ids: list[int] | tuple[int, ...]) -> bytes:
 
 def unpack_ids(data: bytes | None) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}I", data)) if data else []
+
+
+_NO_LOGPROBS = 0xFFFFFFFF  # a token stored without logprobs (its step result had none): keeps out and lp aligned
+
+
+def pack_logprobs(lps: list[Logprobs | None]) -> bytes:
+    """Per token: uint32 k, float32 logprob, then k pairs (uint32 token id, float32 logprob): 8 + 8k bytes."""
+    parts = []
+    for lp in lps:
+        if lp is None:
+            parts.append(struct.pack("<If", _NO_LOGPROBS, 0.0))
+            continue
+        flat = [x for pair in lp.top for x in pair]
+        parts.append(struct.pack(f"<If{'If' * len(lp.top)}", len(lp.top), lp.logprob, *flat))
+    return b"".join(parts)
+
+
+def unpack_logprobs(data: bytes | None) -> list[Logprobs | None]:
+    out: list[Logprobs | None] = []
+    pos, data = 0, data or b""
+    while pos < len(data):
+        k, logprob = struct.unpack_from("<If", data, pos)
+        pos += 8
+        if k == _NO_LOGPROBS:
+            out.append(None)
+            continue
+        flat = struct.unpack_from(f"<{'If' * k}", data, pos)
+        pos += 8 * k
+        out.append(Logprobs(logprob, [(flat[i], flat[i + 1]) for i in range(0, 2 * k, 2)]))
+    return out
 
 
 def pack_cached_block(block_hash: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -155,6 +187,11 @@ class CommitEncoder:
             if toks:
                 w = written.get(rid)
                 out += (w.seq if w is not None else finishing[rid], pack_ids(toks))
+        lp: list[int | bytes] = []
+        for rid, lps in commit.logprobs.items():
+            if lps:
+                w = written.get(rid)
+                lp += (w.seq if w is not None else finishing[rid], pack_logprobs(lps))
         fin: list[list] = []
         for r in commit.finished:
             written.pop(r.request_id, None)
@@ -167,6 +204,8 @@ class CommitEncoder:
         payload = {"s": commit.step_id, "a": commit.arrival_seq, "ttl": commit.finished_ttl_s,
                    "check": int(commit.check_invariant), "new": new, "state": state, "computed": computed,
                    "blk_add": blk_add, "blk_set": blk_set, "out": out, "fin": fin, "blocks": blocks}
+        if lp:  # only steps with a request that asked for logprobs carry the field
+            payload["lp"] = lp
         if commit.state_changes:
             payload["states"] = [x for slot, record in sorted(commit.state_changes.items()) for x in (slot, record)]
         if commit.after_step_id is not None:

@@ -100,6 +100,7 @@ local k_sfree, k_sslot = pre .. 'sfree', pre .. 'sslot'
 local function req(rid) return pre .. 'req:' .. rid end
 local function out(seq) return pre .. 'out:' .. seq end
 local function blk(seq) return pre .. 'blk:' .. seq end
+local function lp(seq) return pre .. 'lp:' .. seq end
 
 -- The ledger must hold the step this one follows: a promoted replica that lacks the last commits, reached over a
 -- connection that never broke, is refused before any write (the scheduler then takes the pool over from it).
@@ -177,7 +178,7 @@ end
 -- Joining requests: the whole record; a reused id must not inherit an old output, table or TTL.
 for _, r in ipairs(c.new) do
   local rid, seq = r[1], r[2]
-  redis.call('DEL', req(rid), out(seq), blk(seq))
+  redis.call('DEL', req(rid), out(seq), blk(seq), lp(seq))
   redis.call('HSET', req(rid), unpack(r, 3))
   redis.call('SADD', KEYS[5], rid)
 end
@@ -192,6 +193,8 @@ t = c.blk_add
 for i = 1, #t, 2 do redis.call('APPEND', blk(t[i]), t[i + 1]) end
 t = c.out
 for i = 1, #t, 2 do redis.call('APPEND', out(t[i]), t[i + 1]) end
+t = c.lp or {}
+for i = 1, #t, 2 do redis.call('APPEND', lp(t[i]), t[i + 1]) end
 -- Finish last: a token appended above then keeps the TTL set here.
 for _, r in ipairs(c.fin) do
   local rid, seq = r[1], r[2]
@@ -201,6 +204,7 @@ for _, r in ipairs(c.fin) do
   redis.call('DEL', blk(seq))
   redis.call('EXPIRE', req(rid), c.ttl)
   redis.call('EXPIRE', out(seq), c.ttl)
+  redis.call('EXPIRE', lp(seq), c.ttl)
 end
 
 -- Block changes, grouped: a handful of commands whatever their number.
@@ -240,7 +244,7 @@ return 1
 """
 
 # KEYS: meta free refs active. ARGV: key prefix. One consistent snapshot of the pool: per active request its id,
-# hash, output and block table; then num_computed_tokens of every active request by seq.
+# hash, output, block table and output logprobs; then num_computed_tokens of every active request by seq.
 LOAD = """
 local pre = ARGV[1]
 local reqs = {}
@@ -250,17 +254,20 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   reqs[#reqs + 1] = redis.call('HGETALL', pre .. 'req:' .. rid)
   reqs[#reqs + 1] = redis.call('GET', pre .. 'out:' .. seq) or ''
   reqs[#reqs + 1] = redis.call('GET', pre .. 'blk:' .. seq) or ''
+  reqs[#reqs + 1] = redis.call('GET', pre .. 'lp:' .. seq) or ''
 end
 return {redis.call('HGETALL', KEYS[1]), redis.call('SMEMBERS', KEYS[2]), redis.call('HGETALL', KEYS[3]), reqs,
         redis.call('ZRANGE', pre .. 'evict', 0, -1, 'WITHSCORES'), redis.call('HGETALL', pre .. 'bhash'),
         redis.call('HGETALL', pre .. 'computed'), redis.call('HGETALL', pre .. 'sslot')}
 """
 
-# ARGV: key prefix, request id. {hash, output, block table, num_computed_tokens (nil once finished)}, or {} if unknown.
+# ARGV: key prefix, request id. {hash, output, block table, output logprobs, num_computed_tokens (nil once
+# finished)}, or {} if unknown.
 GET_REQUEST = """
 local pre, k = ARGV[1], ARGV[1] .. 'req:' .. ARGV[2]
 local seq = redis.call('HGET', k, 'arrival_seq')
 if not seq then return {} end
 return {redis.call('HGETALL', k), redis.call('GET', pre .. 'out:' .. seq) or '',
-        redis.call('GET', pre .. 'blk:' .. seq) or '', redis.call('HGET', pre .. 'computed', seq)}
+        redis.call('GET', pre .. 'blk:' .. seq) or '', redis.call('GET', pre .. 'lp:' .. seq) or '',
+        redis.call('HGET', pre .. 'computed', seq)}
 """

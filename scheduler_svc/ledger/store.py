@@ -34,6 +34,9 @@ Redis Cluster hash tag, so a whole pool lives on one slot and a Lua script may t
                           unique in a pool: a decode step names a request in a few bytes whatever its id)
     blk:{seq}     STRING  block table, packed uint32: new ids APPENDed; SET whole on preemption, copy-on-write,
                           resume; deleted when the request finishes
+    lp:{seq}      STRING  a request that asked for logprobs: its output tokens' logprobs, one record per token of
+                          out:{seq} (codec.pack_logprobs: 8 + 8k bytes for k top logprobs), APPENDed in the same
+                          commit as the tokens; expires with out:{seq}
     lease         STRING  "holder:token", PX ttl: the one scheduler allowed to write
     fence         STRING  counter; each new lease takes the next value as its fencing token (a leader whose
                           worker already saw a newer one jumps past it: `advance_fence`)
@@ -48,7 +51,7 @@ keys, their encodings or the sampling record's fields.
 Each step's effects (new requests, what changed of running ones, appended tokens, finishes, block changes, step id)
 go in with ONE EVALSHA (`commit_step`) of one msgpack argument (`ledger_codec.py`: only what differs from what this
 lease last wrote), which first checks the caller still holds the lease.
-Finished requests leave `active` and `computed`; their req and out keys expire after `finished_ttl_s`. `out:{seq}`
+Finished requests leave `active` and `computed`; their req, out and lp keys expire after `finished_ttl_s`. `out:{seq}`
 grows only through `StepCommit.appended`; a new request resets its keys (a reused id starts clean). `load()`
 returns requests by arrival_seq and a BlockPool whose free list is in id order (the in-memory free order is not
 persisted).
@@ -69,15 +72,15 @@ from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.request import Request, Status
 from scheduler_svc.core.step_records import StepCommit
 from scheduler_svc.ledger import scripts
-from scheduler_svc.ledger.codec import CommitEncoder, unpack_cached_block, unpack_ids
+from scheduler_svc.ledger.codec import CommitEncoder, unpack_cached_block, unpack_ids, unpack_logprobs
 from scheduler_svc.ledger.redis_ha import Durability
 
 # The layout of a pool's keys (see the table above). 2: sampling as JSON of SamplingParams.to_dict(). 3: per-step
 # state written as deltas (computed hash, packed out/blk strings keyed by arrival_seq, binary bhash records). 5: the
 # sampling record gains logit_bias and bad_words (common/sampling_fields.py). 6: the sampling record gains
 # prompt_logprobs and embed; a request record may carry its LoRA adapter (lora, lora_path); the lora_adapters hash.
-# 7: state slots of hybrid models (meta's num_state_slots, sfree, sslot).
-SCHEMA_VERSION = 7
+# 7: state slots of hybrid models (meta's num_state_slots, sfree, sslot). 8: output logprobs (lp:{seq}).
+SCHEMA_VERSION = 8
 
 
 class LeaseLost(Exception):
@@ -136,13 +139,16 @@ def _parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def _decode_request(rid: str, f: dict[str, str], out: bytes, blocks: bytes, computed: str | None) -> Request:
-    """A request from its hash, packed output and block table; `computed`: its entry in `computed` (active)."""
+def _decode_request(rid: str, f: dict[str, str], out: bytes, blocks: bytes, computed: str | None,
+                    lps: bytes = b"") -> Request:
+    """A request from its hash, packed output, block table and output logprobs; `computed`: its entry in
+    `computed` (active)."""
     ftt = f.get("first_token_time", "")
+    sampling = SamplingParams.from_dict(json.loads(f["sampling"]))
     return Request(
         request_id=rid,
         prompt_ids=_parse_ints(f["prompt"]),
-        sampling=SamplingParams.from_dict(json.loads(f["sampling"])),
+        sampling=sampling,
         priority=int(f["priority"]),
         arrival_time=float(f["arrival_time"]),
         arrival_seq=int(f["arrival_seq"]),
@@ -160,6 +166,7 @@ def _decode_request(rid: str, f: dict[str, str], out: bytes, blocks: bytes, comp
         finish_reason=f.get("finish_reason") or None,
         num_preemptions=int(f["num_preemptions"]),
         first_token_time=float(ftt) if ftt else None,
+        output_logprobs=unpack_logprobs(lps) if sampling.logprobs is not None else None,
     )
 
 
@@ -307,11 +314,11 @@ class RedisLedger:
         self._encoder.forget()  # the caller rebuilds its state from what is read here
         computed = _pairs(computed_flat)
         requests = []
-        for i in range(0, len(reqs), 4):
+        for i in range(0, len(reqs), 5):
             fields = _pairs(reqs[i + 1])
             if fields:  # an active id without a hash would be a bug elsewhere; skip rather than crash start-up
                 requests.append(_decode_request(_text(reqs[i]), fields, reqs[i + 2], reqs[i + 3],
-                                                computed.get(fields["arrival_seq"])))
+                                                computed.get(fields["arrival_seq"]), reqs[i + 4]))
         requests.sort(key=lambda r: r.arrival_seq)
         refs = {int(b): int(n) for b, n in _pairs(refs_flat).items()}
         cached = {int(bhash[i]): unpack_cached_block(bhash[i + 1]) for i in range(0, len(bhash), 2)}
@@ -326,8 +333,9 @@ class RedisLedger:
         res = self._get_request(args=[self.prefix, rid])
         if not res:
             return None
-        fields, out, blocks, computed = res
-        return _decode_request(rid, _pairs(fields), out, blocks, None if computed is None else _text(computed))
+        fields, out, blocks, lps, computed = res
+        computed = None if computed is None else _text(computed)
+        return _decode_request(rid, _pairs(fields), out, blocks, computed, lps)
 
     def check_ledger(self) -> dict:
         """Block accounting for tests; asserts nothing itself."""

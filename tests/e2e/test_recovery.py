@@ -6,7 +6,9 @@ redis-server serve the module. REQUESTS (three greedy, one sampled at temperatur
 that is the reference every interrupted run must equal token for token. Each test then uses a fresh namespace
 (so a fresh pool, lease and fencing counter) on the same worker, kills (SIGKILL) or freezes (SIGSTOP) a process
 mid-generation, and checks that clients -- re-attaching by request id with `resume_from_token` where their
-stream broke -- end with exactly the reference tokens, and that the Redis ledger ends clean. Fencing is also
+stream broke -- end with exactly the reference tokens, and that the Redis ledger ends clean. One request asks for
+logprobs and its client re-attaches from token 0, so every token the ledger held is sent again by the new leader:
+each comes with the logprobs the first leader sent for it (stored in the ledger beside the tokens). Fencing is also
 checked by hand: plans with an older token are refused by the worker, and a leader whose pool's counter is
 behind the worker's token moves past it.
 
@@ -44,11 +46,12 @@ WORKER_ARGS = ["--device", "cpu", "--num-gpu-blocks-override", 256, "--max-model
 SCHEDULER_ARGS = ["--lease-ttl-ms", LEASE_TTL_MS, "--debug-invariants"]
 SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
 
+TOP_LOGPROBS = 3
 # name -> (prompt text, extra sampling fields); every request is also max_tokens=MAX_TOKENS, ignore_eos.
 REQUESTS = {
     "greedy-a": ("The capital of France is", {"temperature": 0.0}),
     "greedy-b": ("Once upon a time, in a small village,", {"temperature": 0.0}),
-    "greedy-c": ("def fibonacci(n):", {"temperature": 0.0}),
+    "greedy-c": ("def fibonacci(n):", {"temperature": 0.0, "logprobs": TOP_LOGPROBS}),
     "sampled": ("The weather today is", {"temperature": 0.8, "seed": 1234}),
 }
 # Run through `llmserve generate --json` (greedy) in the scheduler-kill test.
@@ -79,6 +82,10 @@ class Stream:
     problems: list[str] = field(default_factory=list)  # anything that is not a clean UNAVAILABLE + re-attach
     timeout: float = RUN_TIMEOUT_S
     thread: threading.Thread | None = None
+    # A request that asked for logprobs: (logprob, sorted top (token id, logprob)) per token. Its client
+    # re-attaches from token 0 (as one that lost what it had would), keeping each session's list.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    sessions_logprobs: list[list] = field(default_factory=list)
 
     def start(self) -> Stream:
         self.thread = threading.Thread(target=self._run, name=f"client-{self.rid}", daemon=True)
@@ -94,7 +101,11 @@ class Stream:
         req = make_request(self.name, self.rid)
         deadline = time.monotonic() + self.timeout
         turn = 0
+        from_zero = req.sampling.HasField("logprobs")
         while not self.finish and time.monotonic() < deadline:
+            if from_zero and self.tokens:
+                self.sessions_logprobs.append(self.logprobs)
+                self.tokens, self.logprobs = [], []
             req.resume_from_token = len(self.tokens)
             got_message = False
             try:
@@ -107,6 +118,10 @@ class Stream:
                             self.problems.append(f"first_token_index {msg.first_token_index} after "
                                                  f"{len(self.tokens)} tokens")
                         self.tokens.extend(msg.token_ids)
+                        if from_zero:
+                            got = [(lp.logprob, sorted((t.token_id, t.logprob) for t in lp.top))
+                                   for lp in msg.logprobs]
+                            self.logprobs += got + [None] * (len(msg.token_ids) - len(got))
                         if msg.finish_reason:
                             self.finish = msg.finish_reason
             except grpc.RpcError as e:
@@ -136,6 +151,7 @@ class Pool:
         self.procs: list[cluster.Proc] = []
         self.worker = self.start_worker()
         self.reference: dict[str, list[int]] = {}
+        self.reference_logprobs: dict[str, list] = {}  # the requests that ask for logprobs
 
     @property
     def worker_address(self) -> str:
@@ -180,6 +196,9 @@ def pool(redis_server):  # noqa: F811
             assert not s.problems and s.sessions == 1, (s.rid, s.problems, s.sessions)
             assert s.finish == "length" and len(s.tokens) == MAX_TOKENS, (s.rid, s.finish, len(s.tokens))
             p.reference[s.name] = s.tokens
+            if s.logprobs:
+                assert None not in s.logprobs, s.rid
+                p.reference_logprobs[s.name] = s.logprobs
         cluster.stop(ref)
         yield p
     finally:
@@ -251,6 +270,21 @@ def assert_streams_equal_reference(pool: Pool, streams: dict[str, Stream]) -> No
         first_diff = next((i for i, (a, b) in enumerate(zip(s.tokens, ref, strict=False)) if a != b), None)
         assert s.tokens == ref, (f"{s.rid}: output differs from the uninterrupted run (first difference at "
                                  f"{first_diff}, {len(s.tokens)} tokens, {s.sessions} sessions)")
+        if s.name in pool.reference_logprobs:
+            assert_logprobs_as_undisturbed(s, pool.reference_logprobs[s.name])
+
+
+def assert_logprobs_as_undisturbed(s: Stream, reference: list) -> None:
+    """Every token of the last session (re-attached from token 0) has logprobs: those the ledger held are the
+    values an earlier session got for the same token, bit for bit; all of them equal the uninterrupted run's up to
+    the rounding of a different batch (the top tokens compared as sorted (id, logprob) pairs: near-ties may swap)."""
+    empty = [i for i, lp in enumerate(s.logprobs) if lp is None or len(lp[1]) != TOP_LOGPROBS]
+    assert not empty, f"{s.rid}: tokens {empty} came without logprobs ({s.sessions} sessions)"
+    for earlier in s.sessions_logprobs:
+        assert s.logprobs[:len(earlier)] == earlier, f"{s.rid}: a re-sent token's logprobs changed"
+    for i, ((lp, top), (want_lp, want_top)) in enumerate(zip(s.logprobs, reference, strict=True)):
+        assert lp == pytest.approx(want_lp, abs=1e-3), (s.rid, i, lp, want_lp)
+        assert [p for _, p in top] == pytest.approx([p for _, p in want_top], abs=1e-3), (s.rid, i, top, want_top)
 
 
 def lease_token(ledger) -> int:
@@ -291,6 +325,8 @@ def test_scheduler_sigkill_clients_reattach_and_lose_nothing(pool):
         assert_streams_equal_reference(pool, streams)
         for s in streams.values():
             assert s.sessions >= 2 and s.unavailable >= 1, f"{s.rid} never re-attached ({s.sessions} sessions)"
+        resent = streams["greedy-c"].sessions_logprobs
+        assert resent and len(resent[0]) >= 1, "the logprobs request re-sent no token after the re-attach"
 
         out, err = cli.communicate(timeout=RUN_TIMEOUT_S)
         assert cli.returncode == 0, f"llmserve generate failed ({cli.returncode}): {err[-2000:]}"

@@ -85,22 +85,50 @@ def test_compiled_matches_eager_without_compiling_while_serving(tiny_weights, co
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph while serving"
 
 
-def test_worker_runner_with_o1_matches_eager(tiny_path, compiled, monkeypatch, tmp_path):
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads, so the runner's small-step chooser has one fewer to try (cpu/threads.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_worker_runner_with_o1_matches_eager(tiny_path, compiled, monkeypatch, two_threads):
     """The worker's own path: `-O1` makes the runner build dense weights and compile at start-up; greedy tokens
-    equal the default (eager) runner's in mixed steps (chunks of 3 tokens, requests arriving over time)."""
+    equal the default (eager) runner's in mixed steps (chunks of 3 tokens, requests arriving over time). Small
+    steps ran on 2 threads and on 1 (the runner's chooser tries both in turns), and no graph was compiled while
+    serving: dynamo guards on the thread count, so the warm-up built the small sizes for both."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.cache_dir)
     outputs = []
     for argv in ([], ["-O1", "--compilation-config", '{"cudagraph_capture_sizes": [4, 8]}']):
+        torch.set_num_threads(2)  # the last run's last step may have left one
         runner = ModelRunner(parse(WorkerConfig, ["--model", tiny_path, "--dtype", "float32",
                                                   "--num-gpu-blocks-override", "64", *argv]))
         assert isinstance(runner.model, CompiledForward) == bool(argv)
+        graphs = counters["stats"]["unique_graphs"]
         reqs = [DriverRequest(f"r{i}", list(range(10 + i, 15 + 2 * i)), pb.SamplingParams(
             temperature=0.0, max_tokens=6, ignore_eos=True), arrival_step=i) for i in range(3)]
         run_requests(partial(execute_step, runner), reqs, chunk=3, num_blocks=runner.num_blocks,
                      block_size=runner.block_size)
         outputs.append([r.output for r in reqs])
+        assert {threads for _, threads in runner.small_step_threads.recent_s} == {1, 2}
+        assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph while serving"
     assert outputs[0] == outputs[1]
     assert all(len(o) == 6 for o in outputs[0])
+
+
+def test_a_thread_count_without_graphs_runs_on_the_warm_up_count(compiled):
+    """A step on a count the warm-up built nothing for runs pinned to the warm-up's count: no compile."""
+    runner = PagedRunner(compiled, num_blocks=32, seed=3)
+    graphs, threads = counters["stats"]["unique_graphs"], torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        runner.step({0: [5, 6, 7]})
+        assert torch.get_num_threads() == threads + 1  # the caller's count is back
+    finally:
+        torch.set_num_threads(threads)
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph while serving"
 
 
 def test_padded_sizes():

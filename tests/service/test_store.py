@@ -14,7 +14,7 @@ from scheduler_svc.core.block_pool import BlockPool, BlockState
 from scheduler_svc.core.policy import PolicyConfig
 from scheduler_svc.core.request import FINISH_LENGTH, Request, Status
 from scheduler_svc.core.scheduler import SchedulerCore
-from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, SampledToken, WorkerOutput
+from scheduler_svc.core.step_records import WORKER_MAX_TOKENS, Logprobs, SampledToken, WorkerOutput
 from scheduler_svc.ledger.store import (
     InvariantViolation,
     LeaseLost,
@@ -411,6 +411,41 @@ def test_decoded_responses_client_works(redis_server):  # noqa: F811
 
 
 # ---- cost -------------------------------------------------------------------------------------------------
+
+
+def test_output_logprobs_are_stored_with_their_tokens_and_read_back_bit_equal(ledger, client):
+    """A request that asked for logprobs: each commit appends its tokens' logprobs (float32, as the worker sent
+    them) beside the tokens, in the same round trip; load() and get_request() give them back, and they expire with
+    the output. A request that did not ask stores none."""
+    tok = ledger.try_acquire_lease(HOLDER, TTL_MS)
+    asked = make_request("lp", status=Status.RUNNING, block_ids=[0], num_computed_tokens=5)
+    asked.sampling.logprobs = 2
+    plain = make_request("plain", seq=1, status=Status.RUNNING, block_ids=[1], num_computed_tokens=5)
+    f32 = [-0.125, -1.5, -3.0517578125e-05, float("-inf"), -17.25]  # values a float32 holds exactly
+    first = [Logprobs(f32[0], [(11, f32[0]), (40, f32[1])]), Logprobs(f32[2], [(12, f32[2]), (7, f32[3])])]
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(1, 2, new_requests=[asked, plain],
+                                                       appended={"lp": [11, 12], "plain": [5]},
+                                                       logprobs={"lp": first}, block_changes=refs({0: 1, 1: 1})))
+    later = [None, Logprobs(f32[4], [(13, f32[4]), (0, f32[1])])]  # a token without logprobs keeps its place
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(2, 2, appended={"lp": [99, 13]}, logprobs={"lp": later}))
+    loaded = {r.request_id: r for r in ledger.load().requests}
+    assert loaded["lp"].output_ids == [11, 12, 99, 13]
+    assert loaded["lp"].output_logprobs == first + later
+    assert loaded["plain"].output_logprobs is None
+    assert not client.exists(ledger.prefix + f"lp:{plain.arrival_seq}")
+    # 8 bytes per token plus 8 per top logprob.
+    assert client.strlen(ledger.prefix + f"lp:{asked.arrival_seq}") == 3 * (8 + 2 * 8) + 8
+    asked.status, asked.finish_reason, asked.block_ids = Status.FINISHED, "length", []
+    asked.output_ids = [11, 12, 99, 13]
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(3, 2, finished=[asked], block_changes=refs({0: 0}),
+                                                       finished_ttl_s=30))
+    assert ledger.get_request("lp").output_logprobs == first + later
+    assert 0 < client.ttl(ledger.prefix + f"lp:{asked.arrival_seq}") <= 30
+    # A reused id starts without the old logprobs.
+    again = make_request("lp", seq=2)
+    again.sampling.logprobs = 0
+    ledger.commit_step(HOLDER, tok, TTL_MS, StepCommit(4, 3, new_requests=[again]))
+    assert ledger.get_request("lp").output_logprobs == []
 
 
 def _big_step(ledger: RedisLedger, tok: int, n: int = 256, blocks_each: int = 32) -> list[Request]:

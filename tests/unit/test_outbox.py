@@ -7,7 +7,7 @@ import threading
 
 from common.sampling_fields import SamplingParams
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.step_records import SampledToken
+from scheduler_svc.core.step_records import Logprobs, SampledToken
 from scheduler_svc.driver.outbox import UNAVAILABLE, Outbox, Published
 
 
@@ -86,3 +86,14 @@ def test_without_a_loop_publishing_only_records():
     outbox.published["a"] = Published(req)
     outbox.publish([(req, [SampledToken("a", 9)])], [])
     assert outbox.get("a").token_ids == [9]
+
+
+def test_a_request_read_back_from_redis_carries_its_stored_logprobs():
+    """A new leader re-sends stored tokens with the logprobs stored beside them (None past the stored ones)."""
+    req = _request("r")
+    req.output_ids = [5, 6, 7]
+    req.output_logprobs = [Logprobs(-0.5, [(5, -0.5)]), None]
+    pub = Published.of_stored(req, finished=False)
+    assert pub.token_ids == [5, 6, 7] and pub.logprobs == [Logprobs(-0.5, [(5, -0.5)]), None, None]
+    req.output_logprobs = None  # a request that asked for none
+    assert Published.of_stored(req, finished=False).logprobs == [None, None, None]

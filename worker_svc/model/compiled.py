@@ -11,6 +11,11 @@ count is padded up to the next size of the compilation config; only the compiled
 attention and the KV write get the real rows alone, so padding never touches the KV cache and every real row's
 arithmetic is per row. Steps above the largest size run eager.
 
+Inductor's CPU kernels are built for one thread count, and dynamo guards on `torch.get_num_threads()`: a step run on
+another count would compile anew while serving. The runner runs small CPU steps on one thread fewer when that has
+been faster (cpu/threads.py), so the sizes such steps pad to are compiled at warm-up for both counts, and the chooser
+keeps its gain here (the eager path pins nothing either); a step on any other count runs pinned to the warm-up's.
+
 The weights must be dense (not packed for the CPU, panels or oneDNN's copy, which inductor cannot trace,
 and not quantized).
 """
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 from common.validation import ConfigError
 from worker_svc.config import CompilationConfig, WorkerConfig
+from worker_svc.cpu.threads import SMALL_STEP_TOKENS
 from worker_svc.model.compiled_hybrid import CompiledHybridForward
 from worker_svc.model.decoder import LlamaModel
 from worker_svc.model.inductor_cache import reserve_cache_entries, use_cache_dir
@@ -78,7 +84,13 @@ class CompiledForward:
         traced = model.traced()  # the same weights and layer code, over the plain-torch ops
         self.sizes = cfg.sizes()
         self.cache_dir = use_cache_dir(cfg.cache_dir)
-        reserve_cache_entries(2 * len(self.sizes))  # one graph per size and function (with CUDA graphs, per mode)
+        self._threads = torch.get_num_threads()
+        # The runner's small-step choice runs on the CPU and without tensor parallelism (core/runner.py _forward).
+        chooses = model.device.type == "cpu" and model.tp is None and self._threads > 1
+        small = self.padded_size(SMALL_STEP_TOKENS - 1) or self.sizes[-1]
+        self._fewer = frozenset(s for s in self.sizes if s <= small) if chooses else frozenset()
+        # One graph per size, function and thread count (with CUDA graphs, per mode).
+        reserve_cache_entries(2 * (len(self.sizes) + len(self._fewer)))
         self._rope = traced.rotaries[0].prepare  # the step's cos / sin rows, gathered eagerly
         self._qkv_rope = torch.compile(traced.attention_inputs, dynamic=False, fullgraph=True)
         self._o_mlp = torch.compile(traced.post_attention, dynamic=False, fullgraph=True)
@@ -112,11 +124,18 @@ class CompiledForward:
         for size in self.sizes:
             ids = torch.zeros(size, dtype=torch.int64, device=m.device)
             self._layers(ids, ids, None, None, size, decode_only=False)
+            if size in self._fewer:
+                torch.set_num_threads(self._threads - 1)
+                try:
+                    self._layers(ids, ids, None, None, size, decode_only=False)
+                finally:
+                    torch.set_num_threads(self._threads)
             if self._graphs is not None:
                 for _ in range(3):  # cudagraph trees record on the third call
                     self._layers(ids, ids, None, None, size, decode_only=True)
         seconds = time.perf_counter() - t0
-        log.info("compiled forward ready: sizes %s in %.1f s (cache %s)", list(self.sizes), seconds, self.cache_dir)
+        log.info("compiled forward ready: sizes %s in %.1f s (cache %s; sizes up to %s also on %d threads)",
+                 list(self.sizes), seconds, self.cache_dir, max(self._fewer, default=None), self._threads - 1)
         return seconds
 
     @torch.inference_mode()
@@ -129,7 +148,15 @@ class CompiledForward:
         if size > n:  # padding rows: token 0 at position 0, dropped before attention
             input_ids, positions = F.pad(input_ids, (0, size - n)), F.pad(positions, (0, size - n))
         decode_only = self._graphs is not None and len(attn_meta.seq_lens) == n
-        h = self._layers(input_ids, positions, kv_cache, attn_meta, n, decode_only)
+        threads = torch.get_num_threads()
+        compiled_for = threads == self._threads or (threads == self._threads - 1 and size in self._fewer)
+        if not compiled_for:  # a count no graph was built for: the warm-up's, not a compile while serving
+            torch.set_num_threads(self._threads)
+        try:
+            h = self._layers(input_ids, positions, kv_cache, attn_meta, n, decode_only)
+        finally:
+            if not compiled_for:
+                torch.set_num_threads(threads)
         return self.model.head(h, logits_indices, pool_indices)
 
     @torch.inference_mode()
