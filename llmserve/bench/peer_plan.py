@@ -190,3 +190,93 @@ def cpu_table(measurements: list[Measurement]) -> str:
         total = sum(us for name, us in cpu.items() if name != "client")
         lines.append(f"| {PEER_LABELS.get(m.peer, m.peer)} | {m.dtype} | {m.concurrency} | {total:,.0f} | {parts} |")
     return "\n".join(lines) + "\n"
+
+
+# --- Interleaved rounds: both servers up at once, each cell measured in turns, so that a shared box's load (other
+# processes starting and stopping) falls on both servers alike instead of on whichever ran at the worse time.
+
+@dataclass(frozen=True)
+class Turn:
+    """One load of an interleaved run: which server, which load, which round."""
+
+    peer: str
+    load: Load
+    round: int  # 0-based
+
+
+def interleaved_turns(peers: list[str], loads: tuple[Load, ...], rounds: int) -> list[Turn]:
+    """Per concurrency (increasing), `rounds` rounds of every server; the order flips each round (A B, B A, ...)
+    so that a load that rises or falls steadily favours neither. Raises ValueError for rounds < 1."""
+    if rounds < 1:
+        raise ValueError(f"--interleave-rounds must be >= 1, got {rounds}")
+    turns = []
+    for load in loads:
+        for r in range(rounds):
+            order = peers if r % 2 == 0 else list(reversed(peers))
+            turns += [Turn(peer, load, r) for peer in order]
+    return turns
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _ok(m: Measurement) -> bool:
+    return m.error is None and bool(m.output_throughput)
+
+
+def _load1(m: Measurement) -> str:
+    """The 1-minute load average at the load's start and end, `a-b`."""
+    start, end = m.extra.get("load_average_start"), m.extra.get("load_average")
+    return f"{start[0] if start else '?'}-{end[0] if end else '?'}"
+
+
+def rounds_table(measurements: list[Measurement]) -> str:
+    """For interleaved runs: per (dtype, concurrency), each server's median over rounds of output tok/s, TTFT p50
+    and TPOT p50, the llmserve / vLLM ratio of the median tok/s and the ratio within each round (the two loads of a
+    round ran back to back, so they saw about the same box); then every load with the box's load average."""
+    peers = [p for p in ("llmserve", "vllm") if any(m.peer == p for m in measurements)]
+    cells = sorted({(DTYPES.index(m.dtype) if m.dtype in DTYPES else 9, m.dtype, m.concurrency)
+                    for m in measurements})
+    head = ["dtype", "concurrency", "prompts", "rounds"]
+    for p in peers:
+        head += [f"{PEER_LABELS[p]} tok/s", f"{PEER_LABELS[p]} TTFT p50", f"{PEER_LABELS[p]} TPOT p50"]
+    both = len(peers) == 2
+    if both:
+        head += ["llmserve / vLLM (medians)", "llmserve / vLLM per round"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, dtype, c in cells:
+        mine = [m for m in measurements if m.dtype == dtype and m.concurrency == c]
+        by_peer = {p: [m for m in mine if m.peer == p] for p in peers}
+        row = [dtype, str(c), str(max(m.num_prompts for m in mine)),
+               str(max((m.extra.get("round", 0) for m in mine), default=0) + 1)]
+        medians = {}
+        for p in peers:
+            ok = [m for m in by_peer[p] if _ok(m)]
+            medians[p] = _median([m.output_throughput for m in ok])
+            failed = len(by_peer[p]) - len(ok)
+            tps = "-" if medians[p] is None else f"{medians[p]:.1f}" + (f" [{failed} failed]" if failed else "")
+            row += [tps, _ms(_median([m.median_ttft_ms for m in ok])), _ms(_median([m.median_tpot_ms for m in ok]))]
+        if both:
+            ratio = (f"{medians['llmserve'] / medians['vllm']:.2f}x" if medians["llmserve"] and medians["vllm"]
+                     else "-")
+            per_round = []
+            for r in sorted({m.extra.get("round", 0) for m in mine}):
+                pair = {m.peer: m for m in mine if m.extra.get("round", 0) == r}
+                per_round.append(_ratio(pair.get("llmserve"), pair.get("vllm")))
+            row += [ratio, ", ".join(per_round)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Every load in the order it ran (load average: the 1-minute figure at its start and end):", "",
+              "| # | dtype | concurrency | round | server | tok/s | TTFT p50 | TPOT p50 | duration | load average |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, m in enumerate(measurements, 1):
+        tps = f"{m.output_throughput:.1f}" if _ok(m) else f"failed ({m.error or 'no output'})"[:60]
+        duration = "-" if m.duration_s is None else f"{m.duration_s:.0f} s"
+        lines.append(f"| {i} | {m.dtype} | {m.concurrency} | {m.extra.get('round', 0) + 1} | "
+                     f"{PEER_LABELS.get(m.peer, m.peer)} | {tps} | {_ms(m.median_ttft_ms)} | {_ms(m.median_tpot_ms)} "
+                     f"| {duration} | {_load1(m)} |")
+    return "\n".join(lines) + "\n"

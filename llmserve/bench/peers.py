@@ -6,15 +6,20 @@ the other, each measured by vLLM's own client (`vllm bench serve`) with the same
     llmserve bench peers --dtypes bfloat16 --concurrency 1,16 --peers llmserve,vllm --num-prompts 32
     llmserve bench peers --install-only                     # the venvs and the model directory, nothing served
     llmserve bench peers --hf-model DIR --peers llmserve,vllm --dtypes bfloat16   # both serve one HF checkpoint
+    llmserve bench peers --hf-model DIR --peers llmserve,vllm --interleave-rounds 2   # both up, cells in turns
 
 The peers are installed in their own venvs under --peers-dir (hundreds of MB; a source build of llama.cpp) on first
 use (llmserve/bench/peer_env.py). The numbers depend on what else runs on the machine: compare within one run.
+On a shared machine, --interleave-rounds N starts llmserve and vLLM once each, side by side, and measures every
+cell N times in turns (llmserve, vLLM, then vLLM, llmserve, ...): medians per cell and the ratio within each round,
+with the load average at each load's start and end (peer_plan.rounds_table).
 A second table gives each server process's CPU time per output token during each load (llmserve's API, scheduler,
 worker and Redis; vLLM's API server and engine core) and the client's (llmserve/bench/proc_cpu.py)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -54,6 +59,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--input-len", type=int, default=None, help="random prompt tokens (128)")
     w.add_argument("--output-len", type=int, default=None, help="output tokens, EOS ignored (64)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--interleave-rounds", type=int, default=0, metavar="N",
+                   help="llmserve and vLLM up at once (per dtype), each cell run N times in turns; 0: one server "
+                   "after the other, each cell once (the default)")
+    w.add_argument("--warmup-prompts", type=int, default=2,
+                   help="with --interleave-rounds: prompts sent to each server once it is ready, not measured")
     w.add_argument("--quick", action="store_true",
                    help=f"smoke sizes unless given: concurrency {QUICK['concurrency']}, {QUICK['num_prompts']} "
                    f"prompts, {QUICK['input_len']} -> {QUICK['output_len']} tokens")
@@ -108,6 +118,12 @@ def resolve(args: argparse.Namespace) -> tuple[list[peer_plan.ServerRun], peer_p
             raise SystemExit("--hf-model: llama.cpp serves a GGUF only; drop llamacpp from --peers")
         if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
             raise SystemExit(f"--hf-model {args.hf_model}: no config.json there")
+    if getattr(args, "interleave_rounds", 0):
+        if any(r.peer == "llamacpp" for r in plan):
+            raise SystemExit("--interleave-rounds: llmserve and vLLM only; drop llamacpp from --peers")
+        if args.interleave_rounds < 0 or args.warmup_prompts < 0:
+            raise SystemExit(f"--interleave-rounds and --warmup-prompts must be >= 0, got {args.interleave_rounds} "
+                             f"and {args.warmup_prompts}")
     for name, value in (("--input-len", workload.input_len), ("--output-len", workload.output_len),
                         ("--threads", args.threads)):
         if value < 1:
@@ -155,19 +171,42 @@ class _Results:
                 f"{self.meta['machine']['cpus']} CPUs, load average at start {self.meta['load_average_start']}; "
                 f"`vllm bench serve`: random prompts of {w.input_len} tokens, {w.output_len} output tokens, "
                 "--ignore-eos, /v1/completions. Cells: output tokens/s (median TPOT, median TTFT).\n\n"
-                + peer_plan.markdown_table(self.items, w.output_len) + peer_plan.cpu_table(self.items))
+                + self._tables() + peer_plan.cpu_table(self.items) + self._servers())
+
+    def _tables(self) -> str:
+        if self.meta.get("interleave_rounds"):
+            return peer_plan.rounds_table(self.items)
+        return peer_plan.markdown_table(self.items, self.workload.output_len)
+
+    def _servers(self) -> str:
+        """Each server's start-up time and host memory once ready (the load's peak: weights and KV cache)."""
+        servers = self.meta.get("servers") or {}
+        if not servers:
+            return ""
+        lines = ["", "Servers once ready: start-up seconds, peak / current RSS by process (GB):", ""]
+        for name, s in servers.items():
+            parts = ", ".join(f"{label} {v['peak_rss'] / 1e9:.2f} / {v['rss'] / 1e9:.2f}"
+                              for label, v in sorted(s["memory"].items(), key=lambda kv: -kv[1]["peak_rss"])
+                              if v["peak_rss"] > 50e6)
+            lines.append(f"- {name}: {s['startup_s']:.0f} s; {parts}")
+        return "\n".join(lines) + "\n"
 
 
-def _run_load(vllm_cli, server, args, run, load, workload, result_dir) -> peer_plan.Measurement:
-    name = f"{run.peer}-{run.dtype}-c{load.concurrency}.json"
+def _run_load(vllm_cli, server, args, run, load, workload, result_dir, tag: str = "",
+              idle: dict | None = None) -> peer_plan.Measurement:
+    """One `vllm bench serve` load against `server`; `idle` ({name: Started}) are servers left up beside it, whose
+    CPU seconds during the load are kept (what an idle server takes from the one measured)."""
+    name = f"{run.peer}-{run.dtype}-c{load.concurrency}{tag}.json"
     argv = peer_plan.bench_serve_argv(vllm_cli, server.base_url, args.served_model_name, args.tokenizer_dir, load,
                                       workload, result_dir, name)
-    log_path = os.path.join(result_dir, f"client-{run.peer}-{run.dtype}-c{load.concurrency}.log")
+    log_path = os.path.join(result_dir, f"client-{run.peer}-{run.dtype}-c{load.concurrency}{tag}.log")
     print(f"[peers] {run.peer} {run.dtype} concurrency {load.concurrency}: {load.num_prompts} prompts",
           file=sys.stderr, flush=True)
     path = os.path.join(result_dir, name)
     if os.path.exists(path):
         os.remove(path)
+    load_start = _load_average()
+    idle_before = {n: proc_cpu.snapshot(s.proc.pid) for n, s in (idle or {}).items()}
     cpu_before, client_before = proc_cpu.snapshot(server.proc.pid), _children_cpu()
     with open(log_path, "w") as log:
         try:
@@ -177,14 +216,17 @@ def _run_load(vllm_cli, server, args, run, load, workload, result_dir) -> peer_p
             code = "timeout"
     cpu = proc_cpu.spent(cpu_before, proc_cpu.snapshot(server.proc.pid))
     cpu["client"] = _children_cpu() - client_before
+    idle_cpu = {n: round(sum(proc_cpu.spent(idle_before[n], proc_cpu.snapshot(s.proc.pid)).values()), 2)
+                for n, s in (idle or {}).items()}
+    extra = {"load_average_start": load_start, **({"idle_servers_cpu_s": idle_cpu} if idle else {})}
     if code != 0 or not os.path.exists(path):
         with open(log_path, errors="replace") as f:
             tail = f.read()[-300:].replace("\n", " ")
         return peer_plan.Measurement(run.peer, run.dtype, load.concurrency, load.num_prompts,
-                                     error=f"client exit {code}: {tail}", extra={"client_log": log_path})
+                                     error=f"client exit {code}: {tail}", extra={"client_log": log_path, **extra})
     with open(path) as f:
         m = peer_plan.parse_result(json.load(f), run.peer, run.dtype, load)
-    m.extra["client_log"] = log_path
+    m.extra.update(client_log=log_path, **extra)
     m.extra["cpu_us_per_token"] = peer_plan.cpu_per_token(cpu, m)
     return m
 
@@ -207,6 +249,39 @@ def merged_table(paths: list[str]) -> str:
         output_len = output_len or run["workload"]["output_len"]
         items += [peer_plan.Measurement(**m) for m in run["measurements"]]
     return "\n".join(heads) + "\n\n" + peer_plan.markdown_table(items, output_len or 0)
+
+
+def _interleaved(runs: list[peer_plan.ServerRun], spec_of, vllm_cli, args, workload, results: _Results) -> None:
+    """The servers of one dtype started one after the other and left up together, each warmed with a few
+    unmeasured prompts, then every cell in turns (peer_plan.interleaved_turns). A server that does not start ends
+    the dtype's run: a cell with one server has no ratio to give (the error is raised)."""
+    from llmserve.bench import peer_servers
+
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for run in runs:
+            spec = spec_of(run)
+            log_path = os.path.join(args.result_dir, f"server-{run.peer}-{run.dtype}.log")
+            print(f"[peers] starting {run.peer} ({run.dtype}), log {log_path}", file=sys.stderr, flush=True)
+            server = stack.enter_context(peer_servers.started(spec, args.served_model_name, log_path,
+                                                              args.start_timeout))
+            results.meta.setdefault("servers", {})[f"{run.peer} {run.dtype}"] = {
+                "startup_s": round(server.startup_s, 1), "memory": proc_cpu.memory(server.proc.pid),
+                "argv": spec.argv, "log": log_path}
+            print(f"[peers] {run.peer} ready in {server.startup_s:.0f} s", file=sys.stderr, flush=True)
+            servers[run.peer] = (run, server)
+        for run, server in servers.values():
+            if args.warmup_prompts:
+                warm = peer_plan.Load(min(args.warmup_prompts, run.loads[0].concurrency), args.warmup_prompts)
+                m = _run_load(vllm_cli, server, args, run, warm, workload, args.result_dir, "-warmup")
+                print(f"[peers] {run.peer} warm-up: {m.output_throughput or m.error} tok/s", file=sys.stderr)
+        for turn in peer_plan.interleaved_turns(list(servers), runs[0].loads, args.interleave_rounds):
+            run, server = servers[turn.peer]
+            idle = {f"{peer} {other.dtype}": s for peer, (other, s) in servers.items() if peer != turn.peer}
+            m = _run_load(vllm_cli, server, args, run, turn.load, workload, args.result_dir, f"-r{turn.round}",
+                          idle=idle)
+            m.extra.update(round=turn.round, startup_s=round(server.startup_s, 1))
+            results.add(m)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -240,19 +315,25 @@ def main(args: argparse.Namespace) -> None:
             "machine": _machine(), "load_average_start": _load_average(), "workload": workload.__dict__,
             "gguf": gguf, "hf_dir": hf_dir, "llmserve_model": llmserve_model,
             "plan": [{"peer": r.peer, "dtype": r.dtype, "loads": [load.__dict__ for load in r.loads]} for r in plan]}
+    meta["interleave_rounds"] = args.interleave_rounds
     results = _Results(args.result_dir, workload, meta)
-    for run in plan:
+
+    def spec_of(run: peer_plan.ServerRun):
         if run.peer == "llmserve":
-            spec = peer_servers.llmserve_spec(llmserve_model, run.dtype, args.served_model_name,
+            return peer_servers.llmserve_spec(llmserve_model, run.dtype, args.served_model_name,
                                               shlex.split(args.llmserve_args), os.path.join(peers_dir, "gguf-cache"))
-        elif run.peer == "vllm":
-            spec = peer_servers.vllm_spec(vllm_cli, hf_dir, run.dtype, args.served_model_name,
+        if run.peer == "vllm":
+            return peer_servers.vllm_spec(vllm_cli, hf_dir, run.dtype, args.served_model_name,
                                           shlex.split(args.vllm_args), threads_bind=f"0-{args.threads - 1}",
                                           kvcache_gib=args.vllm_kvcache_space)
-        else:
-            spec = peer_servers.llamacpp_spec(llamacpp_cli, gguf, args.served_model_name,
-                                              shlex.split(args.llamacpp_args), threads=args.threads,
-                                              n_ctx=args.llamacpp_n_ctx)
+        return peer_servers.llamacpp_spec(llamacpp_cli, gguf, args.served_model_name, shlex.split(args.llamacpp_args),
+                                          threads=args.threads, n_ctx=args.llamacpp_n_ctx)
+
+    if args.interleave_rounds:
+        for dtype in dict.fromkeys(r.dtype for r in plan):
+            _interleaved([r for r in plan if r.dtype == dtype], spec_of, vllm_cli, args, workload, results)
+    for run in plan if not args.interleave_rounds else []:
+        spec = spec_of(run)
         log_path = os.path.join(args.result_dir, f"server-{run.peer}-{run.dtype}.log")
         print(f"[peers] starting {run.peer} ({run.dtype}), log {log_path}", file=sys.stderr, flush=True)
         t0 = time.monotonic()

