@@ -68,7 +68,7 @@ def test_serve_with_a_pool_below_max_model_len_answers(tmp_path):
         final = json.loads(out.stdout.splitlines()[-1])
         assert final["finish_reason"] == "length" and len(final["token_ids"]) == 8
     finally:
-        assert cluster.stop(watch=serve, timeout=30) == 0, serve.log_tail()
+        assert cluster.stop(serve, timeout=30) == 0, serve.log_tail()
     assert not [p for p in kids.values() if p.is_running()], "serve left its children running"
 
 
@@ -152,7 +152,7 @@ def test_serve_restarts_killed_redis_and_worker_and_streams_lose_nothing():
         log = serve.log_text()
         assert "the redis-server exited" in log and "the worker exited" in log, log[-4000:]
     finally:
-        assert cluster.stop(watch=serve, timeout=30) == 0, serve.log_tail()
+        assert cluster.stop(serve, timeout=30) == 0, serve.log_tail()
 
 
 def test_a_worker_that_never_starts_ends_serve_naming_it(tmp_path):
