@@ -10,9 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# The shared harness (tests/support/): a failing test's report gets the logs of the processes still running, and
-# every test may ask for the session's `redis_server` by name.
-pytest_plugins = ("tests.support.cluster", "tests.support.redis_fixture")
+# The shared harness (tests/support/): a failing test's report gets the logs of the processes still running, every
+# test may ask for the session's `redis_server` by name, and the longest files are queued first.
+pytest_plugins = ("tests.support.cluster", "tests.support.redis_fixture", "tests.support.file_order")
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 

@@ -12,7 +12,6 @@ scheduler's probe late is not taken for lost, which used to refuse every request
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import httpx
@@ -23,19 +22,11 @@ from common import public_protocol
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support import cluster
+from tests.support.waiting import wait_for
 
 NUM_REQUESTS = 5
 MAX_TOKENS = 48
 PROMPT = "Once upon a time, in a small village,"
-
-
-def wait_for(what: str, cond, proc, timeout: float = 120.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert proc.alive(), proc.log_tail()
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
-    return value
 
 
 def queued_requests(ledger, rids: list[str]) -> list[str]:
@@ -61,7 +52,7 @@ def wait_idle(ledger, serve) -> dict:
         state = ledger.check_ledger()
         return state if state["free"] + state["evictable"] == state["total"] and not state["active"] else None
 
-    return wait_for("an idle ledger", idle, serve, timeout=60)
+    return wait_for("an idle ledger", idle, timeout=60, watch=serve)
 
 
 def test_queued_requests_survive_a_lapsed_lease(served):
@@ -79,7 +70,7 @@ def test_queued_requests_survive_a_lapsed_lease(served):
             calls = [asyncio.create_task(one(client, rid)) for rid in rids]
             # Several requests wait in the queue; then the lease goes, as a stall past its TTL loses it.
             await asyncio.to_thread(wait_for, "two queued requests",
-                                    lambda: len(queued_requests(ledger, rids)) >= 2, serve)
+                                    lambda: len(queued_requests(ledger, rids)) >= 2, watch=serve)
             ledger.client.delete(ledger.k_lease)
             return await asyncio.gather(*calls)
 
@@ -109,7 +100,7 @@ def test_a_late_idle_worker_keeps_taking_requests(served):
     try:
         wait_for("a late answer to the idle probe",
                  lambda: any(s in serve.log_text()[mark:] for s in ("did not answer within", "worker step failed")),
-                 serve)
+                 watch=serve)
 
         async def run() -> list[pb.GenerateResponse]:
             async with grpc.aio.insecure_channel(serve.address) as channel:

@@ -36,6 +36,7 @@ from protos import llmserve_pb2_grpc as pb_grpc
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from tests.support import cluster
+from tests.support.waiting import wait_for
 
 MAX_TOKENS = 48
 LEASE_TTL_MS = 1500
@@ -206,17 +207,6 @@ def pool(redis_server):  # noqa: F811
 
 
 # ---- checks --------------------------------------------------------------------------------------------------
-
-
-def wait_for(what: str, cond, timeout: float = 60.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def committed(ledger, rids: list[str]) -> dict[str, int]:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -29,6 +28,7 @@ from protos import llmserve_pb2 as pb
 from scheduler_svc.ledger.store import RedisLedger
 from tests.support import cluster
 from tests.support.redis_ha import RedisHA, restart_redis
+from tests.support.waiting import wait_for
 
 MAX_TOKENS = 32  # the primary is lost after MIN_PROGRESS tokens: most of each stream is generated after it
 MIN_PROGRESS = 4
@@ -122,14 +122,6 @@ def ha_scheduler(group: RedisHA, worker, flags=()) -> cluster.Proc:
 
 def ledger_on(port: int, namespace: str) -> RedisLedger:
     return RedisLedger(redis.Redis(port=port, socket_timeout=5), namespace=namespace)
-
-
-def wait_for(what: str, cond, timeout: float = 120.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(interval)
-    return value
 
 
 def wait_mid_generation(ledger: RedisLedger, streams: Streams) -> None:

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import httpx
@@ -22,6 +21,7 @@ from llmserve import client
 from protos import llmserve_pb2 as pb
 from protos import llmserve_pb2_grpc as pb_grpc
 from tests.support import cluster
+from tests.support.waiting import wait_for
 
 STREAMS, MAX_TOKENS = 8, 56
 
@@ -45,15 +45,6 @@ def children(serve: cluster.Proc) -> dict[str, psutil.Process]:
 
 def redis_url(serve: cluster.Proc) -> str:
     return re.search(r" redis (redis://\S+);", serve.log_text()).group(1)
-
-
-def wait_for(what: str, cond, serve: cluster.Proc, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert serve.alive(), f"serve exited while waiting for {what}:\n{serve.log_tail()}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{serve.log_tail()}"
-        time.sleep(0.1)
-    return value
 
 
 def test_serve_with_a_pool_below_max_model_len_answers(tmp_path):
@@ -136,26 +127,28 @@ def test_serve_restarts_killed_redis_and_worker_and_streams_lose_nothing():
 
         streams = Streams(serve.address, "chaos")
         procs = children(serve)
-        wait_for("8 tokens in every stream", lambda: min(streams.tokens) >= 8, serve)
+        wait_for("8 tokens in every stream", lambda: min(streams.tokens) >= 8, watch=serve)
         procs["redis"].kill()
         new_redis = wait_for("a new redis-server", lambda: (c := children(serve).get("redis")) and
-                             c.pid != procs["redis"].pid and c, serve)
+                             c.pid != procs["redis"].pid and c, watch=serve)
         # The new redis-server loaded the append-only file: the pool and every unfinished request are still there.
         state = cluster.ledger(redis_url(serve), "llmserve").check_ledger()
         assert state["active"] == STREAMS and state["total"] == 256, state
-        wait_for("SERVING after the redis-server restart", lambda: cluster.health(serve.address) == "SERVING", serve)
+        wait_for("SERVING after the redis-server restart", lambda: cluster.health(serve.address) == "SERVING",
+                 watch=serve)
         at_redis = list(streams.tokens)
         wait_for("progress after the redis-server restart",
-                 lambda: all(t > a or t == MAX_TOKENS for t, a in zip(streams.tokens, at_redis, strict=True)), serve)
+                 lambda: all(t > a or t == MAX_TOKENS for t, a in zip(streams.tokens, at_redis, strict=True)),
+                 watch=serve)
         assert min(streams.tokens) < MAX_TOKENS, "the streams finished before the worker could be killed"
         procs["worker"].kill()
         wait_for("a new worker", lambda: (c := children(serve).get("worker")) and c.pid != procs["worker"].pid,
-                 serve)
+                 watch=serve)
         outputs = streams.outputs()
 
         assert outputs == reference, "a stream's tokens differ from the undisturbed run"
         assert serve.alive() and children(serve)["redis"].pid == new_redis.pid
-        wait_for("SERVING at the end", lambda: cluster.health(serve.address) == "SERVING", serve, timeout=30)
+        wait_for("SERVING at the end", lambda: cluster.health(serve.address) == "SERVING", watch=serve, timeout=30)
         log = serve.log_text()
         assert "the redis-server exited" in log and "the worker exited" in log, log[-4000:]
     finally:
