@@ -238,8 +238,8 @@ def main() -> None:
                     "eagle3, mtp")
     ap.add_argument("--draft-model", default=None, help="draft_model's model (default: --model itself)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k of draft_model, eagle3 and mtp")
-    ap.add_argument("--only", choices=["repetitive", "chat", "prose"], default=None,
-                    help="one workload (default: repetitive, chat and prose)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated workloads of repetitive, chat, prose (default: all three)")
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--batch1-requests", type=int, default=4, help="requests of a batch-1 wave (sent one by one)")
     ap.add_argument("--repetitive-tokens", type=int, default=128,
@@ -254,7 +254,9 @@ def main() -> None:
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     methods = a.methods.split(",")
-    workloads = [a.only] if a.only else ["repetitive", "chat", "prose"]
+    workloads = a.only.split(",") if a.only else ["repetitive", "chat", "prose"]
+    if set(workloads) - {"repetitive", "chat", "prose"}:
+        ap.error(f"--only {a.only!r}: workloads are repetitive, chat and prose")
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)

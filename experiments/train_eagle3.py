@@ -257,7 +257,8 @@ def main() -> None:
     held = max(1, len(items) // 10)
     evals, train = items[:held], items[held:]
 
-    counts = torch.bincount(torch.cat([it["labels"] for it in train]), minlength=tc.vocab_size)
+    labels = torch.cat([it["labels"] for it in train])
+    counts = torch.bincount(labels[labels >= 0], minlength=tc.vocab_size)
     draft_ids = counts.argsort(descending=True)[: a.draft_vocab].sort().values
     t2d = torch.full((tc.vocab_size,), -1, dtype=torch.int64)
     t2d[draft_ids] = torch.arange(len(draft_ids))
@@ -305,7 +306,7 @@ def main() -> None:
             opt.step()
             step += 1
             if step % 20 == 0:
-                log.append({"step": step, "minute": round((time.time() - t0) / 60, 2), "loss": round(float(loss), 4),
+                log.append({"step": step, "minute": round((time.time() - t0) / 60, 2), "loss": round(loss.item(), 4),
                             "train_top1": [round(acc, 3) for _, acc in res]})
                 print(json.dumps(log[-1]), flush=True)
         epoch += 1
