@@ -1,21 +1,21 @@
 """Train a small EAGLE-3 head for the bundled SmolLM2-135M on this CPU, by self-distillation.
 
-1. Data: a few hundred varied chat prompts (topics x tasks, built below), the bundled model's own greedy
-   continuations of them (transformers, float32, batched), cached as token ids.
-2. Features: one target forward per sequence gives the residual stream entering the head's three capture layers
-   (`eagle_aux_hidden_state_layer_ids`, vLLM's default 2, N / 2, N - 3) and the target's greedy token at every
-   position (the label: a draft is accepted exactly when it equals that token). Cached as float16.
-3. Training: the head (worker_svc/model/eagle3.py's layout: fc over the three states, one Llama layer whose
+1. Data: a few hundred varied chat prompts (topics x tasks, built below) and the bundled model's own greedy
+   continuations of them (transformers, float32, batched). The same `generate` forward hands out the residual
+   stream entering the head's three capture layers (`eagle_aux_hidden_state_layer_ids`, vLLM's default 2, N / 2,
+   N - 3); the labels are the target's greedy next tokens (a draft is accepted exactly when it equals one).
+   Cached as float16 after every batch (`--gen-minutes` caps the generation).
+2. Training: the head (worker_svc/model/eagle3.py's layout: fc over the three states, one Llama layer whose
    attention reads [normed token embedding, normed hidden], final norm, a reduced draft vocabulary with `d2t`),
    AdamW, with the training-time test: step 0 is fed the target's states, step j > 0 its own previous output, as
    the worker chains it, attending to step 0's keys up to the chain's origin plus the chain's own keys.
    The embedding is the target's (frozen, not saved: the worker shares the target's).
-4. Output: config.json + model.safetensors, what `--speculative-config '{"method": "eagle3", "model": DIR}'` loads.
+3. Output: config.json + model.safetensors, what `--speculative-config '{"method": "eagle3", "model": DIR}'` loads.
 
 Everything goes under experiments/out/eagle3/ (ignored); nothing of it is committed.
 
     nice -n 5 .venv/bin/python -m experiments.train_eagle3 --minutes 30
-    nice -n 5 .venv/bin/python -m experiments.train_eagle3 --minutes 1 --prompts 24 --new-tokens 32   # a smoke run
+    nice -n 5 .venv/bin/python -m experiments.train_eagle3 --minutes 1 --prompts 16 --new-tokens 32   # a smoke run
 """
 
 from __future__ import annotations
