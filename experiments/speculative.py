@@ -19,6 +19,8 @@ Workloads (temperature 0, so both sides compute the same tokens):
   case prompt lookup exists for.
 - chat: llmserve.bench.workloads' `chat` (random-token prompts of 32..256 tokens, fixed outputs of 32..128 with
   `ignore_eos`).
+- prose: plain questions ("Why is the sky blue?"), ending at EOS (at most --repetitive-tokens): the answer copies
+  little of the prompt, so prompt lookup finds little; what a learned head (eagle3) is for.
 
 With an eagle3 / mtp `--speculative-config` the "on" runs go to a second worker process started with the flag (the
 head loaded; the "off" worker has none, so the head's cost per step counts); `--random-eagle3-head` writes a
@@ -26,16 +28,19 @@ random-weight EAGLE-3 head for the bundled model and uses it (acceptance ~0: wha
 
 Batch 1 sends the requests one after another; batch 16 sends 16 at once. Reported per run: output tokens/s (all
 output tokens / wall time of the wave), TPOT (per request: (last token - first token) / (tokens - 1), median),
-acceptance rate (vllm:spec_decode_num_accepted_tokens_total / ..._num_draft_tokens_total) and accepted tokens per
-draft run; the speed-up is the median method/none throughput ratio over the repeats. Greedy outputs with
+acceptance rate (vllm:spec_decode_num_accepted_tokens_total / ..._num_draft_tokens_total), accepted tokens per
+draft run and the per-position acceptance (vllm:spec_decode_num_accepted_tokens_per_pos_total{position} /
+drafts); the speed-up is the median method/none throughput ratio over the repeats. Greedy outputs with
 speculation must equal none's (reported as "identical k/N").
 
-    .venv/bin/python -m experiments.speculative                        # both workloads, batch 1 and 16
+    .venv/bin/python -m experiments.speculative                        # the three workloads, batch 1 and 16
     .venv/bin/python -m experiments.speculative --only repetitive --batches 1 --repeats 1
     .venv/bin/python -m experiments.speculative --methods none,draft_model --draft-model DIR
     .venv/bin/python -m experiments.speculative --methods none,draft_model,draft_random --only repetitive
     .venv/bin/python -m experiments.speculative --json out.json
     .venv/bin/python -m experiments.speculative --only chat --methods none,eagle3 --random-eagle3-head --repeats 1
+    .venv/bin/python -m experiments.speculative --only prose --methods none,ngram,eagle3 \
+        --eagle3-head experiments/out/eagle3/head                     # the head experiments/train_eagle3.py wrote
 
 Results and commands: experiments/RESULTS.md (speculative decoding).
 """
@@ -97,6 +102,21 @@ def repetitive_prompts(n: int) -> list[list[tuple[str, str]]]:
     return out
 
 
+# Questions in plain prose (none of them among experiments/train_eagle3.py's training prompts): the answer copies
+# little of the prompt, so prompt lookup has little to find; the case a learned head is for.
+_QUESTIONS = ["How do airplanes stay in the air?", "What is the difference between weather and climate?",
+              "Give me some tips for a job interview.", "Why do cats purr?", "How does a refrigerator keep food cold?",
+              "What causes the seasons on Earth?", "Write a short story about a lost dog finding its way home.",
+              "How can I learn a new language faster?", "What is inflation and why does it happen?",
+              "Explain how a rainbow forms.", "What are the benefits of regular exercise?",
+              "Describe a typical day of a farmer.", "Why is the sky blue?", "How do vaccines train the body?",
+              "Write a letter thanking a teacher.", "What makes a good friend?"]
+
+
+def prose_prompts(n: int) -> list[list[tuple[str, str]]]:
+    return [[("user", _QUESTIONS[i % len(_QUESTIONS)])] for i in range(n)]
+
+
 def chat_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
     specs = generate("chat", WorkloadParams(num_requests=n, seed=seed))
     return [(list(s.prompt_ids), s.max_tokens) for s in specs]
@@ -144,9 +164,10 @@ def _wave(address: str, items: list[tuple[object, int]], batch: int) -> tuple[li
     return results, time.perf_counter() - t0
 
 
-def _spec_counts(driver) -> tuple[float, float, float]:
+def _spec_counts(driver) -> tuple[float, float, float, list[float]]:
+    """drafts, draft tokens, accepted, accepted per draft position: the vllm:spec_decode_* counters /metrics serves."""
     m = driver.metrics
-    return tuple(c._value.get() for c in m.c_spec)  # drafts, draft tokens, accepted
+    return (*(c._value.get() for c in m.c_spec), [c._value.get() for c in m.c_spec_pos])
 
 
 def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget: int) -> dict:
@@ -161,14 +182,18 @@ def run_once(redis_url: str, worker, items, batch: int, spec: str | None, budget
         after = _spec_counts(sched.driver)
     finally:
         sched.stop()
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before, strict=True))
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
+    per_pos = [a - (before[3][j] if j < len(before[3]) else 0) for j, a in enumerate(after[3])]
     n_out = sum(len(s["tokens"]) for s in streams)
     tpots = [s["tpot_s"] for s in streams if s["tpot_s"] is not None]
     return {"spec": bool(spec), "batch": batch, "output_tokens": n_out, "wall_s": wall,
             "tokens_per_s": n_out / wall, "tpot_ms_median": 1000 * statistics.median(tpots) if tpots else None,
             "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "accepted_per_draft_run": accepted / drafts if drafts else None,
-            "draft_tokens": draft_tokens, "accepted_tokens": accepted, "outputs": [s["tokens"] for s in streams]}
+            "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            # vLLM's per-position acceptance rate: accepted at draft position j / draft runs.
+            "acceptance_per_pos": [n / drafts for n in per_pos] if drafts else [],
+            "outputs": [s["tokens"] for s in streams]}
 
 
 def random_draft(target: str, path: str) -> str:
@@ -213,10 +238,12 @@ def main() -> None:
                     "eagle3, mtp")
     ap.add_argument("--draft-model", default=None, help="draft_model's model (default: --model itself)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k of draft_model, eagle3 and mtp")
-    ap.add_argument("--only", choices=["repetitive", "chat"], default=None)
+    ap.add_argument("--only", default=None,
+                    help="comma-separated workloads of repetitive, chat, prose (default: all three)")
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--batch1-requests", type=int, default=4, help="requests of a batch-1 wave (sent one by one)")
-    ap.add_argument("--repetitive-tokens", type=int, default=128, help="output tokens of a repetitive request")
+    ap.add_argument("--repetitive-tokens", type=int, default=128,
+                    help="output tokens of a repetitive or prose request (at most: they end at EOS)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
@@ -227,7 +254,9 @@ def main() -> None:
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     methods = a.methods.split(",")
-    workloads = [a.only] if a.only else ["repetitive", "chat"]
+    workloads = a.only.split(",") if a.only else ["repetitive", "chat", "prose"]
+    if set(workloads) - {"repetitive", "chat", "prose"}:
+        ap.error(f"--only {a.only!r}: workloads are repetitive, chat and prose")
     worker_args = ["--max-model-len", 2048] + (["--model", a.model] if a.model else [])
     workdir = tempfile.mkdtemp(prefix="bench-spec-")
     redis = processes.start_redis(f"{workdir}/redis", wait=False)
@@ -253,8 +282,9 @@ def main() -> None:
         for workload in workloads:
             for batch in batches:
                 n = a.batch1_requests if batch == 1 else batch
-                if workload == "repetitive":
-                    items = [(p, a.repetitive_tokens) for p in repetitive_prompts(n)]
+                if workload in ("repetitive", "prose"):
+                    made = repetitive_prompts(n) if workload == "repetitive" else prose_prompts(n)
+                    items = [(p, a.repetitive_tokens) for p in made]
                 else:
                     items = chat_prompts(n, a.seed)
                 ratios: dict[str, list[float]] = {m: [] for m in methods if m != "none"}
@@ -274,7 +304,9 @@ def main() -> None:
                         acc = on["acceptance_rate"]
                         line += (f" | {m} {on['tokens_per_s']:6.1f} tok/s, acceptance "
                                  f"{'-' if acc is None else f'{100 * acc:.0f}%'}, "
-                                 f"{on['accepted_per_draft_run'] or 0:.2f}/run, {ratios[m][-1]:.2f}x")
+                                 f"{on['accepted_per_draft_run'] or 0:.2f}/run, per position "
+                                 f"{'/'.join(f'{100 * r:.0f}' for r in on['acceptance_per_pos']) or '-'}%, "
+                                 f"{ratios[m][-1]:.2f}x")
                     print(line, flush=True)
                 for m in ratios:
                     summary = {"workload": workload, "batch": batch, "method": m,

@@ -137,6 +137,25 @@ def test_speculative(tmp_path):
     assert all(r["draft_tokens"] > 0 for r in res["runs"][1:])
 
 
+def test_train_eagle3(tmp_path):
+    """Two prompts distilled, a few seconds of training: a head in the layout worker_svc/model/eagle3.py reads."""
+    import os
+
+    from safetensors.torch import load_file
+
+    run_bench("train_eagle3", "--prompts", 2, "--new-tokens", 4, "--gen-batch", 2, "--minutes", 0.05,
+              "--draft-vocab", 64, "--out", tmp_path, "--hf-cache", os.environ["LLMSERVE_TEST_HF_CACHE_DIR"],
+              timeout=600)
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # vLLM's default for 30 layers
+    w = load_file(tmp_path / "head" / "model.safetensors")
+    assert w["fc.weight"].shape == (576, 3 * 576) and w["midlayer.self_attn.q_proj.weight"].shape == (576, 2 * 576)
+    assert w["lm_head.weight"].shape == (64, 576) and len(w["d2t"]) == 64 and int(w["t2d"].sum()) == 64
+    log = json.loads((tmp_path / "train-log.json").read_text())
+    assert log["steps"] >= 1 and len(log["held_out_top1"]) == 3
+
+
 def test_worker_forward(tmp_path):
     out = tmp_path / "wf.json"
     run_bench("worker_forward", "--batch-sizes", 1, "--repeats", 1, "--warmup", 0, "--context", 16,
