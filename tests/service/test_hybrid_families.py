@@ -76,13 +76,7 @@ def prompts(lengths=(45, 30)) -> list[list[int]]:
     return [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
 
 
-# --fast keeps one family per state kind (Qwen3.5: Gated DeltaNet, Nemotron-H: Mamba2); the MoE hybrids, the
-# same state paths with experts beside them (tests/service/test_moe_models.py checks those alone), are heavy.
-MOE_HYBRIDS = ("qwen3_next", "granitemoehybrid")
-
-
-@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.heavy) if f in MOE_HYBRIDS else f
-                                        for f in FAMILIES])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return request.param, make_checkpoint(request.param, path), path
