@@ -2,7 +2,8 @@
 # Set everything up, lint, and run the tests. Three tiers (README, "Tests"): tests/unit (pure), tests/service (one part
 # at a time, in this process where it can be) and tests/e2e (real processes end to end).
 #   ./scripts/test.sh            every tier, leaving out the tests marked `slow` (bench smoke runs, chaos loops)
-#   ./scripts/test.sh --fast     tests/unit and tests/service only: the run a developer repeats all day
+#   ./scripts/test.sh --fast     tests/unit and tests/service only, leaving out the `heavy` ones too (LLMSERVE_TEST_FAST=1):
+#                                the run a developer repeats all day
 #   ./scripts/test.sh --all      the `slow` tests too (LLMSERVE_TEST_ALL=1)
 # Other arguments go to pytest. The tests run in LLMSERVE_TEST_PROCESSES pytest processes (default 2; 1: in this
 # one), each taking whole files (a module's shared servers stay with it): most of a test's time is spent waiting on
@@ -14,7 +15,7 @@ paths=()
 for a in "$@"; do
   case "$a" in
     --all) export LLMSERVE_TEST_ALL=1 ;;
-    --fast) paths=(tests/unit tests/service) ;;
+    --fast) paths=(tests/unit tests/service); export LLMSERVE_TEST_FAST=1 ;;
     *) args+=("$a") ;;
   esac
 done

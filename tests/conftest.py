@@ -96,14 +96,16 @@ def runner(bundled_model_path):
 
 def pytest_collection_modifyitems(config, items):
     """The default run leaves out tests marked `slow` (README, "Tests"); they run with LLMSERVE_TEST_ALL=1
-    (`./scripts/test.sh --all`), with any `-m` expression (`-m slow`: only them), or when named by node id."""
+    (`./scripts/test.sh --all`), with any `-m` expression (`-m slow`: only them), or when named by node id.
+    LLMSERVE_TEST_FAST=1 (`./scripts/test.sh --fast`) leaves out the `heavy` ones too, the same way."""
     if os.environ.get("LLMSERVE_TEST_ALL") == "1" or config.getoption("markexpr"):
         return
+    left_out_marks = ("slow", "heavy") if os.environ.get("LLMSERVE_TEST_FAST") == "1" else ("slow",)
     named = {arg.split("[")[0] for arg in config.args if "::" in arg}
     keep, left_out = [], []
     for item in items:
-        slow = item.get_closest_marker("slow") is not None and item.nodeid.split("[")[0] not in named
-        (left_out if slow else keep).append(item)
+        marked = any(item.get_closest_marker(mark) is not None for mark in left_out_marks)
+        (left_out if marked and item.nodeid.split("[")[0] not in named else keep).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = keep

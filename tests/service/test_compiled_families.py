@@ -32,6 +32,7 @@ def inductor_cache(tmp_path_factory):
         yield
 
 
+@pytest.mark.heavy  # a cold inductor compile: the default run, not --fast
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_sliding", "mistral"])
 def test_compiled_matches_eager(family, tmp_path, inductor_cache):
     make_checkpoint(family, tmp_path)

@@ -56,6 +56,7 @@ def compiled(tiny_weights, tmp_path_factory):
         yield fwd
 
 
+@pytest.mark.heavy  # a cold inductor compile: the default run, not --fast
 def test_compiled_matches_eager_without_compiling_while_serving(tiny_weights, compiled):
     config, weights = tiny_weights
     eager = PagedRunner(LlamaModel(config, weights, torch.float32, "cpu"), num_blocks=32, seed=3)  # the default
@@ -94,6 +95,7 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.heavy  # a cold inductor compile: the default run, not --fast
 def test_worker_runner_with_o1_matches_eager(tiny_path, compiled, monkeypatch, two_threads):
     """The worker's own path: `-O1` makes the runner build dense weights and compile at start-up; greedy tokens
     equal the default (eager) runner's in mixed steps (chunks of 3 tokens, requests arriving over time). Small
@@ -159,6 +161,7 @@ def test_which_forward_the_flags_pick():
     assert wants_compiled(parse(WorkerConfig, ["-O1", "-tp", "2"]))  # tests/e2e/test_tensor_parallel.py
 
 
+@pytest.mark.heavy  # a cold inductor compile: the default run, not --fast
 def test_compiled_bfloat16_matches_eager_up_to_rounding(tiny_weights, tmp_path, monkeypatch):
     """bfloat16: the compiled graphs round where inductor fuses, the eager forward where each op ends, so logits
     agree to bfloat16's precision and greedy tokens wherever the top two logits are further apart than that."""

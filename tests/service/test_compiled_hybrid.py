@@ -35,6 +35,8 @@ from worker_svc.model.compiled_hybrid import CompiledHybridForward
 from worker_svc.model.loader import load_hf_dir
 from worker_svc.server import execute_step
 
+pytestmark = pytest.mark.heavy  # every test here compiles cold: the default run, not --fast
+
 SIZE = 16
 SIZES = json.dumps({"cudagraph_capture_sizes": [SIZE]})
 CHUNKS = (12, 7, 7, 7, 7, 7, 7, 7)  # tokens per sequence and step: 2 x 12 runs eager, 2 x 7 and below padded to 16

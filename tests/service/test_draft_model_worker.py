@@ -42,15 +42,16 @@ def test_the_pool_holds_both_models_kv(draft_runner, runner):
     assert draft_runner.kv_bytes_per_block == 2 * runner.kv_bytes_per_block
 
 
-def test_greedy_with_its_own_draft_matches_hf_and_accepts_nearly_all(draft_runner, hf_tokenizer, hf_model):
+# Whole prompts (64) are heavy: --fast prefills whole prompts with the draft model in the seeded test below.
+@pytest.mark.parametrize("chunk", [5, pytest.param(64, marks=pytest.mark.heavy)], ids=["chunked", "whole"])
+def test_greedy_with_its_own_draft_matches_hf_and_accepts_nearly_all(draft_runner, hf_tokenizer, hf_model, chunk):
     prompt_ids = [hf_tokenizer.encode(p) for p in PROMPTS]
-    for chunk in (5, 64):  # chunked prefill, and whole prompts
-        reqs = [DriverRequest(f"draft-c{chunk}-{i}", ids, greedy_params(), arrival_step=(i * 3) % 5)
-                for i, ids in enumerate(prompt_ids)]
-        drafted, accepted = counts(drive(draft_runner, reqs, chunk, seed=chunk))
-        for i, r in enumerate(reqs):
-            assert r.output == hf_greedy(hf_model, prompt_ids[i], NEW_TOKENS), f"prompt {i} with chunk {chunk}"
-        assert drafted > 50 and accepted > 0.9 * drafted, (drafted, accepted)
+    reqs = [DriverRequest(f"draft-c{chunk}-{i}", ids, greedy_params(), arrival_step=(i * 3) % 5)
+            for i, ids in enumerate(prompt_ids)]
+    drafted, accepted = counts(drive(draft_runner, reqs, chunk, seed=chunk))
+    for i, r in enumerate(reqs):
+        assert r.output == hf_greedy(hf_model, prompt_ids[i], NEW_TOKENS), f"prompt {i} with chunk {chunk}"
+    assert drafted > 50 and accepted > 0.9 * drafted, (drafted, accepted)
 
 
 def test_seeded_sampling_with_a_draft_model_repeats(draft_runner, hf_tokenizer):

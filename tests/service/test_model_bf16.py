@@ -56,6 +56,10 @@ def test_float16_on_a_cpu_needs_native_float16():
                  "--dtype float16 needs a CPU", "--dtype auto, bfloat16 or float32")
 
 
+# Heavy: the bundled model's 30 layers in bfloat16 both here and in HF's, emulated by oneDNN without AVX512-BF16 (a
+# minute of a --fast run on such a CPU); --fast keeps bfloat16 in the C++ layers' bit-identity (test_cpu_layers.py)
+# and the quantized model's bfloat16 check (test_quantized_model.py).
+@pytest.mark.heavy
 def test_bf16_greedy_matches_hf_bf16_up_to_near_ties(bundled_model_path, hf_tokenizer, hf_bf16):
     config, weights = load_model_weights(bundled_model_path)
     model = LlamaModel(config, weights, torch.bfloat16, "cpu")

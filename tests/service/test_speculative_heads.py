@@ -238,6 +238,7 @@ def test_mtp_is_refused_for_a_family_without_mtp_layers(checkpoints):
                                  speculative_config='{"method": "mtp", "num_speculative_tokens": 1}'))
 
 
+@pytest.mark.heavy  # a cold inductor compile: the default run, not --fast
 def test_greedy_with_eagle3_drafts_on_the_compiled_forward_equals_plain_decoding(runners, checkpoints, prompts):
     """-O1: the compiled forward hands the head the same layer inputs (its real rows, not the padding)."""
     plain, _ = runners

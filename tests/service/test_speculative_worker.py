@@ -37,15 +37,17 @@ def accepted(results: list[pb.StepResult]) -> int:
     return sum(sum(r.spec_num_accepted_tokens) for r in results)
 
 
-def test_greedy_with_drafts_matches_hf_in_mixed_batches(runner, prompt_ids, hf_outputs):
-    for chunk in (7, 64):
-        reqs = [DriverRequest(f"spec-c{chunk}-{i}", ids, greedy_params(), arrival_step=(i * 3) % 5)
-                for i, ids in enumerate(prompt_ids)]
-        results = drive(runner, reqs, chunk, seed=chunk)
-        for i, r in enumerate(reqs):
-            assert r.output == hf_outputs[i], f"prompt {i} with chunk {chunk}"
-            assert r.finish_reason == pb.FINISH_REASON_MAX_TOKENS
-        assert accepted(results) > 10, "the workload was meant to accept drafts"
+# Whole prompts (64) are heavy: --fast prefills a whole prompt with drafts, held to HF's tokens, in
+# test_stop_token_and_max_tokens_inside_an_accepted_run.
+@pytest.mark.parametrize("chunk", [7, pytest.param(64, marks=pytest.mark.heavy)], ids=["chunked", "whole"])
+def test_greedy_with_drafts_matches_hf_in_mixed_batches(runner, prompt_ids, hf_outputs, chunk):
+    reqs = [DriverRequest(f"spec-c{chunk}-{i}", ids, greedy_params(), arrival_step=(i * 3) % 5)
+            for i, ids in enumerate(prompt_ids)]
+    results = drive(runner, reqs, chunk, seed=chunk)
+    for i, r in enumerate(reqs):
+        assert r.output == hf_outputs[i], f"prompt {i} with chunk {chunk}"
+        assert r.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    assert accepted(results) > 10, "the workload was meant to accept drafts"
 
 
 def test_seeded_sampling_with_drafts_equals_plain_sampling(runner, prompt_ids):
