@@ -49,6 +49,8 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "hybrid_peers": ["--write", "{tmp}/ckpt", "--layers", "4", "--hidden", "64", "--ttft", "{tmp}/ckpt/qwen3_5",
                      "--servers", "llmserve", "--prompt-len", "40", "--answer-len", "10", "--turn-len", "9", "--reps",
                      "1", "--result-dir", "{tmp}/out", *_JSON],
+    "train_eagle3": ["--prompts", "2", "--new-tokens", "4", "--gen-batch", "2", "--minutes", "0.05", "--draft-vocab",
+                     "64", "--out", "{tmp}"],
     "hybrid_compiled_decode": ["--batch", "1", "--context", "8", "--layers", "4", "--hidden", "64", "--reps", "1"],
     "hybrid_rollback_cost": ["--layers", "4", "--hidden", "128", "--batch", "2", "--prompt-len", "16", "--period", "4",
                              "--max-tokens", "8"],
