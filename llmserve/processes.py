@@ -294,11 +294,22 @@ def start_serve(extra_args: Iterable = (), *, port: int | None = None, http_port
                 log_dir: str | None = None, log_path: str | None = None, cwd: str | None = None) -> Proc:
     """`llmserve serve --port PORT --http-port HTTP_PORT *extra_args` (free ports by default; `--http-port 0` in
     `extra_args` turns the HTTP API off); with `wait`, returns once it printed SERVE_READY_LINE (its scheduler
-    leads the pool and sees the worker, and the HTTP API listens). `proc.extra["http_port"]` is the HTTP port."""
-    http_port = http_port or free_port()
-    argv = cli_argv("serve", "--port", port or free_port(), "--http-port", http_port, *extra_args)
-    proc = spawn("serve", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd, extra={"http_port": http_port})
-    return wait_ready(proc, timeout) if wait else proc
+    leads the pool and sees the worker, and the HTTP API listens). `proc.extra["http_port"]` is the HTTP port.
+    Ports drawn here are drawn again (up to 3 tries) if another process binds one first."""
+    drawn = port is None and http_port is None
+    for attempt in range(3 if drawn and wait else 1):
+        chosen_http = http_port or free_port()
+        argv = cli_argv("serve", "--port", port or free_port(), "--http-port", chosen_http, *extra_args)
+        proc = spawn("serve", argv, log_path=log_path, log_dir=log_dir, env=env, cwd=cwd,
+                     extra={"http_port": chosen_http})
+        if not wait:
+            return proc
+        try:
+            return wait_ready(proc, timeout)
+        except ProcError as e:
+            if not drawn or attempt == 2 or "cannot listen on" not in str(e):
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_api(scheduler: str, extra_args: Iterable = (), *, port: int = 0, wait: bool = True,

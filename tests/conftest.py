@@ -28,11 +28,17 @@ _OWN_GGUF_CACHE = "LLMSERVE_GGUF_CACHE_DIR" not in os.environ
 if _OWN_GGUF_CACHE:
     os.environ["LLMSERVE_GGUF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-gguf-cache-")
 
-# The HF reference likewise (tests/support/hf_reference.py): built once per run, read by every pytest process (the
-# variable is set before pytest-xdist starts them, so they inherit it). Set it to keep one across runs.
-_OWN_HF_CACHE = "LLMSERVE_TEST_HF_CACHE_DIR" not in os.environ
-if _OWN_HF_CACHE:
-    os.environ["LLMSERVE_TEST_HF_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmserve-hf-reference-")
+# The HF reference (tests/support/hf_reference.py): transformers' load of the GGUF, saved once per machine under a
+# folder keyed by what determines it (the GGUF's bytes, the transformers and torch versions, the module that builds
+# it), read by every pytest process of every run; the results computed from it stay per run. The variables are set
+# before pytest-xdist starts the processes, so they inherit them.
+if "LLMSERVE_TEST_HF_CACHE_DIR" not in os.environ:
+    from tests.support.hf_reference import default_cache_dir
+
+    os.environ["LLMSERVE_TEST_HF_CACHE_DIR"] = default_cache_dir()
+_OWN_HF_RESULTS = "LLMSERVE_TEST_HF_RESULTS_DIR" not in os.environ
+if _OWN_HF_RESULTS:
+    os.environ["LLMSERVE_TEST_HF_RESULTS_DIR"] = tempfile.mkdtemp(prefix="llmserve-hf-results-")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -59,8 +65,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     if _OWN_GGUF_CACHE:
         shutil.rmtree(os.environ["LLMSERVE_GGUF_CACHE_DIR"], ignore_errors=True)
-    if _OWN_HF_CACHE:
-        shutil.rmtree(os.environ["LLMSERVE_TEST_HF_CACHE_DIR"], ignore_errors=True)
+    if _OWN_HF_RESULTS:
+        shutil.rmtree(os.environ["LLMSERVE_TEST_HF_RESULTS_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +78,7 @@ def bundled_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(bundled_model_path):
-    """transformers' tokenizer of the bundled GGUF (loaded from it once per run for every pytest process)."""
+    """transformers' tokenizer of the bundled GGUF (loaded from it once per machine for every pytest process)."""
     from tests.support.hf_reference import load_tokenizer
 
     return load_tokenizer(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])
@@ -80,7 +86,7 @@ def hf_tokenizer(bundled_model_path):
 
 @pytest.fixture(scope="session")
 def hf_model(bundled_model_path):
-    """transformers' float32 model of the bundled GGUF (loaded from it once per run for every pytest process)."""
+    """transformers' float32 model of the bundled GGUF (loaded from it once per machine for every pytest process)."""
     from tests.support.hf_reference import load_model
 
     return load_model(bundled_model_path, os.environ["LLMSERVE_TEST_HF_CACHE_DIR"])

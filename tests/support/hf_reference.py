@@ -1,4 +1,4 @@
-"""The session's Hugging Face reference (model and tokenizer), built once per run and read by every pytest process.
+"""The session's Hugging Face reference (model and tokenizer), built once per machine and read by every pytest process.
 
 transformers loading the bundled GGUF is the correctness oracle, but the load dequantizes every tensor and walks the
 49k-string vocabulary (30-60 s on the 2-core box), and under `-n 2` each pytest process paid it. The first process
@@ -6,7 +6,8 @@ to ask loads it through transformers' GGUF path and writes the float32 weights (
 tokenizer to `<root>/<sha256 of the GGUF>/{model,tokenizer}/` (each built only when first asked for); the others
 wait on a file lock and read the folder back in a second or two. The writer also keeps the GGUF-loaded model's
 logits on probe ids (and the tokenizer's ids of a probe text), and every reader checks it gives the same bits, so
-the copy cannot drift from the oracle.
+the copy cannot drift from the oracle. `<root>` (tests/conftest.py) outlives the run, keyed by the versions the load
+depends on (`default_cache_dir`): later runs on the machine skip the transformers load.
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def checkpoint_hash(path: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()[:32]
+
+
+def default_cache_dir() -> str:
+    """~/.cache/llmserve/hf-reference/<key>: the key hashes what the saved model and tokenizer depend on besides the
+    GGUF (whose hash names the folder below it): the transformers and torch versions and this module's source."""
+    import importlib.metadata
+
+    versions = " ".join(importlib.metadata.version(p) for p in ("transformers", "torch", "gguf"))
+    key = hashlib.sha256(versions.encode() + Path(__file__).read_bytes()).hexdigest()[:16]
+    return str(Path.home() / ".cache" / "llmserve" / "hf-reference" / key)
 
 
 def save_hf_checkpoint(model, path: Path) -> None:
@@ -116,9 +127,10 @@ def shared_result(model, kind: str, key, compute):
     loaded = _LOADED.get(id(model))
     if loaded is None or loaded[0] is not model:
         return compute()
-    folder = loaded[1]
+    # per run (LLMSERVE_TEST_HF_RESULTS_DIR): `compute` is a test's code, which may change between runs
+    folder = Path(os.environ.get("LLMSERVE_TEST_HF_RESULTS_DIR") or loaded[1]) / loaded[1].parent.name
     path = folder / kind / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json"
-    path.parent.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{path}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
