@@ -6,6 +6,9 @@ and the worker then dequantizes every tensor. Each worker and each scheduler sta
 set, the first process stores its result (the worker: float32 weights as safetensors with the model config; the
 scheduler: the assembled tokenizer), and later starts read that back in well under a second.
 
+A process that finds no entry parses under a lock on it (`building`): starts beside it on the same GGUF (the ranks of
+a tensor-parallel group, a worker and its scheduler) wait and read the entry instead of parsing too.
+
 Entries are keyed by the file's absolute path, size and modification time plus `FORMAT`, so a changed file is
 parsed again; bump `FORMAT` when what the loader or the tokenizer builds from a GGUF changes. The test suite points
 the variable at a fresh directory per run (so each run's first load still goes through the real parser); unset,
@@ -14,11 +17,13 @@ the default, nothing is cached.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("llmserve.gguf_cache")
 
@@ -55,3 +60,20 @@ def store(target: str, write: Callable[[str], None]) -> None:
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def building(target: str) -> Iterator[None]:
+    """Held while this process looks for `target` and, if absent, parses and stores it: one parse per entry however
+    many start at once. An flock on `target`.lock, released when the file closes, also if the holder dies; a
+    directory that cannot hold the lock (read-only) parses without one."""
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        lock = open(f"{target}.lock", "w")
+    except OSError as e:
+        log.warning("%s: parsing without the cache's lock (%s)", target, e)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

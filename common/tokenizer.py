@@ -117,17 +117,19 @@ class Tokenizer:
         """The tokenizer in a GGUF's metadata; kept in $LLMSERVE_GGUF_CACHE_DIR when that is set (parsing the
         metadata takes seconds)."""
         cached = gguf_cache.entry(path, "tokenizer.json")
-        if cached is not None and os.path.exists(cached):
-            with open(cached, encoding="utf-8") as f:
-                saved = json.load(f)
-            return cls(HFTokenizer.from_str(saved["tokenizer"]), bos_token_id=saved["bos_token_id"],
-                       eos_token_id=saved["eos_token_id"], chat_template=saved["chat_template"])
-        tokenizer = cls._read_gguf(path)
-        if cached is not None:
+        if cached is None:
+            return cls._read_gguf(path)
+        with gguf_cache.building(cached):
+            if os.path.exists(cached):
+                with open(cached, encoding="utf-8") as f:
+                    saved = json.load(f)
+                return cls(HFTokenizer.from_str(saved["tokenizer"]), bos_token_id=saved["bos_token_id"],
+                           eos_token_id=saved["eos_token_id"], chat_template=saved["chat_template"])
+            tokenizer = cls._read_gguf(path)
             saved = {"tokenizer": tokenizer.backend.to_str(), "bos_token_id": tokenizer.bos_token_id,
                      "eos_token_id": tokenizer.eos_token_id, "chat_template": tokenizer.chat_template}
             gguf_cache.store(cached, lambda tmp: _write_json(tmp, saved))
-        return tokenizer
+            return tokenizer
 
     @classmethod
     def _read_gguf(cls, path: str) -> Tokenizer:

@@ -1,11 +1,13 @@
 """$LLMSERVE_GGUF_CACHE_DIR: what a worker and a scheduler read back from the cache equals what they parse from the
 bundled GGUF (weights bit for bit, whole and as the tensor-parallel shards the GGUF loader cuts; the tokenizer
-token for token), a changed file gets a new entry, and a cache that cannot be written is skipped."""
+token for token), starts at once parse once, a changed file gets a new entry, and a cache that cannot be written is
+skipped."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,6 +20,11 @@ from worker_svc.parallel.sharding import Shard
 TEXT = "<|im_start|>user\nHello, wörld! 12345 naïve café\tdone<|im_end|>"
 
 
+def entries(cache_dir: str) -> list[str]:
+    """The cache's files less the lock files `gguf_cache.building` leaves (temporary files count)."""
+    return [f for f in os.listdir(cache_dir) if not f.endswith(".lock")]
+
+
 @pytest.fixture()
 def cache_dir(tmp_path, monkeypatch) -> str:
     d = str(tmp_path / "cache")
@@ -27,7 +34,7 @@ def cache_dir(tmp_path, monkeypatch) -> str:
 
 def test_cached_weights_equal_the_parsed_ones(bundled_model_path, cache_dir, monkeypatch):
     want_config, want = load_gguf(bundled_model_path)  # a miss: parsed, then stored
-    assert len(os.listdir(cache_dir)) == 1, os.listdir(cache_dir)  # one entry, no temporary file left
+    assert len(entries(cache_dir)) == 1, os.listdir(cache_dir)  # one entry, no temporary file left
     config, weights = load_gguf(bundled_model_path)  # a hit
     assert config == want_config
     assert weights.keys() == want.keys()
@@ -48,13 +55,33 @@ def test_cached_tokenizer_equals_the_parsed_one(bundled_model_path, cache_dir, t
     copy = str(tmp_path / "model.gguf")  # a file of its own: no other test's entry
     shutil.copy(bundled_model_path, copy)
     want = Tokenizer.from_gguf(copy)  # a miss: parsed, then stored
-    assert len(os.listdir(cache_dir)) == 1
+    assert len(entries(cache_dir)) == 1
     tok = Tokenizer.from_gguf(copy)  # a hit
     assert tok.backend is not want.backend
     assert tok.encode(TEXT) == want.encode(TEXT)
     assert tok.decode(want.encode(TEXT)) == want.decode(want.encode(TEXT))
     assert (tok.bos_token_id, tok.eos_token_id, tok.chat_template, tok.vocab_size) == \
         (want.bos_token_id, want.eos_token_id, want.chat_template, want.vocab_size)
+
+
+def test_starts_at_once_parse_the_gguf_once(bundled_model_path, cache_dir, tmp_path, monkeypatch):
+    """Three loads of one GGUF at once (as a tensor-parallel group's ranks start): one parses, the others wait on the
+    entry's lock and read what it stored."""
+    copy = str(tmp_path / "model.gguf")
+    shutil.copy(bundled_model_path, copy)
+    parses = []
+    parse = Tokenizer._read_gguf.__func__
+
+    def counted(cls, path):
+        parses.append(path)
+        return parse(cls, path)
+
+    monkeypatch.setattr(Tokenizer, "_read_gguf", classmethod(counted))
+    with ThreadPoolExecutor(3) as pool:
+        toks = list(pool.map(lambda _: Tokenizer.from_gguf(copy), range(3)))
+    assert parses == [copy]
+    assert len({tuple(t.encode(TEXT)) for t in toks}) == 1
+    assert len(entries(cache_dir)) == 1
 
 
 def test_a_changed_file_is_a_new_entry(tmp_path, cache_dir):

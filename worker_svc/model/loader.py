@@ -191,15 +191,16 @@ def load_gguf(path: str, shard: Shard = FULL) -> tuple[ModelConfig, dict[str, to
     cached = gguf_cache.entry(path, f"weights-{hashlib.sha256(fields.encode()).hexdigest()[:8]}.safetensors")
     if cached is None:
         return _read_gguf(path, shard)
-    if not os.path.exists(cached):
-        config, weights = _read_gguf(path, FULL)
-        from safetensors.torch import save_file
+    with gguf_cache.building(cached):
+        if not os.path.exists(cached):
+            config, weights = _read_gguf(path, FULL)
+            from safetensors.torch import save_file
 
-        meta = {"config": json.dumps(dataclasses.asdict(config))}
-        gguf_cache.store(cached, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
-                                                       metadata=meta))
-        check_shardable(config, shard.size)
-        return config, shard_weights(config, weights, shard)
+            meta = {"config": json.dumps(dataclasses.asdict(config))}
+            gguf_cache.store(cached, lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
+                                                           metadata=meta))
+            check_shardable(config, shard.size)
+            return config, shard_weights(config, weights, shard)
     from safetensors import safe_open
 
     with safe_open(cached, framework="pt") as f:
