@@ -73,34 +73,43 @@ def _health(args: argparse.Namespace) -> None:
     sys.exit(0 if status == "SERVING" else 1)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from api_svc.server import add_api_args
-    from common.tls import add_client_tls_args
-    from llmserve.client import add_generate_args
-    from llmserve.diagnose import add_diagnose_args
+def _add_serve(sub) -> None:
     from llmserve.serve import add_serve_args
-    from scheduler_svc.servers.process import add_scheduler_args
-    from worker_svc.server import add_worker_args
-
-    parser = argparse.ArgumentParser(prog="llmserve", description="Paged-attention LLM serving over gRPC.")
-    sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="redis-server + worker + scheduler in one command (bundled model by default); "
                        "restarts redis-server and the worker when they die")
     add_serve_args(s)
     s.set_defaults(func=_serve)
 
+
+def _add_scheduler(sub) -> None:
+    from scheduler_svc.servers.process import add_scheduler_args
+
     sc = sub.add_parser("scheduler", help="run the scheduler alone (public gRPC llmserve.v1)")
     add_scheduler_args(sc)
     sc.set_defaults(func=_scheduler)
+
+
+def _add_worker(sub) -> None:
+    from worker_svc.server import add_worker_args
 
     w = sub.add_parser("worker", help="run one model worker (gRPC llmserve.worker.v2)")
     add_worker_args(w)
     w.set_defaults(func=_worker)
 
+
+def _add_api(sub) -> None:
+    from api_svc.server import add_api_args
+
     a = sub.add_parser("api", help=API_HELP)
     add_api_args(a)
     a.set_defaults(func=_api)
+
+
+def _add_tools(sub) -> None:
+    from common.tls import add_client_tls_args
+    from llmserve.client import add_generate_args
+    from llmserve.diagnose import add_diagnose_args
 
     h = sub.add_parser("health", help="grpc.health.v1 check of a scheduler or worker: exit 0 when SERVING")
     h.add_argument("--address", default="127.0.0.1:50051")
@@ -121,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.cli import add_bench_commands  # light: the heavy parts import when a command runs
 
     add_bench_commands(sub)
+
+
+# The long-running processes' commands: `llmserve worker ...` builds (and imports) only its own flags, not the other
+# services' (the API's FastAPI, the scheduler's Redis client): most of a second of each start on a 2-core box.
+PROCESS_COMMANDS = {"serve": _add_serve, "scheduler": _add_scheduler, "worker": _add_worker, "api": _add_api}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or only `command`'s subcommand when it is one of PROCESS_COMMANDS."""
+    parser = argparse.ArgumentParser(prog="llmserve", description="Paged-attention LLM serving over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    if command in PROCESS_COMMANDS:
+        PROCESS_COMMANDS[command](sub)
+        return parser
+    for add in PROCESS_COMMANDS.values():
+        add(sub)
+    _add_tools(sub)
     return parser
 
 
@@ -129,14 +155,7 @@ API_HELP = "the OpenAI-compatible HTTP API (FastAPI) in front of a scheduler"
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["api"]:  # the HTTP API needs no torch (which the worker's flags import): seconds off its start
-        from api_svc.server import add_api_args
-
-        p = argparse.ArgumentParser(prog="llmserve api", description=API_HELP)
-        add_api_args(p)
-        _api(p.parse_args(argv[1:]))
-        return
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     args.func(args)
 
 
