@@ -1,4 +1,4 @@
-"""The matmul over panels (kernels/csrc/dense_matmul.cpp; float32, or bfloat16 on a CPU with AVX512-BF16) against
+"""The matmul over panels (kernels/csrc/dense_matmul.cpp; float32, or bfloat16 on an AVX-512 CPU) against
 oneDNN's prepacked matmul in the same dtype, on SmolLM2-135M's weight shapes at several row counts: the numbers in
 kernels/README.md.
 
@@ -55,7 +55,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if not panels_available(dtype):
         raise SystemExit(f"the {args.dtype} panel kernel is not built here (float32 needs AVX2 + FMA, bfloat16 "
-                         "AVX512-BF16, both a C++ compiler)")
+                         "AVX-512, both a C++ compiler)")
     torch.set_num_threads(args.threads)
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]

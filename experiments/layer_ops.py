@@ -9,7 +9,7 @@ seeing its own prefix). The KV cache is random (attention reads it in place; the
 
     .venv/bin/python -m experiments.layer_ops [--steps decode:64@160,prefill:4@128]
 
-bfloat16 only (the panels, swiglu joined): a CPU with AVX512-BF16.
+bfloat16 only (the panels, swiglu joined): an AVX-512 CPU.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = ModelRunner(WorkerConfig(model=default_model_path(), num_gpu_blocks_override=64, dtype="bfloat16")).model
     if not hasattr(model.layers[0].qkv, "panels"):
-        raise SystemExit("layer_ops: the model's matmuls are not bfloat16 panels here (the CPU lacks AVX512-BF16)")
+        raise SystemExit("layer_ops: the model's matmuls are not bfloat16 panels here (the CPU lacks AVX-512)")
     ops = model.cpu_ops
     for step in args.steps.split(","):
         kind, shape = step.split(":")

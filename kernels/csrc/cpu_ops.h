@@ -43,6 +43,6 @@ torch::Tensor fp8_matmul(const torch::Tensor& x, const torch::Tensor& codes, con
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
 torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, int64_t N);
-bool dense_bfloat16();      // whether dense_matmul takes bfloat16 panels (AVX512-BF16)
+bool dense_bfloat16();      // whether dense_matmul takes bfloat16 panels (the AVX-512 tiers)
 bool dense_bfloat16_amx();  // whether it sums them with AMX tiles (inputs a multiple of 32)
 #endif

@@ -5,7 +5,7 @@
 // the weights once at close to the memory bandwidth (oneDNN's prepacked matmul reached 10-13 GB/s of ~24 on the
 // 2-core AVX2 box at 1 row); larger tiles keep the multiply-adds busy.
 //
-// bfloat16 (AVX512-BF16): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k] and
+// bfloat16 (AVX-512; see PairDot without AVX512-BF16): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k] and
 // w[n, k + 1] side by side, the pairs of 32 outputs in two 512-bit vectors). One `vdpbf16ps` adds x[r, k] * w[k] +
 // x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32); a tile is up to 6 rows x 64
 // outputs (two panels). The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul. With AMX
@@ -206,13 +206,45 @@ static torch::Tensor dense_matmul_f32(const torch::Tensor& x, const torch::Tenso
   return y;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kBFloat16Panels = true;
 
 namespace {
 
 constexpr int64_t kPanelBF16 = 32;  // outputs per bfloat16 panel: two 16-lane float32 accumulators
-constexpr int64_t kRowsBF16 = 6;    // rows per tile: 6 x 4 accumulators (two panels)
+#ifdef __AVX512BF16__
+constexpr int64_t kRowsBF16 = 6;  // rows per tile: 6 x 4 accumulators (two panels)
+#else
+constexpr int64_t kRowsBF16 = 4;  // 4 x 4 accumulators and the pairs' 8 widened halves in the 32 registers
+#endif
+
+// Per 32-bit lane: acc + x.hi * w.hi, then + x.lo * w.lo (the halves bfloat16, each product exact in float32), as
+// `vdpbf16ps` orders its two adds. Without AVX512-BF16 (the x86-64-v4 tiers) the halves are widened to float32 and
+// summed by two multiply-adds, each rounded once like that instruction's adds: the same bits except where a value is
+// denormal (which vdpbf16ps flushes to zero). Weights stream at half of float32's bytes either way, what bounds a
+// decode step's matmuls.
+struct PairDot {
+#ifdef __AVX512BF16__
+  __m512bh w;
+  PairDot() = default;
+  explicit PairDot(__m512i pairs) : w((__m512bh)pairs) {}
+  __m512 add(__m512 acc, int32_t x_pair) const { return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(x_pair), w); }
+#else
+  __m512 lo, hi;
+  PairDot() = default;
+  explicit PairDot(__m512i pairs)
+      : lo(_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))),
+        hi(_mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))))) {}
+  __m512 add(__m512 acc, int32_t x_pair) const {
+    const uint32_t bits = static_cast<uint32_t>(x_pair);
+    float x_lo, x_hi;
+    const uint32_t lo_bits = bits << 16, hi_bits = bits & 0xffff0000u;
+    std::memcpy(&x_lo, &lo_bits, 4);
+    std::memcpy(&x_hi, &hi_bits, 4);
+    return _mm512_fmadd_ps(_mm512_set1_ps(x_lo), lo, _mm512_fmadd_ps(_mm512_set1_ps(x_hi), hi, acc));
+  }
+#endif
+};
 
 using llmserve::to_bf16;
 
@@ -299,15 +331,15 @@ void dense_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, int64_
   for (int i = 0; i < R * H; ++i) acc[i / H][i % H] = _mm512_setzero_ps();
   const uint16_t* second = panel + (NP > 1 ? panel_size : 0);
   const auto step = [&](int64_t kp, auto&& x_pair) {
-    __m512bh w[H];
+    PairDot w[H];
 #pragma GCC unroll 4
     for (int j = 0; j < H; ++j)  // the pair's 32 outputs of a panel: two vectors
-      w[j] = (__m512bh)_mm512_loadu_si512((j < 2 ? panel : second) + (2 * kp + j % 2) * kPanelBF16);
+      w[j] = PairDot(_mm512_loadu_si512((j < 2 ? panel : second) + (2 * kp + j % 2) * kPanelBF16));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pair(r));
+      const int32_t xp = x_pair(r);
 #pragma GCC unroll 4
-      for (int j = 0; j < H; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
+      for (int j = 0; j < H; ++j) acc[r][j] = w[j].add(acc[r][j], xp);
     }
   };
   const int64_t pairs = K / 2;
@@ -614,16 +646,16 @@ torch::Tensor dense_swiglu(const torch::Tensor& x, const torch::Tensor& panels, 
 constexpr bool kBFloat16Panels = false;
 
 torch::Tensor dense_swiglu(const torch::Tensor&, const torch::Tensor&, int64_t) {
-  TORCH_CHECK(false, "dense_swiglu: this CPU has no AVX512-BF16");
+  TORCH_CHECK(false, "dense_swiglu: this build has no AVX-512 (bfloat16 panels)");
 }
-#endif  // AVX512-BF16
+#endif  // AVX-512 BW + VL
 
 // y = x @ w.T (+ bias) (+ residual, as residual + product) for x [M, K] and w packed by `pack_panels`
-// (worker_svc/panel_linear.py): float32 panels [ceil(N / 16), K, 16] with float32 x, or (where this CPU has
-// AVX512-BF16) bfloat16 panels [ceil(N / 32), ceil(K / 2), 32, 2] with bfloat16 x. N is the unpadded output count.
+// (worker_svc/panel_linear.py): float32 panels [ceil(N / 16), K, 16] with float32 x, or (in the AVX-512 tiers)
+// bfloat16 panels [ceil(N / 32), ceil(K / 2), 32, 2] with bfloat16 x. N is the unpadded output count.
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   if (panels.scalar_type() == torch::kBFloat16) return dense_matmul_bf16(x, panels, N, bias, residual);
 #endif
   return dense_matmul_f32(x, panels, N, bias, residual);
@@ -632,7 +664,7 @@ torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
 bool dense_bfloat16() { return kBFloat16Panels; }
 
 bool dense_bfloat16_amx() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   return use_amx(kInputsAMX);
 #else
   return false;

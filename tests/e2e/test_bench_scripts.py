@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.support.bench_runs import run_bench, run_llmserve_bench
-from worker_svc.model.layers.linear import cpu_has_native_bf16
+from worker_svc.model.layers.linear import cpu_has_native_bf16, panels_available
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,8 @@ def test_dense_matmul(tmp_path):
 
 
 def test_dense_matmul_bfloat16(tmp_path):
-    if not cpu_has_native_bf16():
-        pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
+    if not panels_available(torch.bfloat16):
+        pytest.skip("bfloat16 panels need an AVX-512 CPU")
     out = tmp_path / "dm.json"
     run_bench("dense_matmul", "--dtype", "bfloat16", "--rows", "1,9", "--shapes", "100x96", "--repeats", 3, "--json",
               out)

@@ -101,11 +101,11 @@ def test_cpu_layers_equal_the_python_loop_bit_for_bit(model):
 
 
 def test_bfloat16_panels_run_gate_up_and_silu_as_one_matmul():
-    """With bfloat16 panels (AVX512-BF16) gate's and up's panels are interleaved in one tensor, the C++ loop's fused
+    """With bfloat16 panels (AVX-512) gate's and up's panels are interleaved in one tensor, the C++ loop's fused
     silu(gate) * up matmul (kernels/csrc/dense_matmul.cpp's dense_swiglu), which the test above holds to the Python
     loop's two matmuls and silu_mul_ bit for bit; the Python loop's gate and up are every other panel of it."""
     if not panels_available(torch.bfloat16):
-        pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
+        pytest.skip("bfloat16 panels need an AVX-512 CPU")
     config, weights = first_layers(None)
     model = LlamaModel(config, weights, torch.bfloat16, "cpu")
     assert layer_loop.build(model) is not None

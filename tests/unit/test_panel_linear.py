@@ -1,5 +1,5 @@
 """Matmuls over panels (worker_svc/cpu/panel_linear.py, kernels/csrc/dense_matmul.cpp), float32 in 16-output panels and
-bfloat16 in 32-output panels of input pairs (on a CPU with AVX512-BF16), against torch's matmul in float64 at every
+bfloat16 in 32-output panels of input pairs (in the AVX-512 tiers), against torch's matmul in float64 at every
 tile shape; batch invariance; the fused bias and residual; bad operands. Once per ISA tier under test from x86-64-v3
 on (tests/support/cpu_tiers.py), and the float32 tiles of every tier bit for bit against the AVX2 build's."""
 
@@ -13,7 +13,6 @@ from kernels import cpu_ops
 from tests.support.cpu_tiers import kernel_test_tiers, tier_ops
 from worker_svc.cpu.panel_linear import PanelLinear, pack_panels
 from worker_svc.model.layers.linear import (
-    cpu_has_native_bf16,
     linear,
     linear_add,
     pack_linear_weight,
@@ -94,8 +93,8 @@ def test_model_linear_uses_the_panels_for_float32(ops):
     assert isinstance(packed, PanelLinear)
     torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear_add(x, packed, None, res.clone()), res + F.linear(x, w), rtol=1e-5, atol=1e-5)
-    # bfloat16 panels are built in the AVX512-BF16 tiers (kernels/cpu_isa.py); elsewhere bfloat16 stays with oneDNN
-    assert panels_available(torch.bfloat16) == (cpu_has_native_bf16() and bool(ops.dense_bfloat16))
+    # bfloat16 panels are built in the AVX-512 tiers (kernels/cpu_isa.py); below them bfloat16 stays with oneDNN
+    assert panels_available(torch.bfloat16) == bool(ops.dense_bfloat16) == ("avx512bw" in ops.isa.split())
 
 
 def test_bad_operands_are_refused_naming_them(ops):
@@ -117,7 +116,7 @@ def test_bad_operands_are_refused_naming_them(ops):
 @pytest.fixture(scope="module")
 def bf16_ops(ops):
     if not ops.dense_bfloat16:
-        pytest.skip("bfloat16 panels need a CPU with AVX512-BF16")
+        pytest.skip("bfloat16 panels need an AVX-512 tier")
     return ops
 
 

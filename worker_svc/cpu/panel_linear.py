@@ -3,7 +3,7 @@
 float32: the [out, in] matrix is stored as [ceil(out / 16), in, 16], 16 outputs side by side for every input. On the
 2-core AVX2 box the kernel read SmolLM2's weights at 17-27 GB/s at one row, where oneDNN's prepacked matmul reached
 10-19 GB/s, and it was as fast or faster up to 1024 rows (kernels/README.md).
-bfloat16 (CPUs with AVX512-BF16): [ceil(out / 32), ceil(in / 2), 32, 2], 32 outputs side by side for every pair of
+bfloat16 (AVX-512 CPUs): [ceil(out / 32), ceil(in / 2), 32, 2], 32 outputs side by side for every pair of
 inputs, the layout of the `vdpbf16ps` instruction's operands; 1.3-2x oneDNN's bfloat16 matmul at 1-16 rows. Two
 16-output halves of 16 pairs are also AMX weight tiles: on a CPU with AMX the kernel sums in those (oneDNN's AMX
 matmul had been 3-8x the `vdpbf16ps` tile at 16-256 rows; the AMX tile is 1.4-1.6x oneDNN at 1-16 rows, even at 64).

@@ -35,7 +35,8 @@ def cpu_has_native_fp16() -> bool:
 
 def panels_available(dtype: torch.dtype) -> bool:
     """Whether matmuls of `dtype` can run the project's panel kernel (kernels/csrc/dense_matmul.cpp): float32 with
-    AVX2 + FMA, bfloat16 with AVX512-BF16."""
+    AVX2 + FMA, bfloat16 in the AVX-512 tiers (`vdpbf16ps` with AVX512-BF16, widened to float32 multiply-adds
+    without)."""
     if dtype not in (torch.float32, torch.bfloat16) or (ops := cpu_ops.load()) is None \
             or not hasattr(ops, "dense_matmul"):
         return False
