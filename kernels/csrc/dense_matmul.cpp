@@ -5,10 +5,11 @@
 // the weights once at close to the memory bandwidth (oneDNN's prepacked matmul reached 10-13 GB/s of ~24 on the
 // 2-core AVX2 box at 1 row); larger tiles keep the multiply-adds busy.
 //
-// bfloat16 (AVX-512; see PairDot without AVX512-BF16): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k] and
-// w[n, k + 1] side by side, the pairs of 32 outputs in two 512-bit vectors). One `vdpbf16ps` adds x[r, k] * w[k] +
-// x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32); a tile is up to 6 rows x 64
-// outputs (two panels). The float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul. With AMX
+// bfloat16 (the AVX-512 tiers): panels of 32 outputs, inputs in pairs ([ceil(N / 32), ceil(K / 2), 32, 2]: w[n, k]
+// and w[n, k + 1] side by side, the pairs of 32 outputs in two 512-bit vectors). One `vdpbf16ps` adds x[r, k] * w[k] +
+// x[r, k + 1] * w[k + 1] into 16 float32 lanes (bfloat16 products are exact in float32; without AVX512-BF16 two
+// multiply-adds do, see PairDot); a tile is up to 6 rows (4 without AVX512-BF16) x 64 outputs (two panels). The
+// float32 sum is rounded to bfloat16 once, as torch rounds a bfloat16 matmul. With AMX
 // (inputs a multiple of 32) the same panels feed `tdpbf16ps` tiles of up to 16 rows instead, at every row count.
 //
 // Every (row, output) sums over k in order, in one register lane or tile element, whatever the tile: a row's result

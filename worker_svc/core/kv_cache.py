@@ -24,8 +24,7 @@ def attention_layers(cfg: ModelConfig) -> list[int]:
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return len(attention_layers(cfg)) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return len(attention_layers(cfg)) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def num_blocks_for_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
@@ -56,6 +55,5 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps `pages` alive
